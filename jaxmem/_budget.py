@@ -1,0 +1,106 @@
+"""Memory budgets: parse what a user writes into bytes.
+
+Accepted forms:
+
+* an ``int`` number of bytes (``3 * 2**30``);
+* a string with a unit: ``"3GiB"``, ``"512MB"``, ``"1.5 GB"``, ``"800 KiB"``,
+  ``"4096B"`` (binary units KiB/MiB/GiB/TiB are powers of 1024, decimal
+  KB/MB/GB/TB powers of 1000);
+* a fraction of the unconstrained footprint: ``"60%"`` or a float in (0, 1]
+  such as ``0.6``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+import re
+
+ACCEPTED = (
+    "an int number of bytes (e.g. 3221225472), a string with a unit "
+    "(e.g. '3GiB', '512MB', '1.5 GB'; units B, KB, MB, GB, TB, KiB, MiB, GiB, "
+    "TiB), or a fraction of the unconstrained footprint ('60%' or a float in "
+    "(0, 1], e.g. 0.6)")
+
+_UNITS = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+}
+_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*$")
+
+
+class BudgetError(ValueError):
+  """A budget that cannot be parsed, or that no plan can meet."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+  """A parsed budget: absolute bytes, or a fraction of the unconstrained step.
+
+  Example:
+    >>> Budget.parse("60%").resolve(1000)
+    600
+    >>> Budget.parse("1KiB").resolve(10**6)
+    1024
+  """
+  nbytes: int | None = None
+  fraction: float | None = None
+  text: str = ""
+
+  @classmethod
+  def parse(cls, budget) -> "Budget":
+    """Parses ``budget`` (see the module docstring for the accepted forms)."""
+    if isinstance(budget, Budget):
+      return budget
+    if isinstance(budget, bool) or budget is None:
+      raise _bad(budget)
+    if isinstance(budget, numbers.Integral):
+      if budget <= 0:
+        raise _bad(budget, "it must be positive")
+      return cls(nbytes=int(budget), text=format_bytes(int(budget)))
+    if isinstance(budget, numbers.Real):
+      value = float(budget)
+      if not 0.0 < value <= 1.0:
+        raise _bad(budget, "a float is a fraction and must lie in (0, 1]; "
+                   "pass an int for bytes")
+      return cls(fraction=value, text=f"{value:.0%}")
+    if isinstance(budget, str):
+      match = _PATTERN.match(budget)
+      if not match:
+        raise _bad(budget)
+      number, unit = float(match.group(1)), match.group(2).lower()
+      if unit == "%":
+        if not 0.0 < number <= 100.0:
+          raise _bad(budget, "a percentage must lie in (0, 100]")
+        return cls(fraction=number / 100.0, text=budget.strip())
+      if unit not in _UNITS:
+        raise _bad(budget, f"unknown unit {match.group(2)!r}")
+      nbytes = int(number * _UNITS[unit])
+      if nbytes <= 0:
+        raise _bad(budget, "it must be positive")
+      return cls(nbytes=nbytes, text=budget.strip())
+    raise _bad(budget)
+
+  def resolve(self, unconstrained_bytes: int) -> int:
+    """Bytes this budget allows, given the unconstrained footprint."""
+    if self.nbytes is not None:
+      return self.nbytes
+    return int(self.fraction * unconstrained_bytes)
+
+
+def _bad(budget, why: str = "") -> BudgetError:
+  why = f" ({why})" if why else ""
+  return BudgetError(
+      f"jaxmem: cannot read budget {budget!r} of type "
+      f"{type(budget).__name__}{why}. Expected {ACCEPTED}.")
+
+
+def format_bytes(nbytes: float) -> str:
+  """Formats bytes for people: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
+  value = float(nbytes)
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if abs(value) < 1024 or unit == "GiB":
+      return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"
+    value /= 1024
+  return f"{value:.2f} GiB"  # pragma: no cover

@@ -1,0 +1,65 @@
+"""Schedule -> Python function over flat arrays, ready for ``jax.jit``.
+
+The evaluation follows ``jax.core.eval_jaxpr``: one loop over the ops with an
+env dict, binding each equation's primitive with its params under its original
+name stack, so the rewritten program keeps readable names in HLO and profiles.
+"""
+
+from __future__ import annotations
+
+import jax
+from jax.extend import core as jex
+
+from jaxmem._rewrite import Schedule
+
+
+def _bind(node, args):
+  from jax._src import source_info_util
+  params = node.prim.get_bind_params(node.params)
+  subfuns, bind_params = params if isinstance(params, tuple) else ((), params)
+  with source_info_util.user_context(node.source_info.traceback,
+                                     name_stack=node.source_info.name_stack):
+    with node.ctx.manager:
+      out = node.prim.bind(*subfuns, *args, **bind_params)
+  return out if node.prim.multiple_results else [out]
+
+
+def emit(schedule: Schedule):
+  """Returns ``run(*flat_inputs) -> list of flat outputs`` for ``schedule``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem._plan import Plan
+    >>> from jaxmem._rewrite import build_schedule
+    >>> g = build_graph(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0))
+    >>> emit(build_schedule(g, Plan()))(0.0)
+    [Array(0., dtype=float32, weak_type=True)]
+  """
+  graph = schedule.graph
+  ops = schedule.ops
+  last_read: dict = {}
+  for pos, op in enumerate(ops):
+    for key in op.ins:
+      if not isinstance(key, jex.Literal):
+        last_read[key] = pos
+  keep = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
+
+  def run(*flat):
+    env = {(vid, 0): const for vid, const in graph.consts.items()}
+    env.update(zip(schedule.inputs, flat))
+    read = lambda k: k.val if isinstance(k, jex.Literal) else env[k]
+    for pos, op in enumerate(ops):
+      args = [read(k) for k in op.ins]
+      if op.node is None:
+        outs = jax.lax.optimization_barrier(args)
+      else:
+        outs = _bind(graph.nodes[op.node], args)
+      env.update(zip(op.outs, outs))
+      for key in op.ins:
+        if (not isinstance(key, jex.Literal) and last_read.get(key) == pos
+            and key not in keep):
+          env.pop(key, None)
+    return [read(k) for k in schedule.outputs]
+
+  return run

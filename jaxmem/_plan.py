@@ -1,0 +1,73 @@
+"""Plans: one decision per residual.
+
+A decision is a small frozen dataclass, in the manner of
+``jax.ad_checkpoint``'s policies. Residuals a plan does not mention are kept
+on the device. Later decision kinds (offload with a prefetch point, chunked
+vTensors) are new dataclasses that the rewrite dispatches on; the plan type
+itself does not change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Mapping
+
+
+class Decision:
+  """Base class of what happens to one residual between its uses."""
+  kind = "decision"
+
+
+@dataclasses.dataclass(frozen=True)
+class Keep(Decision):
+  """The residual stays in device memory from forward to backward."""
+  kind = "keep"
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute(Decision):
+  """The residual is freed after its last forward use and rebuilt, from kept
+  values, right before its first backward use."""
+  kind = "recompute"
+
+
+KEEP = Keep()
+RECOMPUTE = Recompute()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """An immutable map from residual value id to :class:`Decision`.
+
+  Example:
+    >>> plan = Plan().with_decision(7, RECOMPUTE)
+    >>> plan[7].kind, plan[3].kind
+    ('recompute', 'keep')
+  """
+  items: tuple = ()
+
+  @classmethod
+  def of(cls, decisions: Mapping[int, Decision]) -> "Plan":
+    return cls(tuple(sorted((k, v) for k, v in decisions.items()
+                            if not isinstance(v, Keep))))
+
+  def as_dict(self) -> dict[int, Decision]:
+    return dict(self.items)
+
+  def __getitem__(self, vid: int) -> Decision:
+    return self.as_dict().get(vid, KEEP)
+
+  def __iter__(self) -> Iterator[tuple[int, Decision]]:
+    return iter(self.items)
+
+  def __len__(self) -> int:
+    return len(self.items)
+
+  def with_decision(self, vid: int, decision: Decision) -> "Plan":
+    decisions = self.as_dict()
+    decisions[vid] = decision
+    return Plan.of(decisions)
+
+  def values_with(self, kind: str) -> frozenset[int]:
+    """Residual ids whose decision has ``kind`` (e.g. ``"recompute"``)."""
+    return frozenset(vid for vid, d in self.items if d.kind == kind)

@@ -1,0 +1,224 @@
+"""Planners: choose a decision per residual so the predicted peak fits.
+
+Every planner has the same small interface, ``plan(graph, target) ->
+PlanResult``, and is registered by name in :data:`PLANNERS` so the public
+transform and the benchmark CLI can select it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Protocol
+
+from jaxmem._graph import Graph, Residual
+from jaxmem._memory import MemoryProfile, simulate
+from jaxmem._plan import KEEP, RECOMPUTE, Plan
+from jaxmem._rewrite import Schedule, build_schedule
+
+
+@dataclasses.dataclass
+class PlanResult:
+  """A plan with the schedule and memory profile it produces.
+
+  Attributes:
+    plan: the decisions.
+    schedule: the rewritten step.
+    profile: the memory model's prediction for ``schedule``.
+    target: the peak the planner aimed at, in model bytes.
+    fits: whether ``profile.peak <= target``.
+    seconds: planning time.
+    steps: number of greedy choices made.
+  """
+  plan: Plan
+  schedule: Schedule
+  profile: MemoryProfile
+  target: int
+  fits: bool
+  seconds: float
+  steps: int
+
+  @property
+  def peak(self) -> int:
+    return self.profile.peak
+
+
+class Planner(Protocol):
+  """What every planner provides."""
+  name: str
+
+  def plan(self, graph: Graph, target: int) -> PlanResult:
+    ...
+
+
+def evaluate(graph: Graph, plan: Plan) -> tuple[Schedule, MemoryProfile]:
+  """Builds and simulates the schedule of ``plan``."""
+  schedule = build_schedule(graph, plan)
+  return schedule, simulate(schedule)
+
+
+def recomputable(graph: Graph) -> dict[int, Residual]:
+  """Residuals whose whole rebuild chain is pure and that are not outputs.
+
+  The chain of a residual runs back through forward intermediates to other
+  residuals and step inputs; any equation with effects on it rules it out.
+  """
+  ok = {}
+  for r in graph.residuals:
+    if r.value in graph.output_ids or not r.recomputable:
+      continue
+    stack, seen, pure = list(r.needs), set(), True
+    while stack and pure:
+      vid = stack.pop()
+      if vid in seen or not graph.is_forward_value(vid):
+        continue
+      seen.add(vid)
+      if vid in graph._by_value:
+        continue  # another residual: its own entry decides
+      node = graph.nodes[graph.values[vid].producer]
+      pure = not node.effects
+      stack.extend(a for a in node.ins if isinstance(a, int))
+    if pure:
+      ok[r.value] = r
+  return ok
+
+
+@dataclasses.dataclass
+class RecomputeGreedy:
+  """Recompute-only planner (Libra's memory-reduction estimation, greedy).
+
+  Each step looks at the current peak, takes the kept residuals that are live
+  there and not read again until the backward pass, ranks them by bytes per
+  FLOP of their rebuild chain, simulates the best ``evaluations`` of them
+  exactly (a chain can add a new peak in the backward pass; the peak can
+  move), and drops the one that lowers the peak most per added FLOP. When a
+  recompute segment has itself become the peak, keeping one of its residuals
+  again is tried as well (Libra's greedy refinement). It stops
+  when the peak fits ``target`` or nothing lowers it further; the result is
+  then the lowest peak reached.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem._graph import build_graph
+    >>> def step(w, x):
+    ...   f = lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w))
+    ...   return jax.grad(f)(w)
+    >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((64, 64)), jnp.ones((512, 64))))
+    >>> result = RecomputeGreedy().plan(g, target=0)
+    >>> result.peak < evaluate(g, Plan())[1].peak
+    True
+  """
+  name: str = "recompute"
+  evaluations: int = 6
+
+  def plan(self, graph: Graph, target: int) -> PlanResult:
+    start = time.perf_counter()
+    candidates = recomputable(graph)
+    plan = Plan()
+    schedule, profile = evaluate(graph, plan)
+    best = (profile.peak, plan, schedule, profile)
+    steps = 0
+    while profile.peak > target:
+      ranked = self._rank(graph, plan, profile, candidates)
+      base = (profile.peak, profile.excess(target), schedule.recompute_flops)
+      choice = None
+      moves = [(r, RECOMPUTE) for r in ranked[:self.evaluations]]
+      moves += [([r], KEEP) for r in self._undo(graph, plan, profile)]
+      for group, decision in moves:
+        trial = plan
+        for r in group:
+          trial = trial.with_decision(r.value, decision)
+        t_schedule, t_profile = evaluate(graph, trial)
+        gain_peak = base[0] - t_profile.peak
+        gain_excess = base[1] - t_profile.excess(target)
+        cost = max(t_schedule.recompute_flops - base[2], 0.0) + 1.0
+        # Lower peak first; at a plateau, less time above the target.
+        score = (gain_peak / cost if gain_peak > 0 else 0.0,
+                 gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
+        if score > (0.0, 0.0) and (choice is None or score > choice[0]):
+          choice = (score, trial, t_schedule, t_profile)
+      if choice is None:
+        break
+      _, plan, schedule, profile = choice
+      steps += 1
+      if profile.peak < best[0]:
+        best = (profile.peak, plan, schedule, profile)
+    peak, plan, schedule, profile = best
+    return PlanResult(plan, schedule, profile, target, peak <= target,
+                      time.perf_counter() - start, steps)
+
+  def _undo(self, graph, plan, profile) -> list[Residual]:
+    """Dropped residuals whose rebuilt copy is live at the peak.
+
+    Keeping one again splits a recompute segment that became the peak.
+    """
+    dropped = plan.values_with("recompute")
+    live = [k for k in profile.live_at_peak if k[1] > 0 and k[0] in dropped]
+    live.sort(key=lambda k: -graph.values[k[0]].nbytes)
+    return [graph.residual(k[0]) for k in live[:self.evaluations]]
+
+  @staticmethod
+  def _rank(graph, plan, profile, candidates) -> list[list[Residual]]:
+    """Candidate groups, best bytes-per-FLOP first.
+
+    A group is a residual plus the kept residuals fused onto its buffer
+    (``1 - tanh(x)**2`` read in the backward pass keeps ``tanh(x)`` alive
+    there): dropping one without the others frees nothing.
+    """
+    dropped = plan.values_with("recompute")
+    live = set(profile.live_at_peak)
+    riders: dict = {}
+    for key, bufs in profile.fused_reads.items():
+      if key[1] == 0 and key[0] in candidates and key[0] not in dropped:
+        for buf in bufs:
+          riders.setdefault(buf, []).append(candidates[key[0]])
+    ops = profile.schedule.ops
+    ranked = []
+    for vid, r in candidates.items():
+      key = (vid, 0)
+      if vid in dropped or profile.root.get(key, key) not in live:
+        continue
+      reads = profile.reads.get(profile.root.get(key, key), [])
+      later = [p for p in reads if p > profile.peak_op]
+      if any(ops[p].kind == "node" and not graph.nodes[ops[p].node].backward
+             for p in later):
+        continue  # still read by the forward pass after the peak
+      group = [r] + riders.get(profile.root.get(key, key), [])
+      flops = sum(_chain_flops(graph, g.value, dropped) for g in group)
+      ranked.append((r.nbytes / (flops + 1.0), group))
+    ranked.sort(key=lambda item: -item[0])
+    return [group for _, group in ranked]
+
+
+def _chain_flops(graph: Graph, vid: int, dropped) -> float:
+  """FLOPs to rebuild ``vid`` from kept values (rough; for ranking only)."""
+  total, stack, seen = 0.0, [vid], set()
+  while stack:
+    v = stack.pop()
+    if v in seen or not graph.is_forward_value(v):
+      continue
+    seen.add(v)
+    if v != vid and v in graph._by_value and v not in dropped:
+      continue  # a kept residual
+    node = graph.nodes[graph.values[v].producer]
+    total += node.flops
+    stack.extend(a for a in node.ins if isinstance(a, int))
+  return total
+
+
+PLANNERS: dict[str, Callable[[], Planner]] = {"recompute": RecomputeGreedy}
+
+
+def get_planner(planner) -> Planner:
+  """Returns a planner from a name in :data:`PLANNERS` or a planner object."""
+  if isinstance(planner, str):
+    if planner not in PLANNERS:
+      raise ValueError(
+          f"jaxmem: unknown planner {planner!r}; expected one of "
+          f"{sorted(PLANNERS)} or an object with .plan(graph, target).")
+    return PLANNERS[planner]()
+  if not hasattr(planner, "plan"):
+    raise TypeError(
+        f"jaxmem: planner must be a name in {sorted(PLANNERS)} or an object "
+        f"with .plan(graph, target); got {type(planner).__name__}.")
+  return planner
