@@ -42,6 +42,7 @@ class Node:
   effects: Any
   source_info: Any
   ctx: Any
+  update: bool = False  # a backward-part node outside the transposed AD
 
   @property
   def readable(self) -> str:
@@ -229,6 +230,7 @@ def build_graph(closed_jaxpr) -> Graph:
     # Everything after the first transpose equation is backward (optimizer
     # included), even where a name stack says otherwise.
     for node in nodes[backward_start:]:
+      node.update = not node.backward  # optimizer / bookkeeping, not AD
       node.backward = True
     for node in nodes[:backward_start]:
       for vid in node.outs:

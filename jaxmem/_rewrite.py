@@ -90,9 +90,24 @@ class _Rewriter:
     # pure forward intermediate would keep it alive and save nothing.
     return vid in self.graph._by_value and vid not in self.dropped
 
+  def order(self) -> list:
+    """Graph nodes in emission order: optimizer-update nodes move up to just
+    after their last input is made, so each gradient is consumed (and freed)
+    as soon as it exists instead of waiting for the whole backward pass."""
+    graph = self.graph
+    slot: dict[int, int] = {}
+    for node in graph.nodes:
+      if node.update:
+        producers = [graph.values[a].producer for a in node.ins
+                     if isinstance(a, int) and graph.values[a].producer is not None]
+        slot[node.index] = max((slot[p] for p in producers), default=node.index)
+      else:
+        slot[node.index] = node.index
+    return sorted(graph.nodes, key=lambda n: (slot[n.index], n.index))
+
   def run(self) -> Schedule:
     graph = self.graph
-    for node in graph.nodes:
+    for node in self.order():
       if node.backward:
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache]

@@ -1,0 +1,34 @@
+"""Readable reports: residual tables and plan summaries."""
+
+from __future__ import annotations
+
+from jaxmem._budget import format_bytes
+from jaxmem._graph import Graph
+
+
+def _table(header: list[str], rows: list[list[str]]) -> str:
+  widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
+  line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+  return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def residual_table(graph: Graph, top: int | None = 30, decisions=None) -> str:
+  """Residuals sorted by size, like ``jax.ad_checkpoint.print_saved_residuals``
+  but with bytes, lifetimes (forward position -> backward uses) and layers."""
+  residuals = sorted(graph.residuals, key=lambda r: -r.nbytes)
+  total = sum(r.nbytes for r in residuals)
+  shown = residuals if top is None else residuals[:top]
+  rows = []
+  for r in shown:
+    row = [format_bytes(r.nbytes), f"{r.dtype}{list(r.shape)}",
+           f"{r.produced_at}->{r.first_backward_use}..{r.last_backward_use}",
+           f"{r.recompute_flops:.3g}", r.name[:70]]
+    if decisions is not None:
+      row.insert(0, decisions.get(r.value, "keep"))
+    rows.append(row)
+  header = ["bytes", "array", "made->used", "flops", "name"]
+  if decisions is not None:
+    header.insert(0, "decision")
+  more = f"\n... and {len(residuals) - len(shown)} smaller" if len(shown) < len(residuals) else ""
+  return (f"{len(residuals)} residuals, {format_bytes(total)} in all\n"
+          + _table(header, rows) + more)

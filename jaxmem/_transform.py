@@ -1,0 +1,314 @@
+"""The public transform: plan, rewrite and compile a training step."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from typing import Any, Callable
+
+import jax
+from jax.extend import core as jex
+
+from jaxmem import _flags
+from jaxmem._budget import Budget, BudgetError, format_bytes
+from jaxmem._emit import emit
+from jaxmem._graph import Graph, build_graph, trace
+from jaxmem._memory import MemoryProfile, simulate
+from jaxmem._plan import Plan
+from jaxmem._planners import PlanResult, evaluate, get_planner
+from jaxmem._report import residual_table
+
+
+def xla_footprint(compiled) -> int | None:
+  """Device bytes of a compiled step: temp + arguments + outputs - aliases.
+
+  This is how DESIGN.md fact 4 reads ``Compiled.memory_analysis()``; on CPU
+  its ``peak_memory_in_bytes`` leaves temporaries out. Returns None where the
+  backend gives no analysis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> c = jax.jit(lambda x: x * 2).lower(jnp.ones(256)).compile()
+    >>> xla_footprint(c)
+    2048
+  """
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
+             + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+@dataclasses.dataclass
+class StepPlan:
+  """Everything jaxmem decided for one argument signature.
+
+  Attributes:
+    graph: the analyzed joint graph.
+    result: the planner's result (plan, schedule, memory profile).
+    budget: the budget in bytes.
+    unconstrained: XLA's footprint of the untransformed step.
+    unconstrained_model: the memory model's footprint of the untransformed step.
+    footprint: XLA's footprint of the transformed step (None if unavailable).
+    added_flops: FLOPs the recomputation adds per step.
+    base_flops: FLOPs of the untransformed step (jaxmem's rule table).
+    attempts: planning rounds (the model target tightens when XLA disagrees).
+    seconds: planning time, compilation included.
+  """
+  graph: Graph
+  result: PlanResult
+  budget: int
+  unconstrained: int
+  unconstrained_model: int
+  footprint: int | None
+  added_flops: float
+  base_flops: float
+  attempts: int
+  seconds: float
+  jitted: Any = dataclasses.field(repr=False, default=None)
+
+  @property
+  def plan(self) -> Plan:
+    return self.result.plan
+
+  @property
+  def profile(self) -> MemoryProfile:
+    return self.result.profile
+
+  def report(self, top: int | None = 20) -> str:
+    """A readable summary of the budget, the plan and the residuals."""
+    p = self.result.profile
+    decisions = {vid: d.kind for vid, d in self.plan}
+    fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
+    lines = [
+        f"budget            {format_bytes(self.budget)}",
+        f"unconstrained     {format_bytes(self.unconstrained)} (XLA), "
+        f"{format_bytes(self.unconstrained_model)} (model)",
+        f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
+        f"peak at           {p.peak_name}",
+        f"decisions         {len(self.plan)} of {len(self.graph.residuals)} "
+        f"residuals changed ({sum(1 for _ in self.plan)} recomputed)",
+        f"added FLOPs       {self.added_flops:.3g} "
+        f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
+        f"planning time     {self.seconds:.2f} s ({self.attempts} round(s))",
+        "",
+        residual_table(self.graph, top=top, decisions=decisions),
+    ]
+    return "\n".join(lines)
+
+
+def _signature(args, kwargs, static_argnums, static_argnames):
+  dyn_args = tuple(a for i, a in enumerate(args) if i not in static_argnums)
+  dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
+  statics = (tuple(args[i] for i in static_argnums if i < len(args)),
+             tuple(sorted((k, kwargs[k]) for k in static_argnames if k in kwargs)))
+  leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+  key = (statics, tree, tuple(jax.typeof(x) for x in leaves))
+  return key, dyn_args, dyn_kwargs, leaves
+
+
+class Transformed:
+  """A training step fitted to a memory budget; made by :func:`transform`.
+
+  Call it like the step. ``.lower(*args)`` gives ``jax.jit``'s AOT stages
+  (``.compile().memory_analysis()``), ``.plan(*args)`` the :class:`StepPlan`
+  and ``.report(*args)`` a readable summary, for the given arguments' shapes.
+  """
+
+  def __init__(self, fun, budget, planner, static_argnums, static_argnames,
+               jit_kwargs, max_rounds):
+    self.fun = fun
+    self.budget = Budget.parse(budget)
+    self.planner = get_planner(planner)
+    self.static_argnums = tuple(static_argnums)
+    self.static_argnames = tuple(static_argnames)
+    self.jit_kwargs = jit_kwargs
+    self.max_rounds = max_rounds
+    self._plans: dict = {}
+    try:
+      self.__wrapped__ = fun
+      self.__name__ = getattr(fun, "__name__", "step")
+      self.__doc__ = getattr(fun, "__doc__", None)
+    except AttributeError:  # pragma: no cover
+      pass
+
+  def __call__(self, *args, **kwargs):
+    return self.plan(*args, **kwargs).jitted(*args, **kwargs)
+
+  def lower(self, *args, **kwargs):
+    """``jax.jit``'s ``lower`` for the transformed step."""
+    return self.plan(*args, **kwargs).jitted.lower(*args, **kwargs)
+
+  def report(self, *args, **kwargs) -> str:
+    return self.plan(*args, **kwargs).report()
+
+  def plan(self, *args, **kwargs) -> StepPlan:
+    """Plans (once per shapes, dtypes and static values) and returns the plan."""
+    key, dyn_args, dyn_kwargs, leaves = _signature(
+        args, kwargs, self.static_argnums, self.static_argnames)
+    if key not in self._plans:
+      self._plans[key] = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves)
+    return self._plans[key]
+
+  def _bound(self, args, kwargs):
+    """The step with its static arguments bound, over dynamic ones only."""
+    statics = {i: args[i] for i in self.static_argnums if i < len(args)}
+    static_kw = {k: kwargs[k] for k in self.static_argnames if k in kwargs}
+    n = len(args)
+
+    def bound(*dyn_args, **dyn_kwargs):
+      it = iter(dyn_args)
+      full = [statics[i] if i in statics else next(it) for i in range(n)]
+      return self.fun(*full, **dyn_kwargs, **static_kw)
+
+    return bound
+
+  def _build(self, args, kwargs, dyn_args, dyn_kwargs, leaves) -> StepPlan:
+    start = time.perf_counter()
+    _flags.enable_cpu_remat()
+    closed, in_tree, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
+    graph = build_graph(closed)
+    baseline = jax.jit(jex.jaxpr_as_fun(closed)).lower(*leaves).compile()
+    unconstrained = xla_footprint(baseline)
+    _, base_profile = evaluate(graph, Plan())
+    if unconstrained is None:
+      unconstrained = base_profile.peak
+    budget = self.budget.resolve(unconstrained)
+    base_flops = sum(n.flops for n in graph.nodes)
+    if not graph.has_backward:
+      warnings.warn(
+          "jaxmem: the step has no backward pass (no transposed equations in "
+          "its jaxpr), so there are no residuals to recompute or offload; it "
+          "is compiled unchanged.", stacklevel=3)
+    # The model and XLA disagree by a few percent; aim the model at the budget
+    # scaled by their ratio on the untransformed step, and tighten if XLA's
+    # number for the planned step still exceeds the budget.
+    scale = base_profile.peak / unconstrained
+    attempts = 0
+    while True:
+      attempts += 1
+      target = int(budget * scale)
+      if graph.has_backward and budget < unconstrained and base_profile.peak > target:
+        result = self.planner.plan(graph, target)
+      else:
+        schedule, profile = evaluate(graph, Plan())
+        result = PlanResult(Plan(), schedule, profile, target,
+                            profile.peak <= target, 0.0, 0)
+      jitted = self._jit(result, in_tree, out_tree)
+      footprint = xla_footprint(jitted.lower(*args, **kwargs).compile())
+      measured = result.peak if footprint is None else footprint
+      if measured <= budget:
+        break
+      if not result.fits or attempts >= self.max_rounds:
+        self._raise_infeasible(graph, budget, unconstrained, measured,
+                               result, in_tree, out_tree, args, kwargs)
+      scale *= budget / measured * 0.99
+    return StepPlan(graph, result, budget, unconstrained, base_profile.peak,
+                    footprint, result.schedule.recompute_flops, base_flops,
+                    attempts, time.perf_counter() - start, jitted)
+
+  def _raise_infeasible(self, graph, budget, unconstrained, measured, result,
+                        in_tree, out_tree, args, kwargs):
+    smallest = measured
+    if graph.has_backward:
+      lowest = self.planner.plan(graph, 0)
+      footprint = xla_footprint(self._jit(lowest, in_tree, out_tree)
+                                .lower(*args, **kwargs).compile())
+      smallest = min(smallest, lowest.peak if footprint is None else footprint)
+    raise BudgetError(
+        f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
+        f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
+        f"by planner {self.planner.name!r}: the smallest footprint it reaches "
+        f"for this step is {format_bytes(smallest)} ({smallest} bytes, "
+        f"{smallest / unconstrained:.0%}). Pass budget >= {smallest} bytes, "
+        "or shrink the batch.")
+
+  def _jit(self, result: PlanResult, in_tree, out_tree):
+    run_flat = emit(result.schedule)
+    statics, static_names = self.static_argnums, self.static_argnames
+
+    def run(*args, **kwargs):
+      dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
+      dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
+      leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+      return jax.tree_util.tree_unflatten(out_tree, run_flat(*leaves))
+
+    return jax.jit(run, static_argnums=statics, static_argnames=static_names,
+                   **self.jit_kwargs)
+
+
+def transform(fun: Callable, budget, *, planner="recompute",
+              static_argnums=(), static_argnames=(), max_rounds: int = 4,
+              **jit_kwargs) -> Transformed:
+  """Fits a training step into a device-memory budget.
+
+  The step (forward, backward and optimizer update in one function) is traced
+  once per argument signature; its residuals are planned so that the
+  compiled footprint stays within ``budget``, the joint jaxpr is rewritten
+  with the plan and compiled with ``jax.jit``. The result computes the same
+  numbers as ``fun``.
+
+  Args:
+    fun: the training step.
+    budget: bytes (int), a string with a unit (``"3GiB"``, ``"512MB"``) or a
+      fraction of the unconstrained footprint (``"60%"``, ``0.6``).
+    planner: a name from ``jaxmem.PLANNERS`` or a planner object.
+    static_argnums, static_argnames: as for ``jax.jit``.
+    max_rounds: how often to re-plan with a tighter model target when XLA's
+      footprint exceeds the budget.
+    **jit_kwargs: passed to ``jax.jit`` (``donate_argnums``, ...).
+
+  Returns:
+    A :class:`Transformed` callable.
+
+  Raises:
+    BudgetError: for a budget that cannot be read or cannot be met (the
+      message names the smallest footprint reached).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxmem
+    >>> def step(w, x):
+    ...   g = jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)))(w)
+    ...   return w - 0.1 * g
+    >>> fitted = jaxmem.transform(step, budget="90%")
+    >>> w, x = jnp.eye(64), jnp.ones((256, 64))
+    >>> bool(jnp.allclose(fitted(w, x), jax.jit(step)(w, x), atol=1e-6))
+    True
+  """
+  return Transformed(fun, budget, planner, static_argnums, static_argnames,
+                     jit_kwargs, max_rounds)
+
+
+@dataclasses.dataclass
+class Analysis:
+  """What :func:`analyze` finds in a step."""
+  graph: Graph
+  profile: MemoryProfile
+
+  @property
+  def residuals(self):
+    return self.graph.residuals
+
+  @property
+  def peak(self) -> int:
+    return self.profile.peak
+
+  def report(self, top: int | None = 30) -> str:
+    return (f"predicted footprint {format_bytes(self.peak)} at "
+            f"{self.profile.peak_name}\n" + residual_table(self.graph, top=top))
+
+
+def analyze(fun: Callable, *args, **kwargs) -> Analysis:
+  """Traces a step and lists its residuals with sizes, lifetimes and layers.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, jaxmem
+    >>> step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+    >>> a = jaxmem.analyze(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
+    >>> [r.primitive for r in a.residuals]
+    ['tanh']
+  """
+  closed, _, _ = trace(fun, *args, **kwargs)
+  graph = build_graph(closed)
+  return Analysis(graph, evaluate(graph, Plan())[1])
