@@ -4,7 +4,10 @@ The footprint is counted the way XLA reports one (temp + arguments + outputs
 - aliases): step inputs, constants and outputs are live throughout, every
 other buffer from its producing op to its last reader. Two refinements bring the walk close to XLA's buffer assignment:
 
-* outputs are live for the whole step (XLA allocates them up front);
+* outputs are live for the whole step (XLA allocates them up front), and
+  until an output is written a temporary of the same size may use its
+  buffer (XLA's buffer assignment does this; it matters for optimizer
+  states, whose outputs have the shapes of parameters);
 * views (``reshape``, ``squeeze``, ``expand_dims``, ``optimization_barrier``)
   share their input's buffer;
 * an elementwise value read once, by an elementwise op or a reduction, is
@@ -163,20 +166,39 @@ def simulate(schedule: Schedule) -> MemoryProfile:
   for pos in owned_by:
     owned_by[pos] = [k for k in owned_by[pos] if k not in pinned]
 
+  # Until an output is written, XLA may place a temporary of the same size in
+  # its buffer: slot -> position where the output is made, busy-until.
+  slots = [[producer_of.get(b, -1), nbytes(b), -1]
+           for b in {root.get(k, k) for k in outputs} if b not in inputs]
+  last_read = {k: pos for pos, keys in free_at.items() for k in keys}
+
+  def place_in_output_slot(key, pos) -> bool:
+    end = last_read.get(key)
+    if end is None:
+      return False
+    for slot in slots:
+      if slot[1] == nbytes(key) and slot[2] < pos and end < slot[0]:
+        slot[2] = end
+        return True
+    return False
+
   live = arguments + out_bytes
   live_set: set = set()
   peak, peak_op, live_at_peak = live, 0, []
   timeline = []
   for pos in range(len(ops)):
     for key in owned_by.get(pos, ()):
+      if place_in_output_slot(key, pos):
+        continue
       live += nbytes(key)
       live_set.add(key)
     timeline.append(live)
     if live > peak:
       peak, peak_op, live_at_peak = live, pos, list(live_set)
     for key in free_at.get(pos, ()):
-      live -= nbytes(key)
-      live_set.discard(key)
+      if key in live_set:
+        live -= nbytes(key)
+        live_set.discard(key)
   return MemoryProfile(schedule, peak, peak_op, arguments, timeline,
                        live_at_peak, reads, root,
                        {k: reads_of(k) for k in fused})

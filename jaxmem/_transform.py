@@ -183,9 +183,11 @@ class Transformed:
           "is compiled unchanged.", stacklevel=3)
     # The model and XLA disagree by a few percent; aim the model at the budget
     # scaled by their ratio on the untransformed step, and tighten if XLA's
-    # number for the planned step still exceeds the budget.
+    # number for the planned step still exceeds the budget. Last resort: the
+    # planner's lowest plan, which is what an infeasible budget's error names.
     scale = base_profile.peak / unconstrained
     attempts = 0
+    lowest = None
     while True:
       attempts += 1
       target = int(budget * scale)
@@ -195,36 +197,45 @@ class Transformed:
         schedule, profile = evaluate(graph, Plan())
         result = PlanResult(Plan(), schedule, profile, target,
                             profile.peak <= target, 0.0, 0)
-      jitted = self._jit(result, in_tree, out_tree)
-      footprint = xla_footprint(jitted.lower(*args, **kwargs).compile())
-      measured = result.peak if footprint is None else footprint
-      if measured <= budget:
+      jitted, footprint = self._compile(result, out_tree, args, kwargs)
+      if footprint <= budget:
         break
-      if not result.fits or attempts >= self.max_rounds:
-        self._raise_infeasible(graph, budget, unconstrained, measured,
-                               result, in_tree, out_tree, args, kwargs)
-      scale *= budget / measured * 0.99
+      if result.fits and attempts < self.max_rounds:
+        scale *= budget / footprint * 0.99
+        continue
+      lowest = self._lowest(graph, out_tree, args, kwargs) if lowest is None else lowest
+      result, jitted, footprint = lowest
+      if footprint <= budget:
+        break
+      raise BudgetError(
+          f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
+          f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
+          f"by planner {self.planner.name!r}: the smallest footprint it reaches "
+          f"for this step is {format_bytes(footprint)} ({footprint} bytes, "
+          f"{footprint / unconstrained:.0%}). Pass budget >= {footprint} bytes, "
+          "or shrink the batch.")
+    footprint = footprint if self._has_analysis else None
     return StepPlan(graph, result, budget, unconstrained, base_profile.peak,
                     footprint, result.schedule.recompute_flops, base_flops,
                     attempts, time.perf_counter() - start, jitted)
 
-  def _raise_infeasible(self, graph, budget, unconstrained, measured, result,
-                        in_tree, out_tree, args, kwargs):
-    smallest = measured
-    if graph.has_backward:
-      lowest = self.planner.plan(graph, 0)
-      footprint = xla_footprint(self._jit(lowest, in_tree, out_tree)
-                                .lower(*args, **kwargs).compile())
-      smallest = min(smallest, lowest.peak if footprint is None else footprint)
-    raise BudgetError(
-        f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
-        f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
-        f"by planner {self.planner.name!r}: the smallest footprint it reaches "
-        f"for this step is {format_bytes(smallest)} ({smallest} bytes, "
-        f"{smallest / unconstrained:.0%}). Pass budget >= {smallest} bytes, "
-        "or shrink the batch.")
+  def _compile(self, result, out_tree, args, kwargs):
+    """Jits ``result``'s schedule; returns it with XLA's footprint (or the
+    model's where the backend gives no memory analysis)."""
+    jitted = self._jit(result, out_tree)
+    footprint = xla_footprint(jitted.lower(*args, **kwargs).compile())
+    self._has_analysis = footprint is not None
+    return jitted, result.peak if footprint is None else footprint
 
-  def _jit(self, result: PlanResult, in_tree, out_tree):
+  def _lowest(self, graph, out_tree, args, kwargs):
+    """The planner's lowest-peak plan, compiled: (result, jitted, footprint)."""
+    if not graph.has_backward:
+      result = PlanResult(Plan(), *evaluate(graph, Plan()), 0, False, 0.0, 0)
+    else:
+      result = self.planner.plan(graph, 0)
+    return (result, *self._compile(result, out_tree, args, kwargs))
+
+  def _jit(self, result: PlanResult, out_tree):
     run_flat = emit(result.schedule)
     statics, static_names = self.static_argnums, self.static_argnames
 

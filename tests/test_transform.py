@@ -1,0 +1,159 @@
+"""transform(): same numbers as the untransformed step, footprint within budget."""
+
+import flax.nnx as nnx
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxmem
+import models
+from tests.helpers import assert_trees_close
+
+SMALL = {
+    "mlp": dict(depth=16, width=64, batch=128, features=32),
+    "cnn": dict(widths=(8, 16), batch=4, size=16),
+    "transformer": dict(depth=2, dim=32, heads=2, seq=32, batch=4, vocab=64),
+}
+
+
+def run_steps(step, state, batch, n=3):
+  outs = []
+  for _ in range(n):
+    state, loss = step(state, batch)
+    outs.append((state, loss))
+  return outs
+
+
+def check_fits_and_matches(step, args, budget, steps=3):
+  """Transforms ``step`` and checks footprint and numbers; returns the plan."""
+  fitted = jaxmem.transform(step, budget=budget)
+  plan = fitted.plan(*args)
+  compiled = fitted.lower(*args).compile()
+  footprint = jaxmem.xla_footprint(compiled)
+  assert footprint == plan.footprint
+  assert footprint <= plan.budget, (footprint, plan.budget)
+  state, batch = args
+  want = run_steps(jax.jit(step), state, batch, steps)
+  got = run_steps(fitted, state, batch, steps)
+  assert_trees_close(got, want)
+  return plan
+
+
+@pytest.fixture(scope="module", params=sorted(SMALL))
+def task(request):
+  task = models.get(request.param, **SMALL[request.param])
+  return task, task.init()
+
+
+@pytest.mark.parametrize("budget", ["100%", "70%", pytest.param("50%", marks=pytest.mark.slow)])
+def test_budget_is_met_or_refused_with_the_smallest(task, budget):
+  task, args = task
+  try:
+    plan = check_fits_and_matches(task.step, args, budget)
+  except jaxmem.BudgetError as err:
+    smallest = int(str(err).split("Pass budget >= ")[1].split(" ")[0])
+    fraction = float(budget.rstrip("%")) / 100
+    unconstrained = jaxmem.xla_footprint(jax.jit(task.step).lower(*args).compile())
+    assert smallest > int(fraction * unconstrained)
+    check_fits_and_matches(task.step, args, smallest)
+  else:
+    if budget != "100%":
+      assert len(plan.plan) > 0
+
+
+def test_smallest_feasible_budget_fits_and_matches(task):
+  task, args = task
+  fitted = jaxmem.transform(task.step, budget=1)
+  with pytest.raises(jaxmem.BudgetError, match="smallest footprint it reaches") as info:
+    fitted.plan(*args)
+  smallest = int(str(info.value).split("Pass budget >= ")[1].split(" ")[0])
+  plan = check_fits_and_matches(task.step, args, smallest)
+  assert plan.footprint < plan.unconstrained
+
+
+def test_memory_model_tracks_xla_on_a_residual_mlp():
+  """Model within 10% of XLA's footprint, unconstrained and planned."""
+  w = [jnp.eye(128) * 0.01 + 0.001 * i for i in range(16)]
+  x = jnp.ones((256, 128))
+
+  def step(params, x):
+    def loss(params):
+      h = x
+      for p in params:
+        h = h + jnp.tanh(h @ p)
+      return jnp.sum(h ** 2)
+    l, g = jax.value_and_grad(loss)(params)
+    return [p - 0.1 * gi for p, gi in zip(params, g)], l
+
+  for budget in ["100%", "70%"]:
+    plan = check_fits_and_matches(step, (w, x), budget, steps=1)
+    assert abs(plan.unconstrained_model - plan.unconstrained) <= 0.1 * plan.unconstrained
+    assert abs(plan.profile.peak - plan.footprint) <= 0.1 * plan.footprint
+
+
+def test_random_ops_recompute_from_the_same_key():
+  task = models.get("transformer", **SMALL["transformer"])
+  args = task.init()
+  plan = check_fits_and_matches(task.step, args, "80%")
+  assert len(plan.plan) > 0
+
+
+def test_nnx_step():
+  class Net(nnx.Module):
+    def __init__(self, rngs):
+      self.layers = [nnx.Linear(32, 32, rngs=rngs) for _ in range(8)]
+
+    def __call__(self, x):
+      for layer in self.layers:
+        x = x + jnp.tanh(layer(x))
+      return x
+
+  model = Net(nnx.Rngs(0))
+  graphdef, params = nnx.split(model)
+  tx = optax.sgd(0.1)
+  opt = tx.init(params)
+
+  def step(state, x):
+    params, opt = state
+    def loss(p):
+      return jnp.mean(nnx.merge(graphdef, p)(x) ** 2)
+    l, g = jax.value_and_grad(loss)(params)
+    upd, opt = tx.update(g, opt, params)
+    return (optax.apply_updates(params, upd), opt), l
+
+  check_fits_and_matches(step, ((params, opt), jnp.ones((256, 32))), "75%")
+
+
+def test_plain_jax_step_with_static_and_donated_args():
+  def step(w, x, scale):
+    g = jax.grad(lambda w: jnp.sum(jnp.sin(jnp.sin(x @ w) @ w) * scale))(w)
+    return w - 0.1 * g
+
+  w, x = jnp.eye(64) * 0.5, jnp.ones((512, 64))
+  want = jax.jit(step, static_argnums=2)(w, x, 2.0)
+  fitted = jaxmem.transform(step, budget="80%", static_argnums=2, donate_argnums=0)
+  plan = fitted.plan(w, x, 2.0)
+  assert plan.footprint <= plan.budget
+  got = fitted(jnp.array(w), x, 2.0)
+  assert_trees_close(got, want)
+  assert fitted.lower(w, x, 2.0).compile().memory_analysis() is not None
+
+
+def test_step_without_backward_pass_is_returned_unchanged():
+  step = lambda x: jnp.sin(x) * 2
+  fitted = jaxmem.transform(step, budget="50%")
+  with pytest.warns(UserWarning, match="no backward pass"):
+    with pytest.raises(jaxmem.BudgetError, match="smallest footprint"):
+      fitted(jnp.ones(1024))
+  fitted = jaxmem.transform(step, budget="100%")
+  with pytest.warns(UserWarning, match="no backward pass"):
+    assert_trees_close(fitted(jnp.ones(8)), step(jnp.ones(8)))
+
+
+def test_user_state_is_not_mutated():
+  task = models.get("mlp", **SMALL["mlp"])
+  state, batch = task.init()
+  before = jax.tree.map(lambda x: x.copy(), state)
+  jaxmem.transform(task.step, budget="70%")(state, batch)
+  assert_trees_close(state, before)
