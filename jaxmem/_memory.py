@@ -168,17 +168,19 @@ def simulate(schedule: Schedule) -> MemoryProfile:
 
   # Until an output is written, XLA may place a temporary of the same size in
   # its buffer: slot -> position where the output is made, busy-until.
-  slots = [[producer_of.get(b, -1), nbytes(b), -1]
-           for b in {root.get(k, k) for k in outputs} if b not in inputs]
+  slots: dict[int, list] = {}
+  for b in {root.get(k, k) for k in outputs}:
+    if b not in inputs:
+      slots.setdefault(nbytes(b), []).append([producer_of.get(b, -1), -1])
   last_read = {k: pos for pos, keys in free_at.items() for k in keys}
 
   def place_in_output_slot(key, pos) -> bool:
     end = last_read.get(key)
     if end is None:
       return False
-    for slot in slots:
-      if slot[1] == nbytes(key) and slot[2] < pos and end < slot[0]:
-        slot[2] = end
+    for slot in slots.get(nbytes(key), ()):
+      if slot[1] < pos and end < slot[0]:
+        slot[1] = end
         return True
     return False
 

@@ -109,7 +109,7 @@ class RecomputeGreedy:
     True
   """
   name: str = "recompute"
-  evaluations: int = 6
+  evaluations: int = 4
 
   def plan(self, graph: Graph, target: int) -> PlanResult:
     start = time.perf_counter()
@@ -155,7 +155,7 @@ class RecomputeGreedy:
     dropped = plan.values_with("recompute")
     live = [k for k in profile.live_at_peak if k[1] > 0 and k[0] in dropped]
     live.sort(key=lambda k: -graph.values[k[0]].nbytes)
-    return [graph.residual(k[0]) for k in live[:self.evaluations]]
+    return [graph.residual(k[0]) for k in live[:max(1, self.evaluations // 2)]]
 
   @staticmethod
   def _rank(graph, plan, profile, candidates) -> list[list[Residual]]:
