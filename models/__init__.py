@@ -126,7 +126,7 @@ class Transformer(nn.Module):
     return nn.Dense(self.vocab)(nn.LayerNorm()(x))
 
 
-def _mlp(depth=16, width=256, batch=256, features=64):
+def _mlp(depth=16, width=128, batch=2048, features=64):
   def make_batch(key):
     kx, ky = jax.random.split(key)
     return {"x": jax.random.normal(kx, (batch, features)),
