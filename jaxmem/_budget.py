@@ -31,7 +31,16 @@ _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)
 
 
 class BudgetError(ValueError):
-  """A budget that cannot be parsed, or that no plan can meet."""
+  """A budget that cannot be parsed, or that no plan can meet.
+
+  Attributes:
+    smallest: for an unmeetable budget, the smallest footprint in bytes that
+      the planner reaches (pass it as the budget); None for unreadable input.
+  """
+
+  def __init__(self, message: str, smallest: int | None = None):
+    super().__init__(message)
+    self.smallest = smallest
 
 
 @dataclasses.dataclass(frozen=True)

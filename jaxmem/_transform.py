@@ -16,7 +16,7 @@ from jaxmem._emit import emit
 from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._memory import MemoryProfile, simulate
 from jaxmem._plan import Plan
-from jaxmem._planners import PlanResult, evaluate, get_planner
+from jaxmem._planners import PlanResult, evaluate, get_planner, unplanned
 from jaxmem._report import residual_table
 
 
@@ -88,7 +88,7 @@ class StepPlan:
         f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
         f"peak at           {p.peak_name}",
         f"decisions         {len(self.plan)} of {len(self.graph.residuals)} "
-        f"residuals changed ({sum(1 for _ in self.plan)} recomputed)",
+        f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed)",
         f"added FLOPs       {self.added_flops:.3g} "
         f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
         f"planning time     {self.seconds:.2f} s ({self.attempts} round(s))",
@@ -98,9 +98,24 @@ class StepPlan:
     return "\n".join(lines)
 
 
-def _signature(args, kwargs, static_argnums, static_argnames):
+def _as_tuple(value) -> tuple:
+  return (value,) if isinstance(value, (int, str)) else tuple(value)
+
+
+def _measured(result: PlanResult, footprint: int | None) -> int:
+  """XLA's footprint of a planned step, or the model's where XLA gives none."""
+  return result.peak if footprint is None else footprint
+
+
+def _split_static(args, kwargs, static_argnums, static_argnames):
+  """The dynamic positional and keyword arguments, statics left out."""
   dyn_args = tuple(a for i, a in enumerate(args) if i not in static_argnums)
   dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
+  return dyn_args, dyn_kwargs
+
+
+def _signature(args, kwargs, static_argnums, static_argnames):
+  dyn_args, dyn_kwargs = _split_static(args, kwargs, static_argnums, static_argnames)
   statics = (tuple(args[i] for i in static_argnums if i < len(args)),
              tuple(sorted((k, kwargs[k]) for k in static_argnames if k in kwargs)))
   leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
@@ -121,8 +136,9 @@ class Transformed:
     self.fun = fun
     self.budget = Budget.parse(budget)
     self.planner = get_planner(planner)
-    self.static_argnums = tuple(static_argnums)
-    self.static_argnames = tuple(static_argnames)
+    # Like jax.jit: a single int / str or a sequence of them.
+    self.static_argnums = _as_tuple(static_argnums)
+    self.static_argnames = _as_tuple(static_argnames)
     self.jit_kwargs = jit_kwargs
     self.max_rounds = max_rounds
     self._plans: dict = {}
@@ -194,43 +210,39 @@ class Transformed:
       if graph.has_backward and budget < unconstrained and base_profile.peak > target:
         result = self.planner.plan(graph, target)
       else:
-        schedule, profile = evaluate(graph, Plan())
-        result = PlanResult(Plan(), schedule, profile, target,
-                            profile.peak <= target, 0.0, 0)
+        result = unplanned(graph, target)
       jitted, footprint = self._compile(result, out_tree, args, kwargs)
-      if footprint <= budget:
+      if _measured(result, footprint) <= budget:
         break
       if result.fits and attempts < self.max_rounds:
-        scale *= budget / footprint * 0.99
+        scale *= budget / _measured(result, footprint) * 0.99
         continue
       lowest = self._lowest(graph, out_tree, args, kwargs) if lowest is None else lowest
       result, jitted, footprint = lowest
-      if footprint <= budget:
+      smallest = _measured(result, footprint)
+      if smallest <= budget:
         break
       raise BudgetError(
           f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
           f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
           f"by planner {self.planner.name!r}: the smallest footprint it reaches "
-          f"for this step is {format_bytes(footprint)} ({footprint} bytes, "
-          f"{footprint / unconstrained:.0%}). Pass budget >= {footprint} bytes, "
-          "or shrink the batch.")
-    footprint = footprint if self._has_analysis else None
+          f"for this step is {format_bytes(smallest)} ({smallest} bytes, "
+          f"{smallest / unconstrained:.0%}). Pass budget >= {smallest} bytes, "
+          "or shrink the batch.", smallest=smallest)
     return StepPlan(graph, result, budget, unconstrained, base_profile.peak,
                     footprint, result.schedule.recompute_flops, base_flops,
                     attempts, time.perf_counter() - start, jitted)
 
   def _compile(self, result, out_tree, args, kwargs):
-    """Jits ``result``'s schedule; returns it with XLA's footprint (or the
-    model's where the backend gives no memory analysis)."""
+    """Jits ``result``'s schedule; returns it with XLA's footprint (None where
+    the backend gives no memory analysis)."""
     jitted = self._jit(result, out_tree)
-    footprint = xla_footprint(jitted.lower(*args, **kwargs).compile())
-    self._has_analysis = footprint is not None
-    return jitted, result.peak if footprint is None else footprint
+    return jitted, xla_footprint(jitted.lower(*args, **kwargs).compile())
 
   def _lowest(self, graph, out_tree, args, kwargs):
     """The planner's lowest-peak plan, compiled: (result, jitted, footprint)."""
     if not graph.has_backward:
-      result = PlanResult(Plan(), *evaluate(graph, Plan()), 0, False, 0.0, 0)
+      result = unplanned(graph, 0)
     else:
       result = self.planner.plan(graph, 0)
     return (result, *self._compile(result, out_tree, args, kwargs))
@@ -240,9 +252,8 @@ class Transformed:
     statics, static_names = self.static_argnums, self.static_argnames
 
     def run(*args, **kwargs):
-      dyn_args = tuple(a for i, a in enumerate(args) if i not in statics)
-      dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_names}
-      leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
+      leaves = jax.tree_util.tree_leaves(
+          _split_static(args, kwargs, statics, static_names))
       return jax.tree_util.tree_unflatten(out_tree, run_flat(*leaves))
 
     return jax.jit(run, static_argnums=statics, static_argnames=static_names,

@@ -73,7 +73,7 @@ def main(argv=None) -> int:
       plan = fitted.plan(state, batch)
       note = ""
     except jaxmem.BudgetError as err:
-      smallest = int(str(err).split("Pass budget >= ")[1].split(" ")[0])
+      smallest = err.smallest
       fitted = jaxmem.transform(task.step, budget=smallest, planner=opts.planner)
       plan = fitted.plan(state, batch)
       note = f"  ({text} unreachable; smallest reachable shown)"

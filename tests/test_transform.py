@@ -52,7 +52,7 @@ def test_budget_is_met_or_refused_with_the_smallest(task, budget):
   try:
     plan = check_fits_and_matches(task.step, args, budget)
   except jaxmem.BudgetError as err:
-    smallest = int(str(err).split("Pass budget >= ")[1].split(" ")[0])
+    smallest = err.smallest
     fraction = float(budget.rstrip("%")) / 100
     unconstrained = jaxmem.xla_footprint(jax.jit(task.step).lower(*args).compile())
     assert smallest > int(fraction * unconstrained)
@@ -67,15 +67,18 @@ def test_smallest_feasible_budget_fits_and_matches(task):
   fitted = jaxmem.transform(task.step, budget=1)
   with pytest.raises(jaxmem.BudgetError, match="smallest footprint it reaches") as info:
     fitted.plan(*args)
-  smallest = int(str(info.value).split("Pass budget >= ")[1].split(" ")[0])
+  smallest = info.value.smallest
+  assert f"Pass budget >= {smallest} bytes" in str(info.value)
   plan = check_fits_and_matches(task.step, args, smallest)
   assert plan.footprint < plan.unconstrained
 
 
 def test_memory_model_tracks_xla_on_a_residual_mlp():
   """Model within 10% of XLA's footprint, unconstrained and planned."""
-  w = [jnp.eye(128) * 0.01 + 0.001 * i for i in range(16)]
-  x = jnp.ones((256, 128))
+  # Activations (0.5 MiB each) outweigh weights (0.25 MiB each) here, as in
+  # the configuration measured in the issue note.
+  w = [jnp.eye(256) * 0.01 + 0.001 * i for i in range(16)]
+  x = jnp.ones((512, 256))
 
   def step(params, x):
     def loss(params):
@@ -93,16 +96,30 @@ def test_memory_model_tracks_xla_on_a_residual_mlp():
 
 
 def test_random_ops_recompute_from_the_same_key():
+  """Dropout masks rebuilt in the backward pass replay the same key: with
+  every residual recomputed, the rewritten step re-runs random-bit equations
+  and still gives the untransformed step's numbers."""
+  from jaxmem._emit import emit
+  from jaxmem._planners import recomputable
+  from jaxmem._rewrite import build_schedule
+
   task = models.get("transformer", **SMALL["transformer"])
-  args = task.init()
-  plan = check_fits_and_matches(task.step, args, "80%")
-  assert len(plan.plan) > 0
+  state, batch = task.init()
+  graph = jaxmem.analyze(task.step, state, batch).graph
+  plan = jaxmem.Plan.of({v: jaxmem.RECOMPUTE for v in recomputable(graph)})
+  schedule = build_schedule(graph, plan)
+  rerun = {graph.nodes[op.node].prim.name
+           for op in schedule.ops if op.kind == "recompute"}
+  assert rerun & {"random_bits", "threefry2x32"}, sorted(rerun)
+  got = jax.jit(emit(schedule))(*jax.tree_util.tree_leaves(((state, batch), {})))
+  want = jax.tree_util.tree_leaves(jax.jit(task.step)(state, batch))
+  assert_trees_close(got, want)
 
 
 def test_nnx_step():
   class Net(nnx.Module):
     def __init__(self, rngs):
-      self.layers = [nnx.Linear(32, 32, rngs=rngs) for _ in range(8)]
+      self.layers = nnx.List([nnx.Linear(32, 32, rngs=rngs) for _ in range(8)])
 
     def __call__(self, x):
       for layer in self.layers:
@@ -127,8 +144,12 @@ def test_nnx_step():
 
 def test_plain_jax_step_with_static_and_donated_args():
   def step(w, x, scale):
-    g = jax.grad(lambda w: jnp.sum(jnp.sin(jnp.sin(x @ w) @ w) * scale))(w)
-    return w - 0.1 * g
+    def loss(w):
+      h = x
+      for _ in range(8):
+        h = h + jnp.sin(h @ w)
+      return jnp.sum(h * scale)
+    return w - 0.1 * jax.grad(loss)(w)
 
   w, x = jnp.eye(64) * 0.5, jnp.ones((512, 64))
   want = jax.jit(step, static_argnums=2)(w, x, 2.0)
