@@ -116,6 +116,7 @@ class Graph:
     return self._by_value[vid]
 
   def __post_init__(self):
+    self.derived: dict = {}  # analyses computed once per graph, by name
     self._by_value = {r.value: r for r in self.residuals}
     self.output_ids = {o for o in self.outputs if isinstance(o, int)}
 

@@ -10,6 +10,8 @@ other buffer from its producing op to its last reader. Two refinements bring the
   states, whose outputs have the shapes of parameters);
 * views (``reshape``, ``squeeze``, ``expand_dims``, ``optimization_barrier``)
   share their input's buffer;
+* a convolution computing a kernel gradient also holds transposed copies of
+  its inputs while it runs (XLA:CPU's layout for that convolution);
 * an elementwise value read once, by an elementwise op or a reduction, is
   fused into its reader and never materialized (its own inputs are then read
   at the reader's position).
@@ -21,7 +23,8 @@ import dataclasses
 
 from jax.extend import core as jex
 
-from jaxmem._rewrite import Schedule
+from jaxmem._plan import Plan
+from jaxmem._rewrite import Schedule, build_schedule
 
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier"})
 ELEMENTWISE = frozenset({
@@ -34,7 +37,11 @@ ELEMENTWISE = frozenset({
     "nextafter", "atan2", "shift_left", "shift_right_logical",
     "shift_right_arithmetic", "reduce_precision", "copy", "real", "imag",
 })
-FUSING_READERS = ELEMENTWISE | frozenset({
+# Elementwise ops XLA will not duplicate into several fusions.
+EXPENSIVE = frozenset({
+    "div", "exp", "exp2", "log", "log1p", "expm1", "tanh", "logistic", "sqrt",
+    "rsqrt", "cbrt", "pow", "erf", "erfc", "erf_inv", "atan2", "rem"})
+REDUCTIONS = frozenset({
     "reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "argmax", "argmin",
     "reduce_and", "reduce_or"})
 
@@ -53,6 +60,7 @@ class MemoryProfile:
     reads: buffer key -> positions of the ops that read it.
     root: key -> the key owning its buffer (views share their source's).
     fused_reads: fused key -> the buffers it reads where it is consumed.
+    fused: keys that never get a buffer (computed inside every reader).
   """
   schedule: Schedule
   peak: int
@@ -63,10 +71,15 @@ class MemoryProfile:
   reads: dict
   root: dict
   fused_reads: dict
+  fused: frozenset
 
   def excess(self, target: int) -> int:
-    """Byte-ops above ``target``: how far and how long the step exceeds it."""
-    return sum(max(0, t - target) for t in self.timeline)
+    """Byte-ops above ``target``: how far and how long the step exceeds it,
+    counted at the step's own equations only, so plans with more
+    recomputation are not charged for their extra ops."""
+    ops = self.schedule.ops
+    return sum(max(0, t - target) for t, op in zip(self.timeline, ops)
+               if op.kind == "node")
 
   @property
   def peak_name(self) -> str:
@@ -107,42 +120,86 @@ def simulate(schedule: Schedule) -> MemoryProfile:
         readers.setdefault(key, []).append(pos)
   outputs = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
 
-  def prim(op) -> str:
-    return "optimization_barrier" if op.node is None else graph.nodes[op.node].prim.name
+  names = ["optimization_barrier" if op.node is None else graph.nodes[op.node].prim.name
+           for op in ops]
+  # Recomputed values and barriers belong to the backward pass.
+  backward = [op.kind != "node" or graph.nodes[op.node].backward for op in ops]
 
   root: dict = {}
-  fused: set = set()
   for pos, op in enumerate(ops):
-    name = prim(op)
     for i, key in enumerate(op.outs):
-      if name in VIEWS and not isinstance(op.ins[i if op.node is None else 0], jex.Literal):
-        src = op.ins[i if op.node is None else 0]
-        root[key] = root.get(src, src)
-      else:
-        root[key] = key
-      uses = readers.get(key, [])
-      if (name in ELEMENTWISE and key not in outputs and len(uses) == 1
-          and prim(ops[uses[0]]) in FUSING_READERS):
-        fused.add(key)
+      src = op.ins[i if op.node is None else 0] if names[pos] in VIEWS else None
+      root[key] = key if src is None or isinstance(src, jex.Literal) else root.get(src, src)
 
-  # Effective reads: a fused key is read through its producer's inputs.
-  effective: dict = {}
+  def fuses(reader: int, key) -> bool:
+    """Whether XLA:CPU can fuse ``key``'s producer into op ``reader``."""
+    name = names[reader]
+    if name in ELEMENTWISE:
+      return True
+    if name not in REDUCTIONS:
+      return False
+    # XLA:CPU fuses into a reduction only over the minor-most dimension.
+    ndim = len(graph.values[key[0]].aval.shape)
+    axes = graph.nodes[ops[reader].node].params.get("axes", ())
+    return ndim == 0 or ndim - 1 in axes
 
-  def reads_of(key) -> list:
-    if isinstance(key, jex.Literal):
-      return []
-    if key not in fused:
-      return [root.get(key, key)]
-    if key not in effective:
-      op = ops[producer_of[key]]
-      effective[key] = [r for k in op.ins for r in reads_of(k)]
-    return effective[key]
+  def duplicable(key) -> bool:
+    """Whether XLA fuses ``key`` into every reader that can fuse it, after
+    XLA's instruction fusion: an expensive producer only into a sole
+    reader; a cheap unary one (other operands literals) into each; any
+    other cheap one only if it fuses into every reader on all paths."""
+    pos = producer_of.get(key)
+    if pos is None or key in outputs or names[pos] not in ELEMENTWISE:
+      return False
+    uses = readers[key]
+    if names[pos] in EXPENSIVE or len(uses) == 1:
+      return len(uses) == 1
+    if sum(not isinstance(k, jex.Literal) for k in ops[pos].ins) <= 1:
+      return True
+    # A forward value also read by the backward pass fails "all paths": the
+    # backward reader's cotangent input depends on it through unfusible ops
+    # (dots, convolutions).
+    if not backward[pos] and any(backward[u] for u in uses):
+      return False
+    return all(fuses(u, key) for u in uses)
+
+  decided: dict = {}
+
+  def fused_into(key, reader: int) -> bool:
+    """Whether XLA computes ``key`` inside ``reader`` (no buffer there)."""
+    if not fuses(reader, key):
+      return False
+    if key not in decided:
+      decided[key] = duplicable(key)
+    return decided[key]
+
+  # A key read through fusion is read as the buffers of its producer's inputs.
+  through: dict = {}
+
+  def reads_through(key) -> list:
+    if key not in through:
+      pos = producer_of[key]
+      through[key] = list(dict.fromkeys(
+          b for k in ops[pos].ins if not isinstance(k, jex.Literal)
+          for b in (reads_through(k) if fused_into(k, pos) else [root.get(k, k)])))
+    return through[key]
 
   reads: dict = {}
+  materialized: set = set()
   for pos, op in enumerate(ops):
     for key in op.ins:
-      for buf in reads_of(key):
+      if isinstance(key, jex.Literal):
+        continue
+      if fused_into(key, pos):
+        bufs = reads_through(key)
+      else:
+        bufs = [root.get(key, key)]
+        materialized.add(key)
+      for buf in bufs:
         reads.setdefault(buf, []).append(pos)
+  # Values nobody reads still get a buffer at their producer; values read
+  # only through fusion get none.
+  fused = {k for k in readers if k not in materialized}
 
   inputs = set(schedule.inputs) | {(v, 0) for v in graph.consts}
   arguments = sum(nbytes(k) for k in inputs)
@@ -184,6 +241,15 @@ def simulate(schedule: Schedule) -> MemoryProfile:
         return True
     return False
 
+  def scratch(pos: int) -> int:
+    """Bytes an op needs only while it runs: XLA:CPU computes a
+    convolution's kernel gradient (an output smaller than both inputs) from
+    transposed copies of both inputs."""
+    if names[pos] != "conv_general_dilated":
+      return 0
+    ins = [nbytes(k) for k in ops[pos].ins if not isinstance(k, jex.Literal)]
+    return sum(ins) if all(b > nbytes(ops[pos].outs[0]) for b in ins) else 0
+
   live = arguments + out_bytes
   live_set: set = set()
   peak, peak_op, live_at_peak = live, 0, []
@@ -194,13 +260,28 @@ def simulate(schedule: Schedule) -> MemoryProfile:
         continue
       live += nbytes(key)
       live_set.add(key)
-    timeline.append(live)
-    if live > peak:
-      peak, peak_op, live_at_peak = live, pos, list(live_set)
+    timeline.append(live + scratch(pos))
+    if timeline[-1] > peak:
+      peak, peak_op, live_at_peak = timeline[-1], pos, list(live_set)
     for key in free_at.get(pos, ()):
       if key in live_set:
         live -= nbytes(key)
         live_set.discard(key)
   return MemoryProfile(schedule, peak, peak_op, arguments, timeline,
                        live_at_peak, reads, root,
-                       {k: reads_of(k) for k in fused})
+                       {k: reads_through(k) for k in through}, frozenset(fused))
+
+
+def fused_values(graph) -> dict:
+  """Forward values XLA computes inside their readers in the untransformed
+  step: value id -> ids of the buffers it is computed from.
+
+  Recomputation must not read these (that would give one a buffer of its
+  own); it reads the buffers they are computed from instead.
+  """
+  if "fused" not in graph.derived:
+    profile = simulate(build_schedule(graph, Plan()))
+    graph.derived["fused"] = {
+        k[0]: tuple(b[0] for b in profile.fused_reads.get(k, ()))
+        for k in profile.fused if k[1] == 0}
+  return graph.derived["fused"]

@@ -12,7 +12,7 @@ import time
 from typing import Callable, Protocol
 
 from jaxmem._graph import Graph, Residual
-from jaxmem._memory import MemoryProfile, simulate
+from jaxmem._memory import MemoryProfile, fused_values, simulate
 from jaxmem._plan import KEEP, RECOMPUTE, Plan
 from jaxmem._rewrite import Schedule, build_schedule
 
@@ -47,13 +47,13 @@ class Planner(Protocol):
   """What every planner provides."""
   name: str
 
-  def plan(self, graph: Graph, target: int) -> PlanResult:
+  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> PlanResult:
     ...
 
 
 def evaluate(graph: Graph, plan: Plan) -> tuple[Schedule, MemoryProfile]:
   """Builds and simulates the schedule of ``plan``."""
-  schedule = build_schedule(graph, plan)
+  schedule = build_schedule(graph, plan, fused_values(graph))
   return schedule, simulate(schedule)
 
 
@@ -116,32 +116,41 @@ class RecomputeGreedy:
   """
   name: str = "recompute"
   evaluations: int = 4
+  batches: int = 3
 
   # Greedy choices depend on the aim (the plateau objective is the time spent
   # above it), and a run aimed at the target can stall just above it while
   # one aimed lower passes it: after the target, aim at these fractions of
-  # the unconstrained peak that lie below it, then at 0, until a plan fits.
-  # Asked for the lowest peak (target 0), every aim is tried.
+  # the unconstrained peak, then at 0, until a plan fits. Asked for the
+  # lowest peak (target 0), every aim is tried.
   aims: tuple = (0.85, 0.7, 0.5, 0.3)
 
-  def plan(self, graph: Graph, target: int) -> PlanResult:
-    start = time.perf_counter()
+  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> PlanResult:
+    """Plans ``graph`` toward ``target`` bytes, from ``start`` if given (a
+    plan for a looser target: tightening it is cheaper than starting over)."""
+    began = time.perf_counter()
     candidates = recomputable(graph)
-    base = evaluate(graph, Plan())[1].peak
-    lower = [int(base * f) for f in self.aims if target <= 0 or base * f < target]
     best = None
-    for aim in dict.fromkeys([target, *lower, 0]):
-      result = self._greedy(graph, target, aim, candidates)
-      if best is None or result.peak < best.peak:
-        best = result
-      if best.fits:
-        break
-    best.seconds = time.perf_counter() - start
+    if target > 0:
+      best = self._greedy(graph, target, target, candidates, start or Plan())
+    if best is None or not best.fits:
+      # The ladder, always the same aims from an empty plan: when nothing
+      # fits, its best is the lowest plan of this graph whatever the target,
+      # so the smallest footprint named in an error is met when asked for.
+      base = evaluate(graph, Plan())[1].peak
+      ladder, best = [*(int(base * f) for f in self.aims), 0], None
+      for aim in ladder:
+        result = self._greedy(graph, target, aim, candidates, Plan())
+        if best is None or result.peak < best.peak:
+          best = result
+        if best.fits:
+          break
+    best.seconds = time.perf_counter() - began
     return best
 
-  def _greedy(self, graph, target, aim, candidates) -> PlanResult:
-    """One greedy run toward ``aim``; fits is judged against ``target``."""
-    plan = Plan()
+  def _greedy(self, graph, target, aim, candidates, plan) -> PlanResult:
+    """One greedy run from ``plan`` toward ``aim``; fits is judged against
+    ``target``."""
     schedule, profile = evaluate(graph, plan)
     best = (profile.peak, plan, schedule, profile)
     steps = 0
@@ -149,21 +158,29 @@ class RecomputeGreedy:
       ranked = self._rank(graph, plan, profile, candidates)
       base = (profile.peak, profile.excess(aim), schedule.recompute_flops)
       choice = None
-      moves = [(r, RECOMPUTE) for r in ranked[:self.evaluations]]
-      moves += [([r], KEEP) for r in self._undo(graph, plan, profile)]
-      for group, decision in moves:
-        trial = plan
-        for r in group:
-          trial = trial.with_decision(r.value, decision)
-        t_schedule, t_profile = evaluate(graph, trial)
-        gain_peak = base[0] - t_profile.peak
-        gain_excess = base[1] - t_profile.excess(aim)
-        cost = max(t_schedule.recompute_flops - base[2], 0.0) + 1.0
-        # Lower peak first; at a plateau, less time above the target.
-        score = (gain_peak / cost if gain_peak > 0 else 0.0,
-                 gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
-        if score > (0.0, 0.0) and (choice is None or score > choice[0]):
-          choice = (score, trial, t_schedule, t_profile)
+      undo = [([r], KEEP) for r in self._undo(graph, plan, profile)]
+      # Best-ranked candidates first; when none of a batch helps, the next
+      # batch (the cheapest rebuilds can be the ones that make a new peak).
+      for batch in range(self.batches):
+        moves = [(r, RECOMPUTE) for r in
+                 ranked[batch * self.evaluations:(batch + 1) * self.evaluations]]
+        if batch == 0:
+          moves += undo
+        for group, decision in moves:
+          trial = plan
+          for r in group:
+            trial = trial.with_decision(r.value, decision)
+          t_schedule, t_profile = evaluate(graph, trial)
+          gain_peak = base[0] - t_profile.peak
+          gain_excess = base[1] - t_profile.excess(aim)
+          cost = max(t_schedule.recompute_flops - base[2], 0.0) + 1.0
+          # Lower peak first; at a plateau, less time above the target.
+          score = (gain_peak / cost if gain_peak > 0 else 0.0,
+                   gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
+          if score > (0.0, 0.0) and (choice is None or score > choice[0]):
+            choice = (score, trial, t_schedule, t_profile)
+        if choice is not None or not moves:
+          break
       if choice is None:
         break
       _, plan, schedule, profile = choice
@@ -200,18 +217,18 @@ class RecomputeGreedy:
           riders.setdefault(buf, []).append(candidates[key[0]])
     ops = profile.schedule.ops
     ranked = []
-    for vid, r in candidates.items():
-      key = (vid, 0)
-      if vid in dropped or profile.root.get(key, key) not in live:
+    for buf in live:
+      own = [candidates[buf[0]]] if (
+          buf[1] == 0 and buf[0] in candidates and buf[0] not in dropped) else []
+      group = own + riders.get(buf, [])
+      if not group:
         continue
-      reads = profile.reads.get(profile.root.get(key, key), [])
-      later = [p for p in reads if p > profile.peak_op]
+      later = [p for p in profile.reads.get(buf, []) if p > profile.peak_op]
       if any(ops[p].kind == "node" and not graph.nodes[ops[p].node].backward
              for p in later):
         continue  # still read by the forward pass after the peak
-      group = [r] + riders.get(profile.root.get(key, key), [])
       flops = sum(_chain_flops(graph, g.value, dropped) for g in group)
-      ranked.append((r.nbytes / (flops + 1.0), group))
+      ranked.append((graph.values[buf[0]].nbytes / (flops + 1.0), group))
     ranked.sort(key=lambda item: -item[0])
     return [group for _, group in ranked]
 

@@ -67,14 +67,20 @@ class Schedule:
 class _Rewriter:
   """Walks the graph once, emitting ops; the env maps value id -> live key."""
 
-  def __init__(self, graph: Graph, plan: Plan):
+  def __init__(self, graph: Graph, plan: Plan, fused: dict):
     self.graph = graph
     self.plan = plan
     self.dropped = plan.values_with("recompute")
+    self.fused = fused
+    # Buffers that kept fused residuals are computed from stay alive for
+    # their backward reads, so recomputation may read them too.
+    self.held = {b for vid, bufs in fused.items()
+                 if vid in graph._by_value and vid not in self.dropped for b in bufs}
     self.ops: list[Op] = []
     self.cache: dict[int, Key] = {}  # dropped residual -> recomputed key
     self._versions = itertools.count(1)
     self.recompute_flops = 0.0
+    self.latest: Key | None = None  # the latest backward value emitted
 
   def key(self, vid: int) -> Key:
     return (vid, 0)
@@ -86,15 +92,20 @@ class _Rewriter:
     """Whether the original value may be read in the backward pass."""
     if not self.graph.is_forward_value(vid):
       return True  # step input, constant or backward value
-    # A forward value may be read only if it is a kept residual: reading a
-    # pure forward intermediate would keep it alive and save nothing.
-    return vid in self.graph._by_value and vid not in self.dropped
+    # A forward value may be read only if it is a kept residual with a
+    # buffer of its own: reading a pure forward intermediate, or a residual
+    # XLA computes inside its readers, would give it a buffer kept alive
+    # until here, and save nothing.
+    return vid in self.held or (vid in self.graph._by_value
+                                and vid not in self.dropped and vid not in self.fused)
 
   def order(self) -> list:
     """Graph nodes in emission order: optimizer-update nodes move up to just
     after their last input is made, so each gradient is consumed (and freed)
     as soon as it exists instead of waiting for the whole backward pass."""
     graph = self.graph
+    if "order" in graph.derived:
+      return graph.derived["order"]
     slot: dict[int, int] = {}
     for node in graph.nodes:
       if node.update:
@@ -103,7 +114,8 @@ class _Rewriter:
         slot[node.index] = max((slot[p] for p in producers), default=node.index)
       else:
         slot[node.index] = node.index
-    return sorted(graph.nodes, key=lambda n: (slot[n.index], n.index))
+    graph.derived["order"] = sorted(graph.nodes, key=lambda n: (slot[n.index], n.index))
+    return graph.derived["order"]
 
   def run(self) -> Schedule:
     graph = self.graph
@@ -111,10 +123,18 @@ class _Rewriter:
       if node.backward:
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache]
-        if missing:
-          self.recompute(missing, node)
+        tied_anchor = self.recompute(missing, node) if missing else None
+      else:
+        tied_anchor = None
       ins = tuple(self.read(a, node.backward) for a in node.ins)
+      if tied_anchor is not None:
+        # The consumer reads the anchor through the barrier, so the barrier
+        # sits between the anchor's producer and the consumer and XLA cannot
+        # prune the anchor out of it.
+        ins = tuple(tied_anchor[1] if k == tied_anchor[0] else k for k in ins)
       self.ops.append(Op("node", node.index, ins, tuple(map(self.key, node.outs))))
+      if node.backward and node.outs:
+        self.latest = self.key(node.outs[0])
     outputs = [o if isinstance(o, jex.Literal) else self.read(o, True)
                for o in graph.outputs]
     return Schedule(graph, self.plan, self.ops, [self.key(v) for v in graph.inputs],
@@ -127,8 +147,9 @@ class _Rewriter:
       return self.cache[atom]
     return self.key(atom)
 
-  def recompute(self, missing: list[int], consumer) -> None:
-    """Re-runs the forward equations that rebuild ``missing`` before ``consumer``."""
+  def recompute(self, missing: list[int], consumer):
+    """Re-runs the forward equations that rebuild ``missing`` before
+    ``consumer``; returns ``(anchor, its barrier copy)`` or None."""
     graph = self.graph
     to_run: set[int] = set()
     leaves: set[int] = set()
@@ -148,11 +169,14 @@ class _Rewriter:
     local: dict[int, Key] = {}
     tied = sorted(v for v in leaves if v not in graph.consts)
     anchor = self.anchor(consumer)
+    tied_anchor = None
     if tied:
       ins = tuple(self.key(v) for v in tied) + ((anchor,) if anchor else ())
       outs = tuple(self.fresh(k[0]) for k in ins)
       self.ops.append(Op("barrier", None, ins, outs))
       local.update(zip(tied, outs))
+      if anchor:
+        tied_anchor = (anchor, outs[-1])
     for index in sorted(to_run):
       node = graph.nodes[index]
       ins = tuple(a if isinstance(a, jex.Literal) else
@@ -165,9 +189,12 @@ class _Rewriter:
           self.cache[vid] = key
       self.recompute_flops += node.flops
       self.ops.append(Op("recompute", index, ins, outs))
+    return tied_anchor
 
   def anchor(self, consumer) -> Key | None:
-    """The consumer's most recently made backward input, to order the group."""
+    """The consumer's most recently made backward input, to order the group;
+    for a consumer that reads only forward values, the latest backward value
+    emitted (without an anchor XLA may hoist the group into the forward)."""
     best = None
     for atom in consumer.ins:
       if isinstance(atom, int):
@@ -175,11 +202,19 @@ class _Rewriter:
         if producer is not None and self.graph.nodes[producer].backward:
           if best is None or producer > self.graph.values[best].producer:
             best = atom
-    return None if best is None else self.read(best, True)
+    return self.latest if best is None else self.read(best, True)
 
 
-def build_schedule(graph: Graph, plan: Plan) -> Schedule:
+def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None) -> Schedule:
   """Applies ``plan`` to ``graph``; see the module docstring.
+
+  Args:
+    graph: the step's joint graph.
+    plan: decisions per residual.
+    fused: forward values that XLA computes inside their readers rather than
+      in a buffer of their own, each with the buffers it is computed from
+      (see ``_memory.fused_values``); recomputation reads those buffers
+      instead of the value.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -191,4 +226,4 @@ def build_schedule(graph: Graph, plan: Plan) -> Schedule:
     >>> [op.kind for op in s.ops].count("recompute")
     2
   """
-  return _Rewriter(graph, plan).run()
+  return _Rewriter(graph, plan, fused or {}).run()

@@ -204,11 +204,13 @@ class Transformed:
     scale = base_profile.peak / unconstrained
     attempts = 0
     lowest = None
+    previous = None
     while True:
       attempts += 1
       target = int(budget * scale)
       if graph.has_backward and budget < unconstrained and base_profile.peak > target:
-        result = self.planner.plan(graph, target)
+        result = self.planner.plan(graph, target, start=previous)
+        previous = result.plan
       else:
         result = unplanned(graph, target)
       jitted, footprint = self._compile(result, out_tree, args, kwargs)
@@ -217,7 +219,10 @@ class Transformed:
       if result.fits and attempts < self.max_rounds:
         scale *= budget / _measured(result, footprint) * 0.99
         continue
-      lowest = self._lowest(graph, out_tree, args, kwargs) if lowest is None else lowest
+      if lowest is None:
+        # A plan the model itself cannot fit is the planner's lowest already.
+        lowest = ((result, jitted, footprint) if not result.fits
+                  else self._lowest(graph, out_tree, args, kwargs))
       result, jitted, footprint = lowest
       smallest = _measured(result, footprint)
       if smallest <= budget:

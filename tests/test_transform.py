@@ -73,6 +73,14 @@ def test_smallest_feasible_budget_fits_and_matches(task):
   assert plan.footprint < plan.unconstrained
 
 
+def test_memory_model_tracks_xla_on_the_flax_models(task):
+  """Unconstrained: the model's peak within 10% of XLA's footprint."""
+  task, args = task
+  analysis = jaxmem.analyze(task.step, *args)
+  xla = jaxmem.xla_footprint(jax.jit(task.step).lower(*args).compile())
+  assert abs(analysis.peak - xla) <= 0.1 * xla, (analysis.peak, xla)
+
+
 def test_memory_model_tracks_xla_on_a_residual_mlp():
   """Model within 10% of XLA's footprint, unconstrained and planned."""
   # Activations (0.5 MiB each) outweigh weights (0.25 MiB each) here, as in
@@ -89,7 +97,7 @@ def test_memory_model_tracks_xla_on_a_residual_mlp():
     l, g = jax.value_and_grad(loss)(params)
     return [p - 0.1 * gi for p, gi in zip(params, g)], l
 
-  for budget in ["100%", "70%"]:
+  for budget in ["100%", "70%", "60%"]:
     plan = check_fits_and_matches(step, (w, x), budget, steps=1)
     assert abs(plan.unconstrained_model - plan.unconstrained) <= 0.1 * plan.unconstrained
     assert abs(plan.profile.peak - plan.footprint) <= 0.1 * plan.footprint
