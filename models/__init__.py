@@ -1,164 +1,117 @@
-"""Small Flax models with ready train steps, built by name.
+"""Small Flax models with ready train steps, built by name: the edge model zoo.
+
+Every registry entry builds a :class:`Task` on synthetic data made from a
+PRNG key (nothing is downloaded). ``remat=`` wraps each residual block in
+``nn.remat`` with a policy from :data:`REMAT_POLICIES`: the hand-written
+baselines jaxmem is compared with.
+
+=============== ===========================================================
+name            model (key options)
+=============== ===========================================================
+``mlp``         residual MLP (depth, width, batch, features)
+``cnn``         small residual CNN with BatchNorm (widths, batch, size)
+``transformer`` small causal LM (depth, dim, heads, seq, batch, vocab)
+``mobilenetv2`` MobileNetV2 (width multiplier, depth multiplier, size)
+``resnet18``    ResNet-18, basic blocks (width, stages, size)
+``resnet50``    ResNet-50, bottleneck blocks (width, stages, size)
+``resnet_deep`` CIFAR-style ResNet with ``depth`` blocks (hundreds allowed)
+``vit``         ViT-Tiny-style (dim, depth, heads, patch, size, pool)
+``gpt2``        GPT-2-style decoder (dim, depth, heads, seq, vocab, tied)
+``unet``        U-Net segmentation (width, depth levels, size, norm)
+=============== ===========================================================
 
 Example:
   >>> import models
   >>> task = models.get("mlp", depth=4, width=32, batch=8)
   >>> state, batch = task.init()
   >>> new_state, loss = task.step(state, batch)
+  >>> task = models.get("resnet18", width=8, stages=(1, 1), size=16, batch=2,
+  ...                   remat="dots_saveable")
+  >>> task.config["remat"]
+  'dots_saveable'
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+import inspect
+from typing import Callable
 
-import flax.linen as nn
-import jax
-import jax.numpy as jnp
 import optax
 
+from models import _gpt2, _legacy, _mobilenet, _resnet, _unet, _vit
+from models._attention import MLP, SelfAttention, TransformerBlock
+from models._gpt2 import GPT2
+from models._legacy import Block, ResidualMLP, SmallCNN, Transformer
+from models._mobilenet import InvertedResidual, MobileNetV2
+from models._remat import REMAT_POLICIES, check_remat, policy, remat_block
+from models._resnet import BasicBlock, Bottleneck, ResNet
+from models._task import Task, classify, image_batch, param_count, token_batch
+from models._unet import ConvBlock, UNet, UpBlock
+from models._vit import ViT
 
-@dataclasses.dataclass
-class Task:
-  """A model with its train step: ``step(state, batch) -> (state, loss)``."""
-  name: str
-  module: nn.Module
-  make_batch: Callable[[jax.Array], Any]
-  loss: Callable
-  optimizer: optax.GradientTransformation
-  config: dict
+# Factories: ``(**config) -> (module, make_batch, loss)``.
+REGISTRY: dict[str, Callable] = {
+    "mlp": _legacy.mlp, "cnn": _legacy.cnn, "transformer": _legacy.transformer,
+    "mobilenetv2": _mobilenet.mobilenetv2, "resnet18": _resnet.resnet18,
+    "resnet50": _resnet.resnet50, "resnet_deep": _resnet.resnet_deep,
+    "vit": _vit.vit, "gpt2": _gpt2.gpt2, "unet": _unet.unet,
+}
 
-  def init(self, seed: int = 0):
-    """Returns ``(state, batch)``: params, batch stats, optimizer state, rng."""
-    key = jax.random.PRNGKey(seed)
-    batch = self.make_batch(key)
-    variables = self.module.init({"params": key, "dropout": key}, batch["x"],
-                                 train=False)
-    params = variables["params"]
-    state = {"params": params, "opt": self.optimizer.init(params),
-             "rng": jax.random.PRNGKey(seed + 1)}
-    if "batch_stats" in variables:
-      state["batch_stats"] = variables["batch_stats"]
-    return state, batch
-
-  def step(self, state, batch):
-    """One training step: forward, backward and optimizer update."""
-    rng, dropout = jax.random.split(state["rng"])
-    has_stats = "batch_stats" in state
-
-    def loss_fn(params):
-      variables = {"params": params}
-      if has_stats:
-        variables["batch_stats"] = state["batch_stats"]
-      out, updates = self.module.apply(
-          variables, batch["x"], train=True, rngs={"dropout": dropout},
-          mutable=["batch_stats"] if has_stats else [])
-      return self.loss(out, batch), updates
-
-    (loss, updates), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"])
-    upd, opt = self.optimizer.update(grads, state["opt"], state["params"])
-    new = {"params": optax.apply_updates(state["params"], upd), "opt": opt, "rng": rng}
-    if has_stats:
-      new["batch_stats"] = updates["batch_stats"]
-    return new, loss
-
-
-def _classify(out, batch):
-  return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
-
-
-class ResidualMLP(nn.Module):
-  depth: int = 16
-  width: int = 256
-  classes: int = 10
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    x = nn.Dense(self.width)(x)
-    for _ in range(self.depth):
-      x = x + nn.Dense(self.width)(nn.gelu(nn.Dense(self.width)(x)))
-    return nn.Dense(self.classes)(x)
-
-
-class SmallCNN(nn.Module):
-  widths: tuple = (16, 32, 64)
-  classes: int = 10
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    for i, w in enumerate(self.widths):
-      x = nn.Conv(w, (3, 3), strides=(1, 1) if i == 0 else (2, 2))(x)
-      for _ in range(2):
-        y = nn.Conv(w, (3, 3))(nn.relu(nn.BatchNorm(use_running_average=not train)(x)))
-        x = x + y
-    x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
-    return nn.Dense(self.classes)(x.mean((1, 2)))
-
-
-class Block(nn.Module):
-  dim: int
-  heads: int
-  dropout: float
-
-  @nn.compact
-  def __call__(self, x, train: bool = True):
-    h = nn.LayerNorm()(x)
-    h = nn.MultiHeadDotProductAttention(num_heads=self.heads)(h, h, mask=nn.make_causal_mask(x[..., 0]))
-    x = x + nn.Dropout(self.dropout, deterministic=not train)(h)
-    h = nn.Dense(4 * self.dim)(nn.LayerNorm()(x))
-    h = nn.Dense(self.dim)(nn.gelu(h))
-    return x + nn.Dropout(self.dropout, deterministic=not train)(h)
-
-
-class Transformer(nn.Module):
-  depth: int = 4
-  dim: int = 64
-  heads: int = 4
-  vocab: int = 128
-  dropout: float = 0.1
-
-  @nn.compact
-  def __call__(self, tokens, train: bool = True):
-    x = nn.Embed(self.vocab, self.dim)(tokens)
-    x = x + self.param("pos", nn.initializers.normal(0.02), (tokens.shape[1], self.dim))
-    for _ in range(self.depth):
-      x = Block(self.dim, self.heads, self.dropout)(x, train)
-    return nn.Dense(self.vocab)(nn.LayerNorm()(x))
-
-
-def _mlp(depth=16, width=128, batch=2048, features=64):
-  def make_batch(key):
-    kx, ky = jax.random.split(key)
-    return {"x": jax.random.normal(kx, (batch, features)),
-            "y": jax.random.randint(ky, (batch,), 0, 10)}
-  return ResidualMLP(depth, width), make_batch, _classify
-
-
-def _cnn(widths=(16, 32, 64), batch=16, size=32):
-  def make_batch(key):
-    kx, ky = jax.random.split(key)
-    return {"x": jax.random.normal(kx, (batch, size, size, 3)),
-            "y": jax.random.randint(ky, (batch,), 0, 10)}
-  return SmallCNN(tuple(widths)), make_batch, _classify
-
-
-def _transformer(depth=4, dim=64, heads=4, seq=64, batch=8, vocab=128, dropout=0.1):
-  def make_batch(key):
-    tokens = jax.random.randint(key, (batch, seq + 1), 0, vocab)
-    return {"x": tokens[:, :-1], "y": tokens[:, 1:]}
-
-  def loss(out, batch):
-    return optax.softmax_cross_entropy_with_integer_labels(out, batch["y"]).mean()
-  return Transformer(depth, dim, heads, vocab, dropout), make_batch, loss
-
-
-REGISTRY: dict[str, Callable] = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer}
+_classify = classify  # the name the original module used
 
 
 def get(name: str, *, optimizer: optax.GradientTransformation | None = None,
-        **config) -> Task:
-  """Builds a registered model's :class:`Task` (see :data:`REGISTRY`)."""
+        remat: str | None = None, **config) -> Task:
+  """Builds a registered model's :class:`Task` (see :data:`REGISTRY`).
+
+  Args:
+    name: a key of :data:`REGISTRY`.
+    optimizer: the step's optimizer; ``optax.adam(1e-3)`` by default.
+    remat: ``None`` or a name from :data:`REMAT_POLICIES`: ``nn.remat`` with
+      that policy around every block (not for ``mlp`` and ``cnn``, which have
+      no block modules).
+    **config: the factory's options (its keyword arguments).
+
+  Returns:
+    The :class:`Task`; ``task.config`` is ``config`` plus ``remat``.
+
+  Raises:
+    KeyError: for an unknown model name.
+    ValueError: for an unknown remat policy or remat on a model without blocks.
+    TypeError: for an option the factory does not take.
+
+  Example:
+    >>> import models
+    >>> task = models.get("gpt2", dim=16, depth=1, heads=2, seq=8, vocab=32, batch=2)
+    >>> sorted(task.config)
+    ['batch', 'depth', 'dim', 'heads', 'remat', 'seq', 'vocab']
+  """
   if name not in REGISTRY:
     raise KeyError(f"unknown model {name!r}; expected one of {sorted(REGISTRY)}")
-  module, make_batch, loss = REGISTRY[name](**config)
-  return Task(name, module, make_batch, loss, optimizer or optax.adam(1e-3), config)
+  check_remat(remat)
+  factory = REGISTRY[name]
+  params = inspect.signature(factory).parameters
+  unknown = sorted(set(config) - set(params) - {"remat"})
+  if unknown:
+    options = [p for p in params if p != "remat"]
+    raise TypeError(f"model {name!r} takes no option(s) {unknown}; its options are "
+                    f"{options} (and remat=)")
+  if remat is not None and "remat" not in params:
+    with_blocks = sorted(n for n, f in REGISTRY.items()
+                         if "remat" in inspect.signature(f).parameters)
+    raise ValueError(f"model {name!r} has no block modules, so remat={remat!r} cannot "
+                     f"be applied; models with per-block remat: {with_blocks}")
+  extra = {} if remat is None else {"remat": remat}
+  module, make_batch, loss = factory(**config, **extra)
+  return Task(name, module, make_batch, loss, optimizer or optax.adam(1e-3),
+              dict(config, remat=remat))
+
+
+__all__ = [
+    "REGISTRY", "REMAT_POLICIES", "Task", "get", "param_count", "policy", "remat_block",
+    "check_remat", "classify", "image_batch", "token_batch",
+    "ResidualMLP", "SmallCNN", "Block", "Transformer",
+    "MobileNetV2", "InvertedResidual", "ResNet", "BasicBlock", "Bottleneck",
+    "ViT", "GPT2", "TransformerBlock", "SelfAttention", "MLP",
+    "UNet", "ConvBlock", "UpBlock",
+]

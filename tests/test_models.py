@@ -1,0 +1,214 @@
+"""The model zoo: every entry trains, remat baselines match the plain step."""
+
+import jax
+import jax.extend
+import numpy as np
+import optax
+import pytest
+
+import jaxmem
+import models
+from tests.helpers import assert_trees_close
+
+TINY = {
+    "mlp": dict(depth=2, width=16, batch=4, features=8),
+    "cnn": dict(widths=(4,), batch=2, size=8),
+    "transformer": dict(depth=1, dim=16, heads=2, seq=8, batch=2, vocab=32),
+    "mobilenetv2": dict(width=0.25, stages=((1, 8, 1, 1), (6, 8, 1, 2)), size=16, batch=2),
+    "resnet18": dict(width=8, stages=(1, 1), size=16, batch=2),
+    "resnet50": dict(width=4, stages=(1, 1), size=16, batch=2),
+    "resnet_deep": dict(depth=3, width=4, size=8, batch=2),
+    "vit": dict(dim=16, depth=1, heads=2, patch=4, size=16, batch=2),
+    "gpt2": dict(dim=16, depth=1, heads=2, seq=8, vocab=32, batch=2),
+    "unet": dict(width=8, depth=1, size=8, batch=2),
+}
+
+# One conv model with BatchNorm and one transformer with dropout.
+REMAT_MODELS = ["resnet18", "gpt2"]
+
+# Compiling dominates this file. XLA:CPU spends most of it optimizing the
+# generated code with LLVM and in its newer fusion emitters; unoptimized code
+# from the classic emitters computes the same numbers and compiles ~3-4x
+# faster, which keeps the file within its time budget on two cores.
+FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def jit(fun):
+  return jax.jit(fun, compiler_options=FAST_COMPILE)
+
+
+def init(task):
+  """``task.init()`` as one compiled program (eager init compiles op by op)."""
+  return jit(task.init)()
+
+
+@pytest.fixture(scope="module")
+def plain():
+  """``plain(name, sgd=False)``: the task, its initial ``(state, batch)`` and
+  the result of one plain jitted step.
+
+  Comparisons use SGD: the first Adam update is about ``lr * sign(grad)``, so
+  it blows rounding noise in mathematically zero gradients (attention key
+  biases) up to ``lr``-sized differences, while SGD passes the gradients on
+  as they are.
+  """
+  cache = {}
+
+  def get(name, sgd=False):
+    if (name, sgd) not in cache:
+      task = models.get(name, optimizer=optax.sgd(0.1) if sgd else None, **TINY[name])
+      state, batch = init(task)
+      cache[name, sgd] = task, (state, batch), jit(task.step)(state, batch)
+    return cache[name, sgd]
+  return get
+
+
+def test_registry_covers_the_zoo():
+  assert set(TINY) == set(models.REGISTRY)
+  assert models.REMAT_POLICIES == (
+      "nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+      "everything_saveable", "offload_dot_with_no_batch_dims",
+      "save_and_offload_only_these_names")
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_one_step_trains(plain, name):
+  task, (state, batch), (new, loss) = plain(name)
+  assert np.isfinite(float(loss))
+  assert task.config == dict(TINY[name], remat=None)
+  changed = jax.tree_util.tree_map(lambda a, b: bool(np.any(a != b)),
+                                   state["params"], new["params"])
+  unchanged = [jax.tree_util.keystr(p) for p, c in
+               jax.tree_util.tree_leaves_with_path(changed) if not c]
+  assert not unchanged, f"parameters the step did not update: {unchanged}"
+  if name in ("cnn", "mobilenetv2", "resnet18", "resnet50", "resnet_deep"):
+    stats = jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+        lambda a, b: bool(np.any(a != b)), state["batch_stats"], new["batch_stats"]))
+    assert stats and all(stats)
+  else:
+    assert "batch_stats" not in state
+
+
+def check_remat_matches(plain, name, remat):
+  """Same parameter names (so the same initial values: Flax derives each
+  parameter's key from its path) and the same step results."""
+  task, (state, batch), want = plain(name, sgd=True)
+  rematted = models.get(name, remat=remat, optimizer=task.optimizer, **TINY[name])
+  assert rematted.config["remat"] == remat
+  assert (jax.tree_util.tree_structure(jax.eval_shape(rematted.init))
+          == jax.tree_util.tree_structure(jax.eval_shape(task.init)))
+  assert_trees_close(jit(rematted.step)(state, batch), want)
+
+
+@pytest.mark.parametrize("remat", models.REMAT_POLICIES)
+@pytest.mark.parametrize("name", REMAT_MODELS)
+def test_remat_policy_matches_the_plain_step(plain, name, remat):
+  check_remat_matches(plain, name, remat)
+
+
+@pytest.mark.parametrize("name", [
+    "transformer", "unet",  # Flax attention; UpBlock has train at position 3
+    *[pytest.param(n, marks=pytest.mark.slow)
+      for n in ("mobilenetv2", "resnet50", "vit", "resnet_deep")]])
+def test_remat_on_every_block_type(plain, name):
+  """Each block class (``train`` static, ``UpBlock``'s at position 3) remats."""
+  check_remat_matches(plain, name, "save_and_offload_only_these_names")
+
+
+@pytest.mark.parametrize("remat,blocks", [(None, 0), ("nothing_saveable", 3)])
+def test_remat_wraps_each_block(remat, blocks):
+  task = models.get("gpt2", remat=remat, **dict(TINY["gpt2"], depth=3))
+  jaxpr = jax.make_jaxpr(task.step)(*jax.eval_shape(task.init)).jaxpr
+
+  def rematerialized(jaxpr):
+    """Checkpointed computations left in the step: the backward pass's."""
+    n = 0
+    for eqn in jaxpr.eqns:
+      n += eqn.primitive.name in ("checkpoint", "remat2")
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        n += rematerialized(sub)
+    return n
+  assert rematerialized(jaxpr) == blocks
+
+
+@pytest.mark.parametrize("remat", ["offload_dot_with_no_batch_dims",
+                                   "save_and_offload_only_these_names"])
+def test_offload_policies_move_residuals_to_host(remat):
+  """The jaxpr sends residuals to host memory and back (XLA:CPU then ignores
+  the memory kinds, see ``models._remat``; the numbers are checked above)."""
+  task = models.get("gpt2", remat=remat, **TINY["gpt2"])
+  jaxpr = jax.make_jaxpr(task.step)(*jax.eval_shape(task.init)).jaxpr
+
+  def moves(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "device_put":
+        out += [str(d) for d in eqn.params["devices"]]
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        out += moves(sub)
+    return out
+  found = moves(jaxpr)
+  assert found.count("MemorySpace.Host") == found.count("MemorySpace.Device") > 0
+
+
+VARIANTS = [("unet", dict(norm="batch")), ("gpt2", dict(tied=False)),
+            ("vit", dict(pool="mean"))]
+
+
+def test_variants_have_their_parameters():
+  shapes = {name: jax.eval_shape(models.get(name, **TINY[name], **opts).init)
+            for name, opts in VARIANTS}
+  assert "batch_stats" in shapes["unet"][0]
+  assert shapes["unet"][1]["y"].shape == (2, 8, 8)
+  assert "head" in shapes["gpt2"][0]["params"]
+  assert "head" not in jax.eval_shape(models.get("gpt2", **TINY["gpt2"]).init)[0]["params"]
+  assert "cls" not in shapes["vit"][0]["params"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,opts", VARIANTS)
+def test_variants_train(name, opts):
+  task = models.get(name, **TINY[name], **opts)
+  state, batch = init(task)
+  new, loss = jit(task.step)(state, batch)
+  assert np.isfinite(float(loss))
+  assert ("batch_stats" in new) == (name == "unet")
+
+
+def test_resnet_deep_spreads_depth_over_stages():
+  module = models.get("resnet_deep", depth=301, width=4, size=8, batch=1).module
+  assert module.stages == (101, 100, 100)
+  assert models.get("resnet50").module.block == "bottleneck"
+  assert models.get("resnet18").module.stages == (2, 2, 2, 2)
+
+
+def test_registry_rejects_bad_requests():
+  with pytest.raises(KeyError, match="unknown model 'resnet9'; expected one of"):
+    models.get("resnet9")
+  with pytest.raises(ValueError, match="unknown remat policy 'dots'; expected None or"):
+    models.get("gpt2", remat="dots")
+  with pytest.raises(ValueError, match="'mlp' has no block modules"):
+    models.get("mlp", remat="nothing_saveable")
+  with pytest.raises(TypeError, match=r"'vit' takes no option\(s\) \['widht'\]"):
+    models.get("vit", widht=3)
+  with pytest.raises(ValueError, match="multiple of patch"):
+    models.get("vit", size=30, patch=8)
+  with pytest.raises(ValueError, match=r"multiple of 2\*\*depth"):
+    models.get("unet", size=20, depth=3)
+  with pytest.raises(ValueError, match="norm must be"):
+    models.get("unet", norm="layer")
+
+
+@pytest.mark.parametrize("name", ["resnet18", "gpt2"])
+def test_jaxmem_transform_at_full_budget_matches(plain, name):
+  task, args, want = plain(name, sgd=True)
+  got = jaxmem.transform(task.step, budget="100%")(*args)
+  assert_trees_close(got, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_default_configs_build(name):
+  """Default (edge-sized) configs trace; parameter counts stay edge-sized."""
+  count = models.param_count(models.get(name))
+  assert 10_000 < count < 30_000_000
