@@ -206,8 +206,8 @@ def build_graph(closed_jaxpr) -> Graph:
     >>> def step(w, x):
     ...   return jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
     >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
-    >>> [r.primitive for r in g.residuals]
-    ['tanh']
+    >>> [r.primitive for r in g.residuals]  # tanh(y) and 1 - tanh(y)**2
+    ['tanh', 'sub']
   """
   builder = _Builder()
   jaxpr = closed_jaxpr.jaxpr

@@ -2,7 +2,8 @@
 
 The footprint is counted the way XLA reports one (temp + arguments + outputs
 - aliases): step inputs, constants and outputs are live throughout, every
-other buffer from its producing op to its last reader. Two refinements bring the walk close to XLA's buffer assignment:
+other buffer from its producing op to its last reader. These refinements
+bring the walk close to XLA:CPU's fusion and buffer assignment:
 
 * outputs are live for the whole step (XLA allocates them up front), and
   until an output is written a temporary of the same size may use its
@@ -12,9 +13,13 @@ other buffer from its producing op to its last reader. Two refinements bring the
   share their input's buffer;
 * a convolution computing a kernel gradient also holds transposed copies of
   its inputs while it runs (XLA:CPU's layout for that convolution);
-* an elementwise value read once, by an elementwise op or a reduction, is
-  fused into its reader and never materialized (its own inputs are then read
-  at the reader's position).
+* an elementwise value that XLA's instruction fusion computes inside its
+  readers (elementwise ops, and reductions over the minor-most axis) gets no
+  buffer; its own inputs are read at those readers' positions instead. An
+  expensive op (``EXPENSIVE``) is fused only into a sole reader, a cheap
+  unary one into every reader that can take it, any other cheap one only
+  when every reader takes it and, for a forward value, none is in the
+  backward pass (see ``simulate``).
 """
 
 from __future__ import annotations
@@ -272,6 +277,13 @@ def simulate(schedule: Schedule) -> MemoryProfile:
                        {k: reads_through(k) for k in through}, frozenset(fused))
 
 
+def unplanned_profile(graph) -> MemoryProfile:
+  """The untransformed step's profile, simulated once per graph."""
+  if "unplanned" not in graph.derived:
+    graph.derived["unplanned"] = simulate(build_schedule(graph, Plan()))
+  return graph.derived["unplanned"]
+
+
 def fused_values(graph) -> dict:
   """Forward values XLA computes inside their readers in the untransformed
   step: value id -> ids of the buffers it is computed from.
@@ -280,7 +292,7 @@ def fused_values(graph) -> dict:
   own); it reads the buffers they are computed from instead.
   """
   if "fused" not in graph.derived:
-    profile = simulate(build_schedule(graph, Plan()))
+    profile = unplanned_profile(graph)
     graph.derived["fused"] = {
         k[0]: tuple(b[0] for b in profile.fused_reads.get(k, ()))
         for k in profile.fused if k[1] == 0}

@@ -296,9 +296,13 @@ def transform(fun: Callable, budget, *, planner="recompute",
   Example:
     >>> import jax, jax.numpy as jnp, jaxmem
     >>> def step(w, x):
-    ...   g = jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)))(w)
-    ...   return w - 0.1 * g
-    >>> fitted = jaxmem.transform(step, budget="90%")
+    ...   def loss(w):
+    ...     h = x
+    ...     for _ in range(8):
+    ...       h = h + jnp.tanh(h @ w)
+    ...     return jnp.sum(h)
+    ...   return w - 0.1 * jax.grad(loss)(w)
+    >>> fitted = jaxmem.transform(step, budget="70%")
     >>> w, x = jnp.eye(64), jnp.ones((256, 64))
     >>> bool(jnp.allclose(fitted(w, x), jax.jit(step)(w, x), atol=1e-6))
     True
@@ -333,8 +337,8 @@ def analyze(fun: Callable, *args, **kwargs) -> Analysis:
     >>> import jax, jax.numpy as jnp, jaxmem
     >>> step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
     >>> a = jaxmem.analyze(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
-    >>> [r.primitive for r in a.residuals]
-    ['tanh']
+    >>> [r.primitive for r in a.residuals]  # tanh(y) and 1 - tanh(y)**2
+    ['tanh', 'sub']
   """
   closed, _, _ = trace(fun, *args, **kwargs)
   graph = build_graph(closed)
