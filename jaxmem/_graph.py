@@ -115,6 +115,15 @@ class Graph:
   def residual(self, vid: int) -> Residual:
     return self._by_value[vid]
 
+  def transposes_inputs(self, node: Node) -> bool:
+    """Whether XLA:CPU runs ``node`` on transposed copies of its inputs: a
+    convolution computing a kernel gradient (an output smaller than both
+    inputs) does."""
+    if node.prim.name != "conv_general_dilated":
+      return False
+    out = self.values[node.outs[0]].nbytes
+    return all(self.values[a].nbytes > out for a in node.ins if isinstance(a, int))
+
   def __post_init__(self):
     self.derived: dict = {}  # analyses computed once per graph, by name
     self._by_value = {r.value: r for r in self.residuals}

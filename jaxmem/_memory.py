@@ -12,7 +12,8 @@ bring the walk close to XLA:CPU's fusion and buffer assignment:
 * views (``reshape``, ``squeeze``, ``expand_dims``, ``optimization_barrier``)
   share their input's buffer;
 * a convolution computing a kernel gradient also holds transposed copies of
-  its inputs while it runs (XLA:CPU's layout for that convolution);
+  its inputs while it runs (XLA:CPU's layout for that convolution; the
+  rewrite keeps XLA from making them earlier);
 * an elementwise value that XLA's instruction fusion computes inside its
   readers (elementwise ops, and reductions over the minor-most axis) gets no
   buffer; its own inputs are read at those readers' positions instead. An
@@ -148,25 +149,82 @@ def simulate(schedule: Schedule) -> MemoryProfile:
     axes = graph.nodes[ops[reader].node].params.get("axes", ())
     return ndim == 0 or ndim - 1 in axes
 
+  def operands(pos: int) -> list:
+    return [k for k in ops[pos].ins if not isinstance(k, jex.Literal)]
+
   def duplicable(key) -> bool:
     """Whether XLA fuses ``key`` into every reader that can fuse it, after
-    XLA's instruction fusion: an expensive producer only into a sole
-    reader; a cheap unary one (other operands literals) into each; any
-    other cheap one only if it fuses into every reader on all paths."""
+    XLA's instruction fusion: a sole reader always; otherwise an expensive
+    producer never, a cheap unary one (other operands literals) always, and
+    any other cheap one that reads more elements than it writes only if it
+    can be fused into every reader on all paths (XLA's
+    ``ComputeGloballyUnfusible``)."""
     pos = producer_of.get(key)
     if pos is None or key in outputs or names[pos] not in ELEMENTWISE:
       return False
     uses = readers[key]
-    if names[pos] in EXPENSIVE or len(uses) == 1:
-      return len(uses) == 1
-    if sum(not isinstance(k, jex.Literal) for k in ops[pos].ins) <= 1:
+    if len(uses) == 1:
       return True
-    # A forward value also read by the backward pass fails "all paths": the
-    # backward reader's cotangent input depends on it through unfusible ops
-    # (dots, convolutions).
-    if not backward[pos] and any(backward[u] for u in uses):
+    if names[pos] in EXPENSIVE:
       return False
-    return all(fuses(u, key) for u in uses)
+    return not globally_unfusible(key)
+
+  unfusible: dict = {}
+
+  def globally_unfusible(key) -> bool:
+    """XLA's ``do_not_duplicate`` set: an elementwise op reading more than
+    one operand and more elements than it writes, unless every path from it
+    to each of its readers runs through fusible ops only."""
+    if key not in unfusible:
+      pos = producer_of[key]
+      ins = list(dict.fromkeys(operands(pos)))
+      if len(ins) <= 1 or sum(nbytes(k) for k in ins) <= nbytes(key):
+        unfusible[key] = False
+      elif not backward[pos] and any(backward[u] for u in readers[key]):
+        # A forward value read by the backward pass: the path through the
+        # loss and its cotangent crosses dots and convolutions.
+        unfusible[key] = True
+      else:
+        reach = reachable_from(key)
+        unfusible[key] = not all(
+            on_all_paths(key, u, reach) for u in readers[key])
+    return unfusible[key]
+
+  def reachable_from(key) -> set:
+    """Keys computed from ``key`` up to its last reader."""
+    last = max(readers[key])
+    reach, stack = {key}, [key]
+    while stack:
+      for r in readers.get(stack.pop(), ()):
+        if r <= last:
+          for out in ops[r].outs:
+            if out not in reach:
+              reach.add(out)
+              stack.append(out)
+    return reach
+
+  paths: dict = {}
+
+  def on_all_paths(key, reader: int, reach: set) -> bool:
+    """XLA's ``CanFuseOnAllPaths``: every operand of ``reader`` computed
+    from ``key`` fuses into it, and so on back to ``key``."""
+    if (key, reader) not in paths:
+      paths[key, reader] = all_fuse(key, reader, reach)
+    return paths[key, reader]
+
+  def all_fuse(key, reader: int, reach: set) -> bool:
+    for k in operands(reader):
+      if k not in reach:
+        continue
+      if not fuses(reader, k):
+        return False
+      if k == key:
+        continue
+      pos = producer_of.get(k)
+      if (pos is None or names[pos] not in ELEMENTWISE or k in outputs
+          or globally_unfusible(k) or not on_all_paths(key, pos, reach)):
+        return False
+    return True
 
   decided: dict = {}
 
@@ -247,13 +305,12 @@ def simulate(schedule: Schedule) -> MemoryProfile:
     return False
 
   def scratch(pos: int) -> int:
-    """Bytes an op needs only while it runs: XLA:CPU computes a
-    convolution's kernel gradient (an output smaller than both inputs) from
-    transposed copies of both inputs."""
-    if names[pos] != "conv_general_dilated":
+    """Bytes an op needs only while it runs: the transposed input copies a
+    kernel-gradient convolution runs on (the rewrite pins them there)."""
+    node = None if ops[pos].node is None else graph.nodes[ops[pos].node]
+    if node is None or not graph.transposes_inputs(node):
       return 0
-    ins = [nbytes(k) for k in ops[pos].ins if not isinstance(k, jex.Literal)]
-    return sum(ins) if all(b > nbytes(ops[pos].outs[0]) for b in ins) else 0
+    return sum(nbytes(k) for k in ops[pos].ins if not isinstance(k, jex.Literal))
 
   live = arguments + out_bytes
   live_set: set = set()

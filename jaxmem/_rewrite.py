@@ -78,9 +78,12 @@ class _Rewriter:
                  if vid in graph._by_value and vid not in self.dropped for b in bufs}
     self.ops: list[Op] = []
     self.cache: dict[int, Key] = {}  # dropped residual -> recomputed key
+    # Backward value -> its latest barrier copy: later readers read the copy,
+    # so XLA cannot prune it out of the barrier that orders a group.
+    self.routed: dict[int, Key] = {}
     self._versions = itertools.count(1)
     self.recompute_flops = 0.0
-    self.latest: Key | None = None  # the latest backward value emitted
+    self.made: list[int] = []  # backward values emitted so far
 
   def key(self, vid: int) -> Key:
     return (vid, 0)
@@ -123,18 +126,17 @@ class _Rewriter:
       if node.backward:
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache]
-        tied_anchor = self.recompute(missing, node) if missing else None
-      else:
-        tied_anchor = None
+        if missing:
+          self.recompute(missing, node)
       ins = tuple(self.read(a, node.backward) for a in node.ins)
-      if tied_anchor is not None:
-        # The consumer reads the anchor through the barrier, so the barrier
-        # sits between the anchor's producer and the consumer and XLA cannot
-        # prune the anchor out of it.
-        ins = tuple(tied_anchor[1] if k == tied_anchor[0] else k for k in ins)
+      if node.backward and graph.transposes_inputs(node):
+        # XLA would transpose these inputs as soon as they exist and hold
+        # the copies until here; reading them through a barrier at this
+        # point keeps the copies to the convolution itself.
+        ins = self.pin(ins, node, max(graph.values[v].nbytes for v in node.outs))
       self.ops.append(Op("node", node.index, ins, tuple(map(self.key, node.outs))))
-      if node.backward and node.outs:
-        self.latest = self.key(node.outs[0])
+      if node.backward:
+        self.made.extend(node.outs)
     outputs = [o if isinstance(o, jex.Literal) else self.read(o, True)
                for o in graph.outputs]
     return Schedule(graph, self.plan, self.ops, [self.key(v) for v in graph.inputs],
@@ -145,11 +147,11 @@ class _Rewriter:
       return atom
     if backward and atom in self.cache:
       return self.cache[atom]
-    return self.key(atom)
+    return self.routed.get(atom) or self.key(atom)
 
-  def recompute(self, missing: list[int], consumer):
+  def recompute(self, missing: list[int], consumer) -> None:
     """Re-runs the forward equations that rebuild ``missing`` before
-    ``consumer``; returns ``(anchor, its barrier copy)`` or None."""
+    ``consumer``."""
     graph = self.graph
     to_run: set[int] = set()
     leaves: set[int] = set()
@@ -168,15 +170,10 @@ class _Rewriter:
       stack.extend(a for a in graph.nodes[producer].ins if isinstance(a, int))
     local: dict[int, Key] = {}
     tied = sorted(v for v in leaves if v not in graph.consts)
-    anchor = self.anchor(consumer)
-    tied_anchor = None
     if tied:
-      ins = tuple(self.key(v) for v in tied) + ((anchor,) if anchor else ())
-      outs = tuple(self.fresh(k[0]) for k in ins)
-      self.ops.append(Op("barrier", None, ins, outs))
-      local.update(zip(tied, outs))
-      if anchor:
-        tied_anchor = (anchor, outs[-1])
+      size = max((graph.values[v].nbytes for n in to_run for v in graph.nodes[n].outs),
+                 default=0)
+      local.update(zip(tied, self.pin(tuple(map(self.key, tied)), consumer, size)))
     for index in sorted(to_run):
       node = graph.nodes[index]
       ins = tuple(a if isinstance(a, jex.Literal) else
@@ -189,20 +186,59 @@ class _Rewriter:
           self.cache[vid] = key
       self.recompute_flops += node.flops
       self.ops.append(Op("recompute", index, ins, outs))
-    return tied_anchor
 
-  def anchor(self, consumer) -> Key | None:
-    """The consumer's most recently made backward input, to order the group;
-    for a consumer that reads only forward values, the latest backward value
-    emitted (without an anchor XLA may hoist the group into the forward)."""
-    best = None
-    for atom in consumer.ins:
-      if isinstance(atom, int):
-        producer = self.graph.values[atom].producer
-        if producer is not None and self.graph.nodes[producer].backward:
-          if best is None or producer > self.graph.values[best].producer:
-            best = atom
-    return self.latest if best is None else self.read(best, True)
+  def pin(self, keys: tuple, consumer, size: int) -> tuple:
+    """Passes non-literal ``keys`` through one barrier with an anchor (see
+    ``anchor``), so what reads the copies runs after the anchor; returns
+    ``keys`` with copies in place of the originals."""
+    real = [k for k in keys if not isinstance(k, jex.Literal)]
+    if not real:
+      return keys
+    anchor = self.anchor(consumer, size)
+    ins = tuple(real) + ((self.read(anchor, True),) if anchor is not None else ())
+    outs = tuple(self.fresh(k[0]) for k in ins)
+    self.ops.append(Op("barrier", None, ins, outs))
+    if anchor is not None:
+      # Later readers of the anchor read its barrier copy, so the barrier
+      # sits between the anchor's producer and them and XLA cannot prune
+      # the anchor out.
+      self.routed[anchor] = outs[-1]
+    copies = dict(zip(real, outs))
+    return tuple(copies.get(k, k) if not isinstance(k, jex.Literal) else k
+                 for k in keys)
+
+  def anchor(self, consumer, size: int) -> int | None:
+    """The backward value that orders a group before ``consumer``: the
+    latest one emitted that is read again at or after ``consumer`` (those
+    reads go through the barrier copy, so XLA cannot prune the anchor out
+    of the barrier) and that XLA gives a buffer of its own anyway, or is
+    small (under 1/16 of ``size``, the group's largest value).
+
+    Not the consumer's own latest backward input: that may be made at the
+    start of the backward pass (a cotangent of the loss, a statistic), and
+    XLA's scheduler then hoists the group there and holds its results
+    through the backward pass. Large values XLA computes inside their
+    readers are passed over: a barrier would give one a buffer, and XLA
+    merges equal broadcasts across barriers into one that lives the whole
+    step.
+    """
+    graph = self.graph
+    position = self.position()
+    now = position[consumer.index]
+    for vid in reversed(self.made[-64:]):
+      if vid in self.fused and graph.values[vid].nbytes * 16 > size:
+        continue
+      if vid in graph.output_ids or any(position[u] >= now
+                                        for u in graph.values[vid].uses):
+        return vid
+    return None
+
+  def position(self) -> dict[int, int]:
+    """Node index -> its place in emission order."""
+    if "position" not in self.graph.derived:
+      self.graph.derived["position"] = {
+          n.index: i for i, n in enumerate(self.order())}
+    return self.graph.derived["position"]
 
 
 def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None) -> Schedule:
