@@ -1,19 +1,27 @@
-"""``jaxmem-bench``: fit a model's train step into budgets and compare.
+"""``jaxmem-bench``: fit a model's train step into budgets and compare methods.
 
-Run ``python -m jaxmem.bench --help``. The default run builds a residual MLP,
-measures the unconstrained step, transforms it at 70% and 50% of its
-footprint (or at the smallest budget jaxmem reaches, if one is not
-reachable) and prints one row per budget.
+Run ``jaxmem-bench --help`` (or ``python -m jaxmem.bench``). For one model
+it measures the unconstrained step, then every method at every budget:
+whether it fits (XLA's compiled footprint, and jaxmem's prediction), the
+step time as a ratio to the unconstrained step of the same run, FLOPs from
+XLA's cost analysis as a ratio, planning time and, with ``--max-batch``, the
+largest batch that fits the first budget. Methods: ``unconstrained``,
+``remat:<policy>`` (per-block ``nn.remat``, for models with blocks) and
+``jaxmem:<planner>``. Progress goes to stderr; the table to stdout;
+``--json`` and ``--plot`` write the figures and plots.
 
-On CPU the step times are CPU times (DESIGN.md fact 9: they are not the
-GPU's); footprints are XLA's compiled numbers with the remat flag of fact 1.
+The default run (a residual MLP at 70% and 50%) takes about a minute on two
+CPU cores. On CPU the step times are CPU times (DESIGN.md fact 9: not the
+GPU's); footprints carry the remat flag of fact 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import dataclasses
 import json
-import statistics
+import platform
 import sys
 import time
 
@@ -21,82 +29,131 @@ import jaxmem  # sets the XLA:CPU remat flag before JAX starts
 
 import jax
 
-
-def _median_time(fn, args, repeats: int) -> float:
-  out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+from jaxmem._benchmark import Bench, Method, Row, default_methods  # noqa: F401
+from jaxmem._budget import Budget, format_bytes
 
 
-def _parse_config(items):
+def _parse_config(items) -> dict:
   config = {}
   for item in items or ():
-    key, _, value = item.partition("=")
-    config[key] = json.loads(value)
+    key, sep, value = item.partition("=")
+    if not sep:
+      raise SystemExit(f"jaxmem-bench: --config takes KEY=JSON items, got {item!r} "
+                       "(e.g. depth=24 batch=512 widths=[8,16])")
+    try:
+      config[key] = json.loads(value)
+    except json.JSONDecodeError:
+      config[key] = value  # a bare string such as norm=group
   return config
+
+
+def _cell(value, fmt) -> str:
+  return "-" if value is None else fmt(value)
+
+
+def table(rows: list[Row]) -> str:
+  """The readable table of a run's rows."""
+  header = (f"{'method':<40} {'budget':>7} {'fits':>5} {'XLA':>10} {'model':>10} "
+            f"{'time x':>7} {'FLOPs x':>8} {'plan s':>7} {'max batch':>9}")
+  lines = [header, "-" * len(header)]
+  for r in rows:
+    lines.append(
+        f"{r.method:<40} {r.budget:>7} {('yes' if r.fits else 'NO'):>5} "
+        f"{_cell(r.xla_bytes, format_bytes):>10} {_cell(r.model_bytes, format_bytes):>10} "
+        f"{_cell(r.time_ratio, '{:.2f}'.format):>7} {_cell(r.flops_ratio, '{:.2f}'.format):>8} "
+        f"{_cell(r.planning_s, '{:.1f}'.format):>7} {_cell(r.max_batch, str):>9}")
+  return "\n".join(lines)
+
+
+def _parser(models) -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="jaxmem-bench",
+                                   description=__doc__.split("\n")[0])
+  parser.add_argument("--model", default="mlp", choices=sorted(models.REGISTRY))
+  parser.add_argument("--config", nargs="*", metavar="KEY=JSON",
+                      help="model options, e.g. depth=24 batch=512")
+  parser.add_argument("--budgets", nargs="+", default=["70%", "50%"],
+                      help="fractions of the unconstrained footprint or sizes (3GiB)")
+  parser.add_argument("--methods", nargs="+", metavar="METHOD",
+                      help="default: unconstrained, the model's remat baselines, "
+                           "every jaxmem planner")
+  parser.add_argument("--repeats", type=int, default=5, help="timed runs per step")
+  parser.add_argument("--max-batch", action="store_true",
+                      help="search each method's largest batch at the first budget")
+  parser.add_argument("--json", metavar="PATH", help="write the results here")
+  parser.add_argument("--plot", metavar="DIR", help="write plots (matplotlib) here")
+  parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+  return parser
+
+
+def run(opts) -> dict:
+  """Measures what ``opts`` asks for; returns the JSON-ready result."""
+  import models
+  progress = (lambda line: None) if opts.quiet else (
+      lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr,
+                         flush=True))
+  config = _parse_config(opts.config)
+  methods = ([Method.parse(m) for m in opts.methods] if opts.methods
+             else default_methods(opts.model))
+  budgets = [(text, Budget.parse(text)) for text in opts.budgets]
+  started = time.time()
+  progress(f"{opts.model}: compiling and timing the unconstrained step")
+  bench = Bench(opts.model, config, opts.repeats, progress)
+  rows = []
+  for method in methods:
+    for text, budget in budgets:
+      rows.append(bench.measure(method, text, budget.resolve(bench.unconstrained)))
+    if opts.max_batch:
+      budget_bytes = budgets[0][1].resolve(bench.unconstrained)
+      best = bench.max_batch(method, budget_bytes)
+      for row in rows:
+        if row.method == method.name and row.budget == budgets[0][0]:
+          row.max_batch = best
+  return {
+      "model": opts.model, "config": {**models.options(opts.model), **config},
+      "unconstrained_bytes": bench.unconstrained,
+      "unconstrained_step_ms": bench.base_seconds * 1e3,
+      "unconstrained_flops": bench.base_flops,
+      "rows": rows, "seconds": time.time() - started,
+      "command": " ".join(["jaxmem-bench"] + sys.argv[1:]),
+      "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+      "machine": {"backend": jax.default_backend(),
+                  "devices": [d.device_kind for d in jax.devices()],
+                  "platform": platform.platform(), "python": platform.python_version()},
+      "versions": {name: importlib.metadata.version(name)
+                   for name in ("jax", "jaxlib", "flax", "optax", "jaxmem")},
+  }
+
+
+def save(result: dict, opts) -> None:
+  """Writes ``--plot`` plots and the ``--json`` file of a run, if asked."""
+  rows = result["rows"]
+  if opts.plot:
+    from jaxmem import _plots
+    for path in _plots.write_all(result, rows, opts.plot):
+      print(f"plot: {path}")
+  if opts.json:
+    with open(opts.json, "w") as f:
+      json.dump({**result, "rows": [
+          {k: v for k, v in dataclasses.asdict(r).items()
+           if k not in ("timeline", "recompute_ops")} for r in rows]}, f, indent=2)
+    print(f"json: {opts.json}")
 
 
 def main(argv=None) -> int:
   import models
-  parser = argparse.ArgumentParser(prog="jaxmem-bench", description=__doc__.split("\n")[0])
-  parser.add_argument("--model", default="mlp", choices=sorted(models.REGISTRY))
-  parser.add_argument("--config", nargs="*", metavar="KEY=JSON",
-                      help="model options, e.g. depth=24 batch=512")
-  parser.add_argument("--budgets", nargs="+", default=["70%", "50%"])
-  parser.add_argument("--planner", default="recompute", choices=sorted(jaxmem.PLANNERS))
-  parser.add_argument("--repeats", type=int, default=5)
-  parser.add_argument("--json", help="write the results here")
-  opts = parser.parse_args(argv)
-
-  task = models.get(opts.model, **_parse_config(opts.config))
-  state, batch = task.init()
-  base = jax.jit(task.step)
-  unconstrained = jaxmem.xla_footprint(base.lower(state, batch).compile())
-  base_time = _median_time(base, (state, batch), opts.repeats)
-  print(f"jaxmem-bench: model {opts.model} {task.config}, backend "
-        f"{jax.default_backend()}, jax {jax.__version__}")
-  print(f"unconstrained step: {jaxmem.format_bytes(unconstrained)}, "
-        f"{base_time * 1e3:.1f} ms\n")
-  header = f"{'budget':>8} {'asked':>11} {'XLA':>11} {'model':>11} {'fits':>5} " \
-           f"{'+FLOPs':>7} {'plan s':>7} {'time x':>7}"
-  print(header)
-  print("-" * len(header))
-  rows = []
-  for text in opts.budgets:
-    fitted = jaxmem.transform(task.step, budget=text, planner=opts.planner)
-    try:
-      plan = fitted.plan(state, batch)
-      note = ""
-    except jaxmem.BudgetError as err:
-      smallest = err.smallest
-      fitted = jaxmem.transform(task.step, budget=smallest, planner=opts.planner)
-      plan = fitted.plan(state, batch)
-      note = f"  ({text} unreachable; smallest reachable shown)"
-    step_time = _median_time(fitted, (state, batch), opts.repeats)
-    row = {"budget": text, "budget_bytes": plan.budget, "xla_bytes": plan.footprint,
-           "model_bytes": plan.profile.peak, "fits": plan.footprint <= plan.budget,
-           "added_flops_ratio": plan.added_flops / max(plan.base_flops, 1.0),
-           "planning_s": plan.seconds, "time_ratio": step_time / base_time}
-    rows.append(row)
-    print(f"{text:>8} {jaxmem.format_bytes(plan.budget):>11} "
-          f"{jaxmem.format_bytes(plan.footprint):>11} "
-          f"{jaxmem.format_bytes(plan.profile.peak):>11} {str(row['fits']):>5} "
-          f"{row['added_flops_ratio']:>6.1%} {plan.seconds:>7.2f} "
-          f"{row['time_ratio']:>6.2f}x{note}")
-  print("\nXLA = compiled footprint (temp + args + outputs - aliases); "
-        "model = jaxmem's prediction; time x = step time / unconstrained "
-        "(CPU time on CPU).")
-  if opts.json:
-    with open(opts.json, "w") as f:
-      json.dump({"model": opts.model, "config": task.config, "backend": jax.default_backend(),
-                 "jax": jax.__version__, "command": " ".join(sys.argv),
-                 "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-                 "unconstrained_bytes": unconstrained, "rows": rows}, f, indent=2)
+  opts = _parser(models).parse_args(argv)
+  result = run(opts)
+  rows = result["rows"]
+  print(f"jaxmem-bench: {result['model']} {result['config']}")
+  print(f"backend {result['machine']['backend']}, jax {result['versions']['jax']}; "
+        f"unconstrained step {format_bytes(result['unconstrained_bytes'])}, "
+        f"{result['unconstrained_step_ms']:.1f} ms\n")
+  print(table(rows))
+  print("\nXLA = compiled footprint (temp + args + outputs - aliases); for a method "
+        "that does not fit, the smallest it reaches. model = jaxmem's prediction. "
+        "time x, FLOPs x = ratios to the unconstrained step of this run"
+        + (" (CPU time on CPU)." if result["machine"]["backend"] == "cpu" else "."))
+  save(result, opts)
   return 0
 
 

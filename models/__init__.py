@@ -60,6 +60,25 @@ REGISTRY: dict[str, Callable] = {
 _classify = classify  # the name the original module used
 
 
+def options(name: str) -> dict:
+  """A registered model's options and their defaults.
+
+  Example:
+    >>> import models
+    >>> models.options("mlp")["batch"]
+    2048
+  """
+  if name not in REGISTRY:
+    raise KeyError(f"unknown model {name!r}; expected one of {sorted(REGISTRY)}")
+  return {k: p.default for k, p in inspect.signature(REGISTRY[name]).parameters.items()
+          if k != "remat"}
+
+
+def supports_remat(name: str) -> bool:
+  """Whether the model has block modules that ``remat=`` can wrap."""
+  return "remat" in inspect.signature(REGISTRY[name]).parameters
+
+
 def get(name: str, *, optimizer: optax.GradientTransformation | None = None,
         remat: str | None = None, **config) -> Task:
   """Builds a registered model's :class:`Task` (see :data:`REGISTRY`).
@@ -86,29 +105,24 @@ def get(name: str, *, optimizer: optax.GradientTransformation | None = None,
     >>> sorted(task.config)
     ['batch', 'depth', 'dim', 'heads', 'remat', 'seq', 'vocab']
   """
-  if name not in REGISTRY:
-    raise KeyError(f"unknown model {name!r}; expected one of {sorted(REGISTRY)}")
+  known = options(name)
   check_remat(remat)
-  factory = REGISTRY[name]
-  params = inspect.signature(factory).parameters
-  unknown = sorted(set(config) - set(params) - {"remat"})
+  unknown = sorted(set(config) - set(known))
   if unknown:
-    options = [p for p in params if p != "remat"]
     raise TypeError(f"model {name!r} takes no option(s) {unknown}; its options are "
-                    f"{options} (and remat=)")
-  if remat is not None and "remat" not in params:
-    with_blocks = sorted(n for n, f in REGISTRY.items()
-                         if "remat" in inspect.signature(f).parameters)
+                    f"{list(known)} (and remat=)")
+  if remat is not None and not supports_remat(name):
+    with_blocks = sorted(n for n in REGISTRY if supports_remat(n))
     raise ValueError(f"model {name!r} has no block modules, so remat={remat!r} cannot "
                      f"be applied; models with per-block remat: {with_blocks}")
   extra = {} if remat is None else {"remat": remat}
-  module, make_batch, loss = factory(**config, **extra)
+  module, make_batch, loss = REGISTRY[name](**config, **extra)
   return Task(name, module, make_batch, loss, optimizer or optax.adam(1e-3),
               dict(config, remat=remat))
 
 
 __all__ = [
-    "REGISTRY", "REMAT_POLICIES", "Task", "get", "param_count", "policy", "remat_block",
+    "REGISTRY", "REMAT_POLICIES", "Task", "get", "options", "supports_remat", "param_count", "policy", "remat_block",
     "check_remat", "classify", "image_batch", "token_batch",
     "ResidualMLP", "SmallCNN", "Block", "Transformer",
     "MobileNetV2", "InvertedResidual", "ResNet", "BasicBlock", "Bottleneck",

@@ -1,0 +1,98 @@
+"""Scripted benchmark suites over the model zoo, on top of ``jaxmem-bench``.
+
+Suites:
+  maxbatch  the largest batch that fits a fixed budget (a fraction of the
+            unconstrained footprint at the configured batch): unmodified JAX,
+            every per-block remat baseline and jaxmem; plus step-time ratios
+            at that budget.
+  sweep     budgets from 100% down, every method, with plots.
+
+Each model's run is written as JSON (and plots) under ``--out``; a markdown
+summary table goes to stdout and ``--out``/summary-<suite>.md.
+
+Example (CPU, small configurations; minutes per model):
+  python benchmarks/suite.py maxbatch --models vit gpt2 --out benchmarks/results/cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+
+import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
+from jaxmem import bench
+
+# Small configurations that compile and plan in seconds to a minute on CPU.
+CPU_CONFIGS = {
+    "resnet18": dict(width=8, stages=[1, 1, 1, 1], size=32, batch=8),
+    "mobilenetv2": dict(width=0.25, size=32, batch=8),
+    "vit": dict(dim=64, depth=4, heads=2, patch=8, size=32, batch=8),
+    "gpt2": dict(dim=64, depth=2, heads=2, seq=64, vocab=256, batch=4),
+    "unet": dict(width=8, depth=2, size=32, batch=2),
+    "resnet_deep": dict(depth=12, width=8, size=16, batch=8),
+}
+
+
+def _opts(model, budgets, out, suite, max_batch, repeats):
+  return types.SimpleNamespace(
+      model=model, config=[f"{k}={json.dumps(v)}" for k, v in CPU_CONFIGS[model].items()],
+      budgets=budgets, methods=None, repeats=repeats, max_batch=max_batch,
+      json=os.path.join(out, f"{suite}-{model}.json"),
+      plot=os.path.join(out, "plots") if suite == "sweep" else None, quiet=False)
+
+
+def summary(results, budget: str) -> str:
+  """Markdown: per model, max batch of each method and step-time ratios."""
+  lines = [f"| model | unmodified | best remat (policy) | jaxmem | jaxmem / unmodified "
+           f"| time x at {budget}: jaxmem, best fitting remat |",
+           "|---|---|---|---|---|---|"]
+  for result in results:
+    rows = [r for r in result["rows"] if r.budget == budget]
+    by = {r.method: r for r in rows}
+    remats = [r for r in rows if r.method.startswith("remat:")]
+    best = max(remats, key=lambda r: r.max_batch or 0, default=None)
+    plain, ours = by.get("unconstrained"), by.get("jaxmem:recompute")
+    fitting = [r for r in remats if r.fits]
+    fast = min(fitting, key=lambda r: r.time_ratio, default=None)
+    ratio = (f"{ours.max_batch / plain.max_batch:.2f}x"
+             if plain and ours and plain.max_batch else "-")
+    lines.append(
+        f"| {result['model']} | {plain.max_batch if plain else '-'} | "
+        f"{f'{best.max_batch} ({best.method[6:]})' if best else '-'} | "
+        f"{ours.max_batch if ours else '-'} | {ratio} | "
+        f"{f'{ours.time_ratio:.2f}' if ours and ours.fits else 'no fit'}, "
+        f"{f'{fast.time_ratio:.2f} ({fast.method[6:]})' if fast else 'none fits'} |")
+  return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("suite", choices=["maxbatch", "sweep"])
+  parser.add_argument("--models", nargs="+", default=sorted(CPU_CONFIGS),
+                      choices=sorted(CPU_CONFIGS))
+  parser.add_argument("--budget", default="50%", help="maxbatch: the fixed budget")
+  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--out", default="benchmarks/results/latest")
+  opts = parser.parse_args(argv)
+  os.makedirs(opts.out, exist_ok=True)
+  budgets = [opts.budget] if opts.suite == "maxbatch" else ["100%", "85%", "70%", "60%", "50%"]
+  results = []
+  for model in opts.models:
+    run_opts = _opts(model, budgets, opts.out, opts.suite, opts.suite == "maxbatch",
+                     opts.repeats)
+    result = bench.run(run_opts)
+    print(bench.table(result["rows"]), flush=True)
+    bench.save(result, run_opts)
+    results.append(result)
+  text = summary(results, budgets[0] if opts.suite == "maxbatch" else "50%")
+  with open(os.path.join(opts.out, f"summary-{opts.suite}.md"), "w") as f:
+    f.write(f"Command: python benchmarks/suite.py {' '.join(sys.argv[1:])}\n\n{text}\n")
+  print(text)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,205 @@
+"""Measurements behind ``jaxmem-bench``: one model, several methods, budgets.
+
+A *method* is a way to run a model's train step: ``unconstrained`` (plain
+``jax.jit``), ``remat:<policy>`` (the hand-written baseline: ``nn.remat``
+with a named policy around every block) or ``jaxmem:<planner>`` (the step
+transformed by :func:`jaxmem.transform`). Every figure is measured in the
+run that reports it; ratios are to the unconstrained step of the same run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import jax
+
+from jaxmem._budget import BudgetError
+from jaxmem._planners import PLANNERS
+from jaxmem._transform import transform, xla_footprint
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """How a step is run: ``kind`` is unconstrained, remat or jaxmem; ``option``
+  the remat policy or the planner name."""
+  kind: str
+  option: str | None = None
+
+  @property
+  def name(self) -> str:
+    return self.kind if self.option is None else f"{self.kind}:{self.option}"
+
+  @classmethod
+  def parse(cls, text: str) -> "Method":
+    """``"unconstrained"``, ``"remat:<policy>"`` or ``"jaxmem:<planner>"``.
+
+    Example:
+      >>> Method.parse("remat:dots_saveable")
+      Method(kind='remat', option='dots_saveable')
+    """
+    import models
+    kind, _, option = text.partition(":")
+    choices = {"remat": models.REMAT_POLICIES, "jaxmem": PLANNERS}
+    if kind == "unconstrained" and not option:
+      return cls(kind)
+    if kind in choices and option in choices[kind]:
+      return cls(kind, option)
+    raise ValueError(
+        f"unknown method {text!r}; expected 'unconstrained', 'remat:<policy>' with a "
+        f"policy in {sorted(models.REMAT_POLICIES)}, or 'jaxmem:<planner>' with a "
+        f"planner in {sorted(PLANNERS)}")
+
+
+def default_methods(model: str) -> list[Method]:
+  """Unconstrained, every jaxmem planner, and the remat baselines the model
+  supports (models without block modules have none)."""
+  import models
+  methods = [Method("unconstrained")]
+  if models.supports_remat(model):
+    methods += [Method("remat", p) for p in ("nothing_saveable", "dots_saveable",
+                                              "dots_with_no_batch_dims_saveable")]
+  return methods + [Method("jaxmem", p) for p in sorted(PLANNERS)]
+
+
+@dataclasses.dataclass
+class Row:
+  """One method at one budget. Byte figures are XLA's compiled footprints
+  (temp + arguments + outputs - aliases); ``model_bytes`` is jaxmem's
+  prediction. A jaxmem method that cannot meet the budget has ``fits``
+  False and ``xla_bytes`` the smallest footprint it reaches."""
+  method: str
+  budget: str
+  budget_bytes: int
+  fits: bool
+  xla_bytes: int | None
+  model_bytes: int | None = None
+  step_ms: float | None = None
+  time_ratio: float | None = None
+  flops_ratio: float | None = None
+  planning_s: float | None = None
+  max_batch: int | None = None
+  timeline: list | None = dataclasses.field(default=None, repr=False)
+  recompute_ops: list | None = dataclasses.field(default=None, repr=False)
+
+
+def median_seconds(fn: Callable, args, repeats: int) -> float:
+  """Median wall time of ``fn(*args)`` over ``repeats`` runs after a warm-up."""
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(max(repeats, 1)):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def compiled_flops(compiled) -> float | None:
+  """FLOPs from XLA's cost analysis (None where the backend gives none)."""
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else None
+  return None if not cost or "flops" not in cost else float(cost["flops"])
+
+
+class Bench:
+  """Builds one model's tasks and measures methods on them.
+
+  Args:
+    model: a registry name in ``models``.
+    config: the model's options (``batch`` included or the factory's).
+    repeats: timed runs per step (median reported).
+    progress: called with a line of text as work proceeds.
+  """
+
+  def __init__(self, model: str, config: dict, repeats: int = 5,
+               progress: Callable[[str], None] = lambda line: None):
+    import models
+    self.models = models
+    self.model = model
+    self.config = dict(config)
+    self.repeats = repeats
+    self.progress = progress
+    self.base = self.task(Method("unconstrained"))
+    self.args = self.base.init()
+    compiled = jax.jit(self.base.step).lower(*self.args).compile()
+    self.unconstrained = xla_footprint(compiled)
+    self.base_flops = compiled_flops(compiled)
+    self.base_seconds = median_seconds(jax.jit(self.base.step), self.args, repeats)
+    self._fixed = {Method("unconstrained"): (self.unconstrained, 1.0, self.base_seconds)}
+
+  def task(self, method: Method, **overrides):
+    remat = method.option if method.kind == "remat" else None
+    return self.models.get(self.model, remat=remat, **{**self.config, **overrides})
+
+  def measure(self, method: Method, budget: str, budget_bytes: int) -> Row:
+    """Fits, footprint, step time and FLOPs of ``method`` at one budget."""
+    self.progress(f"{self.model}: {method.name} at {budget}")
+    row = Row(method.name, budget, budget_bytes, False, None)
+    if method.kind == "jaxmem":
+      fitted = transform(self.base.step, budget=budget_bytes, planner=method.option)
+      try:
+        plan = fitted.plan(*self.args)
+      except BudgetError as err:
+        row.xla_bytes = err.smallest
+        return row
+      row.model_bytes, row.planning_s = plan.profile.peak, plan.seconds
+      row.timeline = list(plan.profile.timeline)
+      row.recompute_ops = [i for i, op in enumerate(plan.profile.schedule.ops)
+                           if op.kind == "recompute"]
+      figures = self._run(fitted, fitted.lower(*self.args).compile(), self.args)
+    elif method in self._fixed:  # the step does not depend on the budget
+      figures = self._fixed[method]
+    else:
+      task = self.task(method)
+      args = task.init()
+      step = jax.jit(task.step)
+      figures = self._fixed[method] = self._run(step, step.lower(*args).compile(), args)
+    row.xla_bytes, row.flops_ratio, seconds = figures
+    row.fits = row.xla_bytes <= budget_bytes
+    row.step_ms, row.time_ratio = seconds * 1e3, seconds / self.base_seconds
+    return row
+
+  def _run(self, step, compiled, args) -> tuple:
+    """(footprint, FLOPs ratio, median seconds) of a compiled step."""
+    return (xla_footprint(compiled), self._flops_ratio(compiled),
+            median_seconds(step, args, self.repeats))
+
+  def _flops_ratio(self, compiled) -> float | None:
+    flops = compiled_flops(compiled)
+    return None if flops is None or not self.base_flops else flops / self.base_flops
+
+  def fits_at(self, method: Method, budget_bytes: int, batch: int) -> bool:
+    """Whether ``method`` fits ``budget_bytes`` at batch ``batch``, from the
+    compiled footprint alone (arguments are shapes, nothing runs)."""
+    task = self.task(method, batch=batch)
+    args = jax.eval_shape(task.init)
+    if method.kind == "jaxmem":
+      try:
+        transform(task.step, budget=budget_bytes, planner=method.option).plan(*args)
+        return True
+      except BudgetError:
+        return False
+    return xla_footprint(jax.jit(task.step).lower(*args).compile()) <= budget_bytes
+
+  def max_batch(self, method: Method, budget_bytes: int, limit: int = 64) -> int:
+    """The largest batch at which ``method`` fits ``budget_bytes``: doubling
+    from the configured batch, then bisection; 0 if even batch 1 does not
+    fit, and at most ``limit`` times the configured batch."""
+    start = self.config.get("batch", self.models.options(self.model)["batch"])
+    fits = lambda b: self.fits_at(method, budget_bytes, b)
+    self.progress(f"{self.model}: max batch of {method.name}")
+    if not fits(start):
+      low, high = 0, start
+    else:
+      low, high = start, 2 * start
+      while high <= limit * start and fits(high):
+        low, high = high, 2 * high
+      if high > limit * start:
+        return low
+    while high - low > 1:
+      mid = (low + high) // 2
+      low, high = (mid, high) if fits(mid) else (low, mid)
+    return low

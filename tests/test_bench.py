@@ -1,0 +1,54 @@
+"""jaxmem-bench: a small run end to end, its table, JSON and plots."""
+
+import json
+
+import pytest
+
+from jaxmem import bench
+from jaxmem._benchmark import Method
+
+TINY = ["--model", "mlp", "--config", "depth=4", "width=16", "batch=32", "features=8"]
+
+
+def test_cli_writes_table_json_and_plots(tmp_path, capsys):
+  out = tmp_path / "run.json"
+  bench.main(TINY + ["--budgets", "100%", "30%", "--repeats", "1", "--quiet",
+                     "--methods", "unconstrained", "jaxmem:recompute",
+                     "--json", str(out), "--plot", str(tmp_path / "plots")])
+  text = capsys.readouterr().out
+  assert "unconstrained" in text and "jaxmem:recompute" in text
+  result = json.loads(out.read_text())
+  for key in ("model", "config", "unconstrained_bytes", "unconstrained_step_ms", "rows",
+              "command", "date", "machine", "versions"):
+    assert key in result, key
+  rows = {(r["method"], r["budget"]): r for r in result["rows"]}
+  assert len(rows) == 4
+  plain = rows["unconstrained", "100%"]
+  assert plain["fits"] and plain["xla_bytes"] == result["unconstrained_bytes"]
+  assert plain["time_ratio"] == pytest.approx(1.0)
+  assert not rows["unconstrained", "30%"]["fits"]
+  fitted = rows["jaxmem:recompute", "100%"]
+  assert fitted["fits"] and fitted["xla_bytes"] <= fitted["budget_bytes"]
+  assert fitted["time_ratio"] > 0 and fitted["flops_ratio"] >= 1.0
+  # 30% is below what recomputation reaches: not fitting, smallest shown.
+  tight = rows["jaxmem:recompute", "30%"]
+  assert not tight["fits"] and tight["xla_bytes"] > tight["budget_bytes"]
+  assert (tmp_path / "plots" / "mlp-overhead.png").stat().st_size > 0
+  assert (tmp_path / "plots" / "mlp-jaxmem-recompute-100pct-timeline.png").exists()
+
+
+def test_max_batch_search_matches_footprints():
+  b = bench.Bench("mlp", dict(depth=4, width=16, batch=32, features=8), repeats=1)
+  method = Method("unconstrained")
+  best = b.max_batch(method, b.unconstrained * 2)
+  assert best >= 32
+  assert b.fits_at(method, b.unconstrained * 2, best)
+  assert not b.fits_at(method, b.unconstrained * 2, best + 1)
+
+
+def test_methods_parse_and_refuse_unknown_names():
+  assert Method.parse("remat:nothing_saveable").name == "remat:nothing_saveable"
+  with pytest.raises(ValueError, match="unknown method 'remat:everything'"):
+    Method.parse("remat:everything")
+  assert [m.kind for m in bench.default_methods("mlp")] == ["unconstrained", "jaxmem"]
+  assert "remat" in [m.kind for m in bench.default_methods("vit")]
