@@ -17,10 +17,11 @@ bring the walk close to XLA:CPU's fusion and buffer assignment:
 * an elementwise value that XLA's instruction fusion computes inside its
   readers (elementwise ops, and reductions over the minor-most axis) gets no
   buffer; its own inputs are read at those readers' positions instead. An
-  expensive op (``EXPENSIVE``) is fused only into a sole reader, a cheap
-  unary one into every reader that can take it, any other cheap one only
-  when every reader takes it and, for a forward value, none is in the
-  backward pass (see ``simulate``).
+  expensive op (``EXPENSIVE``) is fused only into a sole reader; a cheap one
+  into every reader that can take it, unless it reads more than one operand
+  and more elements than it writes and some path from it to a reader runs
+  through an op that cannot fuse (XLA's ``ComputeGloballyUnfusible``; see
+  ``simulate``).
 """
 
 from __future__ import annotations
@@ -119,11 +120,13 @@ def simulate(schedule: Schedule) -> MemoryProfile:
   for pos, op in enumerate(ops):
     for key in op.outs:
       producer_of[key] = pos
+  def operands(pos: int) -> list:
+    return [k for k in ops[pos].ins if not isinstance(k, jex.Literal)]
+
   readers: dict = {}
-  for pos, op in enumerate(ops):
-    for key in op.ins:
-      if not isinstance(key, jex.Literal):
-        readers.setdefault(key, []).append(pos)
+  for pos in range(len(ops)):
+    for key in operands(pos):
+      readers.setdefault(key, []).append(pos)
   outputs = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
 
   names = ["optimization_barrier" if op.node is None else graph.nodes[op.node].prim.name
@@ -148,9 +151,6 @@ def simulate(schedule: Schedule) -> MemoryProfile:
     ndim = len(graph.values[key[0]].aval.shape)
     axes = graph.nodes[ops[reader].node].params.get("axes", ())
     return ndim == 0 or ndim - 1 in axes
-
-  def operands(pos: int) -> list:
-    return [k for k in ops[pos].ins if not isinstance(k, jex.Literal)]
 
   def duplicable(key) -> bool:
     """Whether XLA fuses ``key`` into every reader that can fuse it, after
@@ -243,16 +243,14 @@ def simulate(schedule: Schedule) -> MemoryProfile:
     if key not in through:
       pos = producer_of[key]
       through[key] = list(dict.fromkeys(
-          b for k in ops[pos].ins if not isinstance(k, jex.Literal)
+          b for k in operands(pos)
           for b in (reads_through(k) if fused_into(k, pos) else [root.get(k, k)])))
     return through[key]
 
   reads: dict = {}
   materialized: set = set()
-  for pos, op in enumerate(ops):
-    for key in op.ins:
-      if isinstance(key, jex.Literal):
-        continue
+  for pos in range(len(ops)):
+    for key in operands(pos):
       if fused_into(key, pos):
         bufs = reads_through(key)
       else:
@@ -310,7 +308,7 @@ def simulate(schedule: Schedule) -> MemoryProfile:
     node = None if ops[pos].node is None else graph.nodes[ops[pos].node]
     if node is None or not graph.transposes_inputs(node):
       return 0
-    return sum(nbytes(k) for k in ops[pos].ins if not isinstance(k, jex.Literal))
+    return sum(nbytes(k) for k in operands(pos))
 
   live = arguments + out_bytes
   live_set: set = set()
@@ -342,11 +340,13 @@ def unplanned_profile(graph) -> MemoryProfile:
 
 
 def fused_values(graph) -> dict:
-  """Forward values XLA computes inside their readers in the untransformed
-  step: value id -> ids of the buffers it is computed from.
+  """Values XLA computes inside their readers in the untransformed step:
+  value id -> ids of the buffers it is computed from.
 
-  Recomputation must not read these (that would give one a buffer of its
-  own); it reads the buffers they are computed from instead.
+  Recomputation must not read the forward ones (that would give one a
+  buffer of its own); it reads the buffers they are computed from instead.
+  The rewrite does not anchor barriers on the backward ones, for the same
+  reason.
   """
   if "fused" not in graph.derived:
     profile = unplanned_profile(graph)

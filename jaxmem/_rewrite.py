@@ -12,10 +12,13 @@ re-run from *kept* values only (step inputs, constants, kept residuals, and
 copies recomputed earlier and still in use), never from a forward value that
 happens to be at hand (that would keep it alive and save nothing). The kept
 values enter the recomputation through one ``optimization_barrier`` together
-with the backward equation's most recent backward input, so XLA can neither
-merge the copy with the forward value (CSE) nor hoist it to the start of the
-backward pass. A dropped residual rebuilt on the way is kept for its own later
-backward uses; other forward intermediates die inside their group.
+with an anchor, the latest backward value emitted that is read again (see
+``_Rewriter.anchor``), so XLA can neither merge the copy with the forward
+value (CSE) nor hoist it to the start of the backward pass. A dropped
+residual rebuilt on the way is kept for its own later backward uses; other
+forward intermediates die inside their group. The same barrier-with-anchor
+(``_Rewriter.pin``) keeps XLA from transposing a kernel-gradient
+convolution's inputs before the convolution runs.
 """
 
 from __future__ import annotations

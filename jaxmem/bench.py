@@ -29,7 +29,7 @@ import jaxmem  # sets the XLA:CPU remat flag before JAX starts
 
 import jax
 
-from jaxmem._benchmark import Bench, Method, Row, default_methods  # noqa: F401
+from jaxmem._benchmark import Bench, Method, Row, default_methods
 from jaxmem._budget import Budget, format_bytes
 
 
