@@ -112,6 +112,10 @@ class Graph:
     producer = self.values[vid].producer
     return producer is not None and not self.nodes[producer].backward
 
+  def is_backward_value(self, vid: int) -> bool:
+    producer = self.values[vid].producer
+    return producer is not None and self.nodes[producer].backward
+
   def residual(self, vid: int) -> Residual:
     return self._by_value[vid]
 

@@ -6,9 +6,10 @@ other buffer from its producing op to its last reader. These refinements
 bring the walk close to XLA:CPU's fusion and buffer assignment:
 
 * outputs are live for the whole step (XLA allocates them up front), and
-  until an output is written a temporary of the same size may use its
-  buffer (XLA's buffer assignment does this; it matters for optimizer
-  states, whose outputs have the shapes of parameters);
+  until an output is written a temporary no larger may use its buffer,
+  placed the way XLA's buffer assignment does it (``_share_output_buffers``;
+  it matters for optimizer states, whose outputs have the shapes of
+  parameters and are written as soon as each gradient exists);
 * views (``reshape``, ``squeeze``, ``expand_dims``, ``optimization_barrier``)
   share their input's buffer;
 * a convolution computing a kernel gradient also holds transposed copies of
@@ -68,6 +69,8 @@ class MemoryProfile:
     root: key -> the key owning its buffer (views share their source's).
     fused_reads: fused key -> the buffers it reads where it is consumed.
     fused: keys that never get a buffer (computed inside every reader).
+    in_outputs: temporaries placed in an output's buffer before the output
+      is written (they add no bytes).
   """
   schedule: Schedule
   peak: int
@@ -79,6 +82,7 @@ class MemoryProfile:
   root: dict
   fused_reads: dict
   fused: frozenset
+  in_outputs: frozenset = frozenset()
 
   def excess(self, target: int) -> int:
     """Byte-ops above ``target``: how far and how long the step exceeds it,
@@ -284,23 +288,11 @@ def simulate(schedule: Schedule) -> MemoryProfile:
   for pos in owned_by:
     owned_by[pos] = [k for k in owned_by[pos] if k not in pinned]
 
-  # Until an output is written, XLA may place a temporary of the same size in
-  # its buffer: slot -> position where the output is made, busy-until.
-  slots: dict[int, list] = {}
-  for b in {root.get(k, k) for k in outputs}:
-    if b not in inputs:
-      slots.setdefault(nbytes(b), []).append([producer_of.get(b, -1), -1])
-  last_read = {k: pos for pos, keys in free_at.items() for k in keys}
-
-  def place_in_output_slot(key, pos) -> bool:
-    end = last_read.get(key)
-    if end is None:
-      return False
-    for slot in slots.get(nbytes(key), ()):
-      if slot[1] < pos and end < slot[0]:
-        slot[1] = end
-        return True
-    return False
+  in_outputs = _share_output_buffers(
+      {b: producer_of.get(b, -1) for b in {root.get(k, k) for k in outputs}
+       if b not in inputs},
+      {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys},
+      nbytes)
 
   def scratch(pos: int) -> int:
     """Bytes an op needs only while it runs: the transposed input copies a
@@ -316,7 +308,7 @@ def simulate(schedule: Schedule) -> MemoryProfile:
   timeline = []
   for pos in range(len(ops)):
     for key in owned_by.get(pos, ()):
-      if place_in_output_slot(key, pos):
+      if key in in_outputs:
         continue
       live += nbytes(key)
       live_set.add(key)
@@ -329,7 +321,47 @@ def simulate(schedule: Schedule) -> MemoryProfile:
         live_set.discard(key)
   return MemoryProfile(schedule, peak, peak_op, arguments, timeline,
                        live_at_peak, reads, root,
-                       {k: reads_through(k) for k in through}, frozenset(fused))
+                       {k: reads_through(k) for k in through}, frozenset(fused),
+                       frozenset(in_outputs))
+
+
+def _share_output_buffers(outputs: dict, temps: dict, nbytes) -> set:
+  """Temporaries XLA places in output buffers before the outputs are written.
+
+  XLA's buffer assignment (``BufferAssigner::AssignSingleHloBuffer``) gives
+  every output an allocation up front, then visits the other buffers largest
+  first (program order among equals) and puts each in the smallest output
+  allocation at least as large whose values so far do not overlap it in
+  time; only the rest go to the temp heap.
+
+  Args:
+    outputs: output buffer -> position where it is written.
+    temps: temporary buffer -> (first, last) position it is live.
+    nbytes: buffer -> size.
+
+  Returns:
+    The temporaries that cost no bytes of their own.
+  """
+  allocations = sorted(((nbytes(b), at) for b, at in outputs.items()),
+                       key=lambda a: (a[0], -a[1]))  # smallest first
+  busy: list[list] = [[] for _ in allocations]
+  shared = set()
+  largest = allocations[-1][0] if allocations else 0
+  order = sorted((k for k in temps if nbytes(k) <= largest),
+                 key=lambda k: (-nbytes(k), temps[k][0]))
+  first = 0
+  for key in order:
+    size, (start, end) = nbytes(key), temps[key]
+    while first < len(allocations) and allocations[first][0] < size:
+      first += 1
+    for i in range(first, len(allocations)):
+      if end >= allocations[i][1] or any(
+          s <= end and start <= e for s, e in busy[i]):
+        continue
+      busy[i].append((start, end))
+      shared.add(key)
+      break
+  return shared
 
 
 def unplanned_profile(graph) -> MemoryProfile:

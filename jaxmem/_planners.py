@@ -61,8 +61,10 @@ def evaluate(graph: Graph, plan: Plan) -> tuple[Schedule, MemoryProfile]:
 
 
 def unplanned(graph: Graph, target: int) -> PlanResult:
-  """The untransformed step as a :class:`PlanResult` (every residual kept)."""
-  schedule, profile = evaluate(graph, Plan())
+  """The untransformed step as a :class:`PlanResult` (every residual kept,
+  no backward read separated: the step as written)."""
+  schedule = build_schedule(graph, Plan(), fused_values(graph), separate=False)
+  profile = simulate(schedule)
   return PlanResult(Plan(), schedule, profile, target, profile.peak <= target, 0.0, 0)
 
 

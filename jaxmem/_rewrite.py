@@ -70,8 +70,9 @@ class Schedule:
 class _Rewriter:
   """Walks the graph once, emitting ops; the env maps value id -> live key."""
 
-  def __init__(self, graph: Graph, plan: Plan, fused: dict):
+  def __init__(self, graph: Graph, plan: Plan, fused: dict, separating: bool):
     self.graph = graph
+    self.separating = separating
     self.plan = plan
     self.dropped = plan.values_with("recompute")
     self.fused = fused
@@ -87,6 +88,8 @@ class _Rewriter:
     self._versions = itertools.count(1)
     self.recompute_flops = 0.0
     self.made: list[int] = []  # backward values emitted so far
+    # Value read broadcast by the backward pass -> its barrier copy.
+    self.separated: dict[int, Key] = {}
 
   def key(self, vid: int) -> Key:
     return (vid, 0)
@@ -113,13 +116,24 @@ class _Rewriter:
     if "order" in graph.derived:
       return graph.derived["order"]
     slot: dict[int, int] = {}
+    # Update nodes that read only step inputs and constants (Adam's step
+    # count and bias corrections): placed later, just before their first
+    # reader, so they do not hold the updates that read them back.
+    floating: set[int] = set()
     for node in graph.nodes:
-      if node.update:
-        producers = [graph.values[a].producer for a in node.ins
-                     if isinstance(a, int) and graph.values[a].producer is not None]
-        slot[node.index] = max((slot[p] for p in producers), default=node.index)
-      else:
+      if not node.update:
         slot[node.index] = node.index
+        continue
+      producers = [graph.values[a].producer for a in node.ins
+                   if isinstance(a, int) and graph.values[a].producer is not None]
+      placed = [slot[p] for p in producers if p not in floating]
+      if placed:
+        slot[node.index] = max(placed)
+      else:
+        floating.add(node.index)
+    for index in sorted(floating, reverse=True):
+      readers = [u for v in graph.nodes[index].outs for u in graph.values[v].uses]
+      slot[index] = min((slot[u] for u in readers), default=index)
     graph.derived["order"] = sorted(graph.nodes, key=lambda n: (slot[n.index], n.index))
     return graph.derived["order"]
 
@@ -132,6 +146,8 @@ class _Rewriter:
         if missing:
           self.recompute(missing, node)
       ins = tuple(self.read(a, node.backward) for a in node.ins)
+      if node.backward and self.separating:
+        ins = self.separate(node, ins)
       if node.backward and graph.transposes_inputs(node):
         # XLA would transpose these inputs as soon as they exist and hold
         # the copies until here; reading them through a barrier at this
@@ -190,6 +206,48 @@ class _Rewriter:
       self.recompute_flops += node.flops
       self.ops.append(Op("recompute", index, ins, outs))
 
+  def separate(self, node, ins: tuple) -> tuple:
+    """Backward reads that XLA would otherwise share with the forward pass go
+    through a barrier copy, one per value: values made before the backward
+    pass that ``node`` broadcasts (a LayerNorm's scale or 1/std), and kept
+    residuals computed with a broadcast (a Dense layer's bias add).
+
+    XLA materializes a broadcast that a reduction reads and merges equal
+    broadcasts (CSE): without the copy, the forward and the backward
+    broadcast of one value become one full-size buffer that lives from the
+    forward use to the backward one. And XLA computes an elementwise op
+    whose other operands are broadcasts inside each of its readers (its
+    ``EffectivelyAtMostUnary`` rule), so a backward reader of a bias add
+    would read (and keep alive) the matmul output beside the add's own
+    buffer.
+    """
+    graph = self.graph
+    shape = graph.values[node.outs[0]].aval.shape if node.outs else ()
+    found = []
+    for atom, key in zip(node.ins, ins):
+      if (not isinstance(atom, int) or key != self.key(atom) or atom in graph.consts
+          or graph.is_backward_value(atom)):
+        continue
+      if (_broadcasts(graph.values[atom].aval.shape, shape)
+          or (graph.is_forward_value(atom) and atom not in self.fused
+              and self.computed_with_broadcast(atom))):
+        found.append(atom)
+    missing = sorted({a for a in found if a not in self.separated})
+    if missing:
+      size = graph.values[node.outs[0]].nbytes
+      copies = self.pin(tuple(map(self.key, missing)), node, size)
+      self.separated.update(zip(missing, copies))
+    return tuple(self.separated.get(a, k) if isinstance(a, int) and k == self.key(a)
+                 else k for a, k in zip(node.ins, ins))
+
+  def computed_with_broadcast(self, vid: int) -> bool:
+    graph = self.graph
+    node = graph.nodes[graph.values[vid].producer]
+    shape = graph.values[vid].aval.shape
+    return len(node.ins) > 1 and any(
+        isinstance(a, int) and _broadcasts(graph.values[a].aval.shape, shape)
+        for a in node.ins)
+
   def pin(self, keys: tuple, consumer, size: int) -> tuple:
     """Passes non-literal ``keys`` through one barrier with an anchor (see
     ``anchor``), so what reads the copies runs after the anchor; returns
@@ -244,7 +302,15 @@ class _Rewriter:
     return self.graph.derived["position"]
 
 
-def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None) -> Schedule:
+def _broadcasts(own: tuple, shape: tuple) -> bool:
+  """Whether an operand of shape ``own`` is broadcast to ``shape`` (size-1
+  axes stretched, as jaxpr's elementwise ops do implicitly)."""
+  return (len(own) == len(shape) and own != shape and any(d > 1 for d in own)
+          and all(o in (1, d) for o, d in zip(own, shape)))
+
+
+def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
+                   separate: bool = True) -> Schedule:
   """Applies ``plan`` to ``graph``; see the module docstring.
 
   Args:
@@ -254,6 +320,9 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None) -> Sched
       in a buffer of their own, each with the buffers it is computed from
       (see ``_memory.fused_values``); recomputation reads those buffers
       instead of the value.
+    separate: whether backward reads that XLA would share with the forward
+      pass are separated from it (``_Rewriter.separate``); off, a plan that
+      keeps everything gives back the step as it was.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -265,4 +334,4 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None) -> Sched
     >>> [op.kind for op in s.ops].count("recompute")
     2
   """
-  return _Rewriter(graph, plan, fused or {}).run()
+  return _Rewriter(graph, plan, fused or {}, separate).run()

@@ -33,6 +33,9 @@ def check_fits_and_matches(step, args, budget, steps=3):
   footprint = jaxmem.xla_footprint(compiled)
   assert footprint == plan.footprint
   assert footprint <= plan.budget, (footprint, plan.budget)
+  # The memory model predicts the planned step too, not only the original.
+  assert abs(plan.profile.peak - footprint) <= 0.1 * footprint, (
+      plan.profile.peak, footprint)
   state, batch = args
   want = run_steps(jax.jit(step), state, batch, steps)
   got = run_steps(fitted, state, batch, steps)
@@ -42,7 +45,14 @@ def check_fits_and_matches(step, args, budget, steps=3):
 
 @pytest.fixture(scope="module", params=sorted(SMALL))
 def task(request):
-  task = models.get(request.param, **SMALL[request.param])
+  # Adam with eps 1e-3 (optax's default is 1e-8): Adam divides each update
+  # by sqrt(v) + eps, so with a tiny eps a parameter whose gradient is zero in
+  # exact arithmetic (attention's key bias: softmax ignores a shift shared by
+  # a query's logits) moves by +-lr on rounding noise alone, and any change
+  # in XLA's evaluation order (which recomputation is) changes that noise.
+  # The footprint is Adam's either way.
+  task = models.get(request.param, optimizer=optax.adam(1e-3, eps=1e-3),
+                    **SMALL[request.param])
   return task, task.init()
 
 
