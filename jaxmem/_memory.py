@@ -365,7 +365,9 @@ def _share_output_buffers(outputs: dict, temps: dict, nbytes) -> set:
 
 
 def unplanned_profile(graph) -> MemoryProfile:
-  """The untransformed step's profile, simulated once per graph."""
+  """The profile of the plan that keeps every residual, simulated once per
+  graph: the planners' starting point (backward reads separated as in every
+  planned step; ``_planners.unplanned`` gives the step as written)."""
   if "unplanned" not in graph.derived:
     graph.derived["unplanned"] = simulate(build_schedule(graph, Plan()))
   return graph.derived["unplanned"]

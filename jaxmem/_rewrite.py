@@ -18,7 +18,11 @@ value (CSE) nor hoist it to the start of the backward pass. A dropped
 residual rebuilt on the way is kept for its own later backward uses; other
 forward intermediates die inside their group. The same barrier-with-anchor
 (``_Rewriter.pin``) keeps XLA from transposing a kernel-gradient
-convolution's inputs before the convolution runs.
+convolution's inputs before the convolution runs, and, in a plan that
+changes anything, separates backward reads that XLA would otherwise share
+with the forward pass (``_Rewriter.separate``).
+
+Optimizer updates move up to just after their gradient (``_Rewriter.order``).
 """
 
 from __future__ import annotations
@@ -88,7 +92,7 @@ class _Rewriter:
     self._versions = itertools.count(1)
     self.recompute_flops = 0.0
     self.made: list[int] = []  # backward values emitted so far
-    # Value read broadcast by the backward pass -> its barrier copy.
+    # Value whose backward reads are separated -> its barrier copy.
     self.separated: dict[int, Key] = {}
 
   def key(self, vid: int) -> Key:
