@@ -146,16 +146,38 @@ class RecomputeGreedy:
       # The ladder, always the same aims from an empty plan: when nothing
       # fits, its best is the lowest plan of this graph whatever the target,
       # so the smallest footprint named in an error is met when asked for.
-      base = evaluate(graph, Plan())[1].peak
-      ladder, best = [*(int(base * f) for f in self.aims), 0], None
-      for aim in ladder:
-        result = self._greedy(graph, target, aim, candidates, Plan())
+      best = None
+      for result in self._ladder(graph, target, candidates):
         if best is None or result.peak < best.peak:
           best = result
         if best.fits:
           break
     best.seconds = time.perf_counter() - began
     return best
+
+  def lowest(self, graph: Graph) -> list[PlanResult]:
+    """The ladder's plans, lowest predicted peak first: the candidates for
+    the smallest footprint (the model ranks them only within a few percent,
+    so the caller may measure each)."""
+    began = time.perf_counter()
+    results = sorted(self._ladder(graph, 0, recomputable(graph)),
+                     key=lambda r: r.peak)
+    for result in results:
+      result.seconds = time.perf_counter() - began
+    return results
+
+  def _ladder(self, graph, target, candidates):
+    """Greedy runs from an empty plan toward each aim of ``aims``, then 0;
+    each run is kept with the graph (it does not depend on ``target``), so
+    :meth:`lowest` after a failed :meth:`plan` costs nothing more."""
+    base = evaluate(graph, Plan())[1].peak
+    runs = graph.derived.setdefault(
+        ("ladder", self.aims, self.evaluations, self.batches), {})
+    for fraction in (*self.aims, 0):
+      if fraction not in runs:
+        runs[fraction] = self._greedy(graph, 0, int(base * fraction), candidates, Plan())
+      result = runs[fraction]
+      yield dataclasses.replace(result, target=target, fits=result.peak <= target)
 
   def _greedy(self, graph, target, aim, candidates, plan) -> PlanResult:
     """One greedy run from ``plan`` toward ``aim``; fits is judged against
@@ -220,10 +242,12 @@ class RecomputeGreedy:
     dropped = plan.values_with("recompute")
     live = set(profile.live_at_peak)
     riders: dict = {}
-    for key, bufs in profile.fused_reads.items():
-      if key[1] == 0 and key[0] in candidates and key[0] not in dropped:
+    # The rewrite reads a kept fused residual's buffers for it (directly, or
+    # through a copy it rebuilds in the backward pass), so those stay.
+    for vid, bufs in fused_values(graph).items():
+      if vid in candidates and vid not in dropped:
         for buf in bufs:
-          riders.setdefault(buf, []).append(candidates[key[0]])
+          riders.setdefault((buf, 0), []).append(candidates[vid])
     ops = profile.schedule.ops
     ranked = []
     for buf in live:

@@ -94,6 +94,7 @@ class _Rewriter:
     self.made: list[int] = []  # backward values emitted so far
     # Value whose backward reads are separated -> its barrier copy.
     self.separated: dict[int, Key] = {}
+    self._shared = None  # see shared_reads
 
   def key(self, vid: int) -> Key:
     return (vid, 0)
@@ -149,6 +150,11 @@ class _Rewriter:
                    and a in self.dropped and a not in self.cache]
         if missing:
           self.recompute(missing, node)
+        if self.separating:
+          rebuild = [a for a in self.shared_reads()[1].get(node.index, ())
+                     if a not in self.cache and a not in self.dropped]
+          if rebuild:
+            self.recompute(rebuild, node, separated=True)
       ins = tuple(self.read(a, node.backward) for a in node.ins)
       if node.backward and self.separating:
         ins = self.separate(node, ins)
@@ -172,9 +178,50 @@ class _Rewriter:
       return self.cache[atom]
     return self.routed.get(atom) or self.key(atom)
 
-  def recompute(self, missing: list[int], consumer) -> None:
+  def shared_reads(self) -> tuple[dict, dict]:
+    """Backward node -> the operands whose reads ``separate`` routes
+    through a barrier copy, and backward node -> the operands rebuilt from
+    such copies; the same for every plan, so computed once per graph.
+
+    Rebuilt are forward values XLA computes inside their readers from a bias
+    add (GELU's ``x**2`` from ``x = dot + bias``): XLA would compute the add
+    inside the backward reader too (its ``EffectivelyAtMostUnary`` rule),
+    reading the dot output, which then stays alive beside the add's own
+    buffer until the backward pass.
+    """
+    if self._shared is not None:
+      return self._shared
+    graph = self.graph
+    cache_key = ("shared_reads", frozenset(self.fused.items()))
+    if cache_key in graph.derived:
+      self._shared = graph.derived[cache_key]
+      return self._shared
+    with_broadcast = lambda v: (graph.is_forward_value(v) and v not in self.fused
+                                and self.computed_with_broadcast(v))
+    separated, rebuilt = {}, {}
+    for node in graph.nodes:
+      if not node.backward:
+        continue
+      shape = graph.values[node.outs[0]].aval.shape if node.outs else ()
+      atoms = [a for a in dict.fromkeys(a for a in node.ins if isinstance(a, int))
+               if a not in graph.consts and not graph.is_backward_value(a)]
+      found = tuple(a for a in atoms if _broadcasts(graph.values[a].aval.shape, shape)
+                    or with_broadcast(a))
+      rebuild = tuple(a for a in atoms if graph.is_forward_value(a) and a in self.fused
+                      and any(graph.values[b].producer is not None and with_broadcast(b)
+                              for b in self.fused[a]))
+      if found:
+        separated[node.index] = found
+      if rebuild:
+        rebuilt[node.index] = rebuild
+    graph.derived[cache_key] = self._shared = (separated, rebuilt)
+    return self._shared
+
+  def recompute(self, missing: list[int], consumer, separated: bool = False) -> None:
     """Re-runs the forward equations that rebuild ``missing`` before
-    ``consumer``."""
+    ``consumer``; with ``separated``, from the separated copies of the kept
+    values it starts from (see ``separate``), and ``missing`` are kept for
+    later backward reads."""
     graph = self.graph
     to_run: set[int] = set()
     leaves: set[int] = set()
@@ -193,10 +240,16 @@ class _Rewriter:
       stack.extend(a for a in graph.nodes[producer].ins if isinstance(a, int))
     local: dict[int, Key] = {}
     tied = sorted(v for v in leaves if v not in graph.consts)
+    if separated:
+      local.update((v, self.separated[v]) for v in tied if v in self.separated)
+      tied = [v for v in tied if v not in self.separated]
     if tied:
       size = max((graph.values[v].nbytes for n in to_run for v in graph.nodes[n].outs),
                  default=0)
-      local.update(zip(tied, self.pin(tuple(map(self.key, tied)), consumer, size)))
+      copies = self.pin(tuple(map(self.key, tied)), consumer, size)
+      local.update(zip(tied, copies))
+      if separated:
+        self.separated.update(zip(tied, copies))
     for index in sorted(to_run):
       node = graph.nodes[index]
       ins = tuple(a if isinstance(a, jex.Literal) else
@@ -205,7 +258,7 @@ class _Rewriter:
       outs = tuple(self.fresh(v) for v in node.outs)
       for vid, key in zip(node.outs, outs):
         local[vid] = key
-        if vid in self.dropped:
+        if vid in self.dropped or (separated and vid in missing):
           self.cache[vid] = key
       self.recompute_flops += node.flops
       self.ops.append(Op("recompute", index, ins, outs))
@@ -225,20 +278,11 @@ class _Rewriter:
     would read (and keep alive) the matmul output beside the add's own
     buffer.
     """
-    graph = self.graph
-    shape = graph.values[node.outs[0]].aval.shape if node.outs else ()
-    found = []
-    for atom, key in zip(node.ins, ins):
-      if (not isinstance(atom, int) or key != self.key(atom) or atom in graph.consts
-          or graph.is_backward_value(atom)):
-        continue
-      if (_broadcasts(graph.values[atom].aval.shape, shape)
-          or (graph.is_forward_value(atom) and atom not in self.fused
-              and self.computed_with_broadcast(atom))):
-        found.append(atom)
-    missing = sorted({a for a in found if a not in self.separated})
+    read_as = {a: k for a, k in zip(node.ins, ins) if isinstance(a, int)}
+    missing = sorted(a for a in self.shared_reads()[0].get(node.index, ())
+                     if read_as[a] == self.key(a) and a not in self.separated)
     if missing:
-      size = graph.values[node.outs[0]].nbytes
+      size = self.graph.values[node.outs[0]].nbytes
       copies = self.pin(tuple(map(self.key, missing)), node, size)
       self.separated.update(zip(missing, copies))
     return tuple(self.separated.get(a, k) if isinstance(a, int) and k == self.key(a)

@@ -167,6 +167,31 @@ class Transformed:
       self._plans[key] = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves)
     return self._plans[key]
 
+  def fits(self, *args, **kwargs) -> bool:
+    """A quick check that the budget can be met for these arguments
+    (shapes suffice, e.g. from ``jax.eval_shape``), for batch-size searches.
+
+    Plans like :meth:`plan` and keeps a plan that fits, but where the
+    planner's search toward the budget fails it answers False at once
+    instead of looking for the smallest footprint (which :meth:`plan`'s
+    error names, and which can occasionally still fit): True means
+    :meth:`plan` succeeds; False means it most likely raises.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxmem
+      >>> step = lambda w, x: w - jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+      >>> jaxmem.transform(step, budget="100%").fits(jnp.eye(8), jnp.ones((4, 8)))
+      True
+    """
+    key, dyn_args, dyn_kwargs, leaves = _signature(
+        args, kwargs, self.static_argnums, self.static_argnames)
+    if key not in self._plans:
+      plan = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves, smallest=False)
+      if plan is None:
+        return False
+      self._plans[key] = plan
+    return True
+
   def _bound(self, args, kwargs):
     """The step with its static arguments bound, over dynamic ones only."""
     statics = {i: args[i] for i in self.static_argnums if i < len(args)}
@@ -180,7 +205,11 @@ class Transformed:
 
     return bound
 
-  def _build(self, args, kwargs, dyn_args, dyn_kwargs, leaves) -> StepPlan:
+  def _build(self, args, kwargs, dyn_args, dyn_kwargs, leaves,
+             smallest: bool = True) -> StepPlan | None:
+    """Plans and compiles; a budget that cannot be met raises
+    :class:`BudgetError` naming the smallest footprint (or, without
+    ``smallest``, gives None before searching for it)."""
     start = time.perf_counter()
     _flags.enable_cpu_remat()
     closed, in_tree, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
@@ -219,10 +248,10 @@ class Transformed:
       if result.fits and attempts < self.max_rounds:
         scale *= budget / _measured(result, footprint) * 0.99
         continue
+      if lowest is None and not smallest:
+        return None
       if lowest is None:
-        # A plan the model itself cannot fit is the planner's lowest already.
-        lowest = ((result, jitted, footprint) if not result.fits
-                  else self._lowest(graph, out_tree, args, kwargs))
+        lowest = self._lowest(graph, out_tree, args, kwargs, (result, jitted, footprint))
       result, jitted, footprint = lowest
       smallest = _measured(result, footprint)
       if smallest <= budget:
@@ -244,13 +273,29 @@ class Transformed:
     jitted = self._jit(result, out_tree)
     return jitted, xla_footprint(jitted.lower(*args, **kwargs).compile())
 
-  def _lowest(self, graph, out_tree, args, kwargs):
-    """The planner's lowest-peak plan, compiled: (result, jitted, footprint)."""
+  def _lowest(self, graph, out_tree, args, kwargs, tried):
+    """The planner's lowest plan, compiled: (result, jitted, footprint).
+
+    ``tried`` is the last plan compiled, (result, jitted, footprint). A
+    planner with a ``lowest(graph)`` method offers several more candidates;
+    each is compiled and the one with the smallest measured footprint wins,
+    so the smallest budget an error names is XLA's, not the model's.
+    """
     if not graph.has_backward:
-      result = unplanned(graph, 0)
+      candidates = [unplanned(graph, 0)]
+    elif hasattr(self.planner, "lowest"):
+      candidates = self.planner.lowest(graph)
     else:
-      result = self.planner.plan(graph, 0)
-    return (result, *self._compile(result, out_tree, args, kwargs))
+      candidates = [self.planner.plan(graph, 0)]
+    best, seen = tried, {tried[0].plan}
+    for result in candidates:
+      if result.plan in seen:
+        continue
+      seen.add(result.plan)
+      compiled = (result, *self._compile(result, out_tree, args, kwargs))
+      if best is None or _measured(result, compiled[2]) < _measured(best[0], best[2]):
+        best = compiled
+    return best
 
   def _jit(self, result: PlanResult, out_tree):
     run_flat = emit(result.schedule)

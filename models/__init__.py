@@ -9,7 +9,7 @@ baselines jaxmem is compared with.
 name            model (key options)
 =============== ===========================================================
 ``mlp``         residual MLP (depth, width, batch, features)
-``cnn``         small residual CNN with BatchNorm (widths, batch, size)
+``cnn``         small residual CNN with BatchNorm (widths, batch, size, blocks)
 ``transformer`` small causal LM (depth, dim, heads, seq, batch, vocab)
 ``mobilenetv2`` MobileNetV2 (width multiplier, depth multiplier, size)
 ``resnet18``    ResNet-18, basic blocks (width, stages, size)

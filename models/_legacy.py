@@ -40,7 +40,7 @@ class ResidualMLP(nn.Module):
 
 
 class SmallCNN(nn.Module):
-  """Pre-activation residual CNN with BatchNorm: two blocks per width.
+  """Pre-activation residual CNN with BatchNorm: ``blocks`` blocks per width.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -50,12 +50,13 @@ class SmallCNN(nn.Module):
   """
   widths: tuple = (16, 32, 64)
   classes: int = 10
+  blocks: int = 2
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     for i, w in enumerate(self.widths):
       x = nn.Conv(w, (3, 3), strides=(1, 1) if i == 0 else (2, 2))(x)
-      for _ in range(2):
+      for _ in range(self.blocks):
         y = nn.Conv(w, (3, 3))(nn.relu(nn.BatchNorm(use_running_average=not train)(x)))
         x = x + y
     x = nn.relu(nn.BatchNorm(use_running_average=not train)(x))
@@ -123,9 +124,9 @@ def mlp(depth=16, width=128, batch=2048, features=64):
   return ResidualMLP(depth, width), make_batch, classify
 
 
-def cnn(widths=(16, 32, 64), batch=16, size=32):
+def cnn(widths=(16, 32, 64), batch=16, size=32, blocks=2):
   """Registry factory ``"cnn"``: :class:`SmallCNN` on ``size`` x ``size`` images."""
-  return SmallCNN(tuple(widths)), image_batch(batch, size), classify
+  return SmallCNN(tuple(widths), blocks=blocks), image_batch(batch, size), classify
 
 
 def transformer(depth=4, dim=64, heads=4, seq=64, batch=8, vocab=128, dropout=0.1,

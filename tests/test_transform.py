@@ -10,10 +10,12 @@ import jaxmem
 import models
 from tests.helpers import assert_trees_close
 
+# Activation-dominated sizes (as a memory budget bites in practice): with
+# Adam's parameters and states small beside the residuals, 50% is reachable.
 SMALL = {
-    "mlp": dict(depth=16, width=64, batch=128, features=32),
-    "cnn": dict(widths=(8, 16), batch=4, size=16),
-    "transformer": dict(depth=2, dim=32, heads=2, seq=32, batch=4, vocab=64),
+    "mlp": dict(depth=16, width=64, batch=512, features=32),
+    "cnn": dict(widths=(8, 16), batch=8, size=16, blocks=6),
+    "transformer": dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64),
 }
 
 
@@ -56,20 +58,13 @@ def task(request):
   return task, task.init()
 
 
-@pytest.mark.parametrize("budget", ["100%", "70%", pytest.param("50%", marks=pytest.mark.slow)])
-def test_budget_is_met_or_refused_with_the_smallest(task, budget):
+@pytest.mark.parametrize("budget", ["100%", "70%", "50%"])
+def test_budget_is_met_and_numbers_match(task, budget):
   task, args = task
-  try:
-    plan = check_fits_and_matches(task.step, args, budget)
-  except jaxmem.BudgetError as err:
-    smallest = err.smallest
-    fraction = float(budget.rstrip("%")) / 100
-    unconstrained = jaxmem.xla_footprint(jax.jit(task.step).lower(*args).compile())
-    assert smallest > int(fraction * unconstrained)
-    check_fits_and_matches(task.step, args, smallest)
-  else:
-    if budget != "100%":
-      assert len(plan.plan) > 0
+  plan = check_fits_and_matches(task.step, args, budget)
+  if budget != "100%":
+    assert len(plan.plan) > 0
+    assert plan.added_flops > 0
 
 
 def test_smallest_feasible_budget_fits_and_matches(task):
