@@ -94,7 +94,9 @@ class _Rewriter:
     self.made: list[int] = []  # backward values emitted so far
     # Value whose backward reads are separated -> its barrier copy.
     self.separated: dict[int, Key] = {}
-    self._shared = None  # see shared_reads
+    # Backward node -> operands read through a separated copy / rebuilt
+    # from such copies (see shared_reads).
+    self.to_separate, self.to_rebuild = self.shared_reads()
 
   def key(self, vid: int) -> Key:
     return (vid, 0)
@@ -151,7 +153,7 @@ class _Rewriter:
         if missing:
           self.recompute(missing, node)
         if self.separating:
-          rebuild = [a for a in self.shared_reads()[1].get(node.index, ())
+          rebuild = [a for a in self.to_rebuild.get(node.index, ())
                      if a not in self.cache and a not in self.dropped]
           if rebuild:
             self.recompute(rebuild, node, separated=True)
@@ -189,13 +191,10 @@ class _Rewriter:
     reading the dot output, which then stays alive beside the add's own
     buffer until the backward pass.
     """
-    if self._shared is not None:
-      return self._shared
     graph = self.graph
     cache_key = ("shared_reads", frozenset(self.fused.items()))
     if cache_key in graph.derived:
-      self._shared = graph.derived[cache_key]
-      return self._shared
+      return graph.derived[cache_key]
     with_broadcast = lambda v: (graph.is_forward_value(v) and v not in self.fused
                                 and self.computed_with_broadcast(v))
     separated, rebuilt = {}, {}
@@ -208,14 +207,13 @@ class _Rewriter:
       found = tuple(a for a in atoms if _broadcasts(graph.values[a].aval.shape, shape)
                     or with_broadcast(a))
       rebuild = tuple(a for a in atoms if graph.is_forward_value(a) and a in self.fused
-                      and any(graph.values[b].producer is not None and with_broadcast(b)
-                              for b in self.fused[a]))
+                      and any(with_broadcast(b) for b in self.fused[a]))
       if found:
         separated[node.index] = found
       if rebuild:
         rebuilt[node.index] = rebuild
-    graph.derived[cache_key] = self._shared = (separated, rebuilt)
-    return self._shared
+    graph.derived[cache_key] = (separated, rebuilt)
+    return separated, rebuilt
 
   def recompute(self, missing: list[int], consumer, separated: bool = False) -> None:
     """Re-runs the forward equations that rebuild ``missing`` before
@@ -279,7 +277,7 @@ class _Rewriter:
     buffer.
     """
     read_as = {a: k for a, k in zip(node.ins, ins) if isinstance(a, int)}
-    missing = sorted(a for a in self.shared_reads()[0].get(node.index, ())
+    missing = sorted(a for a in self.to_separate.get(node.index, ())
                      if read_as[a] == self.key(a) and a not in self.separated)
     if missing:
       size = self.graph.values[node.outs[0]].nbytes

@@ -161,11 +161,7 @@ class Transformed:
 
   def plan(self, *args, **kwargs) -> StepPlan:
     """Plans (once per shapes, dtypes and static values) and returns the plan."""
-    key, dyn_args, dyn_kwargs, leaves = _signature(
-        args, kwargs, self.static_argnums, self.static_argnames)
-    if key not in self._plans:
-      self._plans[key] = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves)
-    return self._plans[key]
+    return self._cached_plan(args, kwargs, find_smallest=True)
 
   def fits(self, *args, **kwargs) -> bool:
     """A quick check that the budget can be met for these arguments
@@ -183,14 +179,19 @@ class Transformed:
       >>> jaxmem.transform(step, budget="100%").fits(jnp.eye(8), jnp.ones((4, 8)))
       True
     """
+    return self._cached_plan(args, kwargs, find_smallest=False) is not None
+
+  def _cached_plan(self, args, kwargs, find_smallest: bool) -> StepPlan | None:
+    """The plan for these arguments' signature, built once (see ``_build``;
+    a None is not kept)."""
     key, dyn_args, dyn_kwargs, leaves = _signature(
         args, kwargs, self.static_argnums, self.static_argnames)
     if key not in self._plans:
-      plan = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves, smallest=False)
+      plan = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves, find_smallest)
       if plan is None:
-        return False
+        return None
       self._plans[key] = plan
-    return True
+    return self._plans[key]
 
   def _bound(self, args, kwargs):
     """The step with its static arguments bound, over dynamic ones only."""
@@ -206,10 +207,10 @@ class Transformed:
     return bound
 
   def _build(self, args, kwargs, dyn_args, dyn_kwargs, leaves,
-             smallest: bool = True) -> StepPlan | None:
+             find_smallest: bool = True) -> StepPlan | None:
     """Plans and compiles; a budget that cannot be met raises
     :class:`BudgetError` naming the smallest footprint (or, without
-    ``smallest``, gives None before searching for it)."""
+    ``find_smallest``, gives None before searching for it)."""
     start = time.perf_counter()
     _flags.enable_cpu_remat()
     closed, in_tree, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
@@ -248,7 +249,7 @@ class Transformed:
       if result.fits and attempts < self.max_rounds:
         scale *= budget / _measured(result, footprint) * 0.99
         continue
-      if lowest is None and not smallest:
+      if lowest is None and not find_smallest:
         return None
       if lowest is None:
         lowest = self._lowest(graph, out_tree, args, kwargs, (result, jitted, footprint))
@@ -293,7 +294,7 @@ class Transformed:
         continue
       seen.add(result.plan)
       compiled = (result, *self._compile(result, out_tree, args, kwargs))
-      if best is None or _measured(result, compiled[2]) < _measured(best[0], best[2]):
+      if _measured(result, compiled[2]) < _measured(best[0], best[2]):
         best = compiled
     return best
 
