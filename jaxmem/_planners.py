@@ -7,7 +7,9 @@ transform and the benchmark CLI can select it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import time
 from typing import Callable, Protocol
 
@@ -133,6 +135,8 @@ class RecomputeGreedy:
   # the unconstrained peak, then at 0, until a plan fits. Asked for the
   # lowest peak (target 0), every aim is tried.
   aims: tuple = (0.85, 0.7, 0.5, 0.3)
+  # Bulk moves (``_bulk``): shares of the bytes above the aim to drop at once.
+  bulk: tuple = (0.25, 0.5)
 
   def plan(self, graph: Graph, target: int, start: Plan | None = None) -> PlanResult:
     """Plans ``graph`` toward ``target`` bytes, from ``start`` if given (a
@@ -143,9 +147,9 @@ class RecomputeGreedy:
     if target > 0:
       best = self._greedy(graph, target, target, candidates, start or Plan())
     if best is None or not best.fits:
-      # The ladder, always the same aims from an empty plan: when nothing
-      # fits, its best is the lowest plan of this graph whatever the target,
-      # so the smallest footprint named in an error is met when asked for.
+      # The ladder, always the same aims: when nothing fits, its best is
+      # the lowest plan of this graph whatever the target, so the smallest
+      # footprint named in an error is met when asked for.
       best = None
       for result in self._ladder(graph, target, candidates):
         if best is None or result.peak < best.peak:
@@ -167,21 +171,29 @@ class RecomputeGreedy:
     return results
 
   def _ladder(self, graph, target, candidates):
-    """Greedy runs from an empty plan toward each aim of ``aims``, then 0;
-    each run is kept with the graph (it does not depend on ``target``), so
-    :meth:`lowest` after a failed :meth:`plan` costs nothing more."""
+    """Greedy runs toward each aim of ``aims``, then 0, each from the plan
+    the one before reached (the first from an empty plan), so the ladder
+    costs about one descent to the lowest peak; each run is kept with the
+    graph (it does not depend on ``target``), so :meth:`lowest` after a
+    failed :meth:`plan` costs nothing more."""
     base = evaluate(graph, Plan())[1].peak
     runs = graph.derived.setdefault(
-        ("ladder", self.aims, self.evaluations, self.batches), {})
+        ("ladder", self.aims, self.evaluations, self.batches, self.bulk), {})
+    plan = Plan()
     for fraction in (*self.aims, 0):
       if fraction not in runs:
-        runs[fraction] = self._greedy(graph, 0, int(base * fraction), candidates, Plan())
+        runs[fraction] = self._greedy(graph, 0, int(base * fraction), candidates, plan)
       result = runs[fraction]
+      plan = result.plan
       yield dataclasses.replace(result, target=target, fits=result.peak <= target)
 
   def _greedy(self, graph, target, aim, candidates, plan) -> PlanResult:
     """One greedy run from ``plan`` toward ``aim``; fits is judged against
     ``target``."""
+    with _paused_gc():
+      return self._descend(graph, target, aim, candidates, plan)
+
+  def _descend(self, graph, target, aim, candidates, plan) -> PlanResult:
     schedule, profile = evaluate(graph, plan)
     best = (profile.peak, plan, schedule, profile)
     steps = 0
@@ -190,13 +202,15 @@ class RecomputeGreedy:
       base = (profile.peak, profile.excess(aim), schedule.recompute_flops)
       choice = None
       undo = [([r], KEEP) for r in self._undo(graph, plan, profile)]
+      bulk = [(group, RECOMPUTE) for group in self._bulk(ranked, profile.peak - aim)]
+      ranked = [group for group, _ in ranked]
       # Best-ranked candidates first; when none of a batch helps, the next
       # batch (the cheapest rebuilds can be the ones that make a new peak).
       for batch in range(self.batches):
         moves = [(r, RECOMPUTE) for r in
                  ranked[batch * self.evaluations:(batch + 1) * self.evaluations]]
         if batch == 0:
-          moves += undo
+          moves += undo + bulk
         for group, decision in moves:
           trial = plan
           for r in group:
@@ -221,6 +235,24 @@ class RecomputeGreedy:
     peak, plan, schedule, profile = best
     return PlanResult(plan, schedule, profile, target, peak <= target, 0.0, steps)
 
+  def _bulk(self, ranked, deficit: int) -> list[list[Residual]]:
+    """Moves that drop several ranked groups at once, far from the aim: the
+    best-ranked groups covering a share (``bulk``) of the bytes still above
+    it. They are scored like single drops, so one is taken only where it
+    lowers the peak as much per added FLOP; it saves the steps a long descent
+    would take one group at a time."""
+    moves = []
+    for share in self.bulk:
+      move, covered = [], 0
+      for group, nbytes in ranked:
+        if covered + nbytes > deficit * share:
+          break
+        move += group
+        covered += nbytes
+      if len(move) > 1 and (not moves or len(move) > len(moves[-1])):
+        moves.append(move)
+    return moves
+
   def _undo(self, graph, plan, profile) -> list[Residual]:
     """Dropped residuals whose rebuilt copy is live at the peak.
 
@@ -232,8 +264,8 @@ class RecomputeGreedy:
     return [graph.residual(k[0]) for k in live[:max(1, self.evaluations // 2)]]
 
   @staticmethod
-  def _rank(graph, plan, profile, candidates) -> list[list[Residual]]:
-    """Candidate groups, best bytes-per-FLOP first.
+  def _rank(graph, plan, profile, candidates) -> list[tuple[list[Residual], int]]:
+    """Candidate groups with the bytes they free, best bytes-per-FLOP first.
 
     A group is a residual plus the kept residuals fused onto its buffer
     (``1 - tanh(x)**2`` read in the backward pass keeps ``tanh(x)`` alive
@@ -261,9 +293,24 @@ class RecomputeGreedy:
              for p in later):
         continue  # still read by the forward pass after the peak
       flops = sum(_chain_flops(graph, g.value, dropped) for g in group)
-      ranked.append((graph.values[buf[0]].nbytes / (flops + 1.0), group))
+      nbytes = graph.values[buf[0]].nbytes
+      ranked.append((nbytes / (flops + 1.0), group, nbytes))
     ranked.sort(key=lambda item: -item[0])
-    return [group for _, group in ranked]
+    return [(group, nbytes) for _, group, nbytes in ranked]
+
+
+@contextlib.contextmanager
+def _paused_gc():
+  """Pauses Python's cyclic garbage collector: a greedy run allocates many
+  short-lived schedules, none in cycles, and collections scanning the
+  step's traced jaxpr took up to half of a run's time."""
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()
 
 
 def _chain_flops(graph: Graph, vid: int, dropped) -> float:
