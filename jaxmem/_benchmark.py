@@ -162,6 +162,16 @@ class Bench:
     row.step_ms, row.time_ratio = seconds * 1e3, seconds / self.base_seconds
     return row
 
+  def footprint(self, method: Method) -> int:
+    """XLA's footprint of a method that does not depend on the budget
+    (unconstrained or a remat baseline), compiled and timed once."""
+    if method.kind == "jaxmem":
+      raise ValueError(f"{method.name}'s footprint depends on its budget; "
+                       "expected unconstrained or remat:<policy>")
+    if method not in self._fixed:
+      self.measure(method, "-", 0)
+    return self._fixed[method][0]
+
   def _run(self, compiled, args) -> tuple:
     """(footprint, FLOPs ratio, median seconds) of a compiled step, timed
     by calling the compiled executable itself (no second compilation)."""

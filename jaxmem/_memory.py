@@ -34,7 +34,7 @@ from jax.extend import core as jex
 from jaxmem._plan import Plan
 from jaxmem._rewrite import Schedule, build_schedule
 
-VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier"})
+VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier", "name"})
 ELEMENTWISE = frozenset({
     "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2",
     "log", "log1p", "expm1", "tanh", "logistic", "sqrt", "rsqrt", "cbrt",

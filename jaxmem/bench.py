@@ -53,12 +53,13 @@ def _cell(value, fmt) -> str:
 
 def table(rows: list[Row]) -> str:
   """The readable table of a run's rows."""
-  header = (f"{'method':<40} {'budget':>7} {'fits':>5} {'XLA':>10} {'model':>10} "
+  width = max([7] + [len(r.budget) for r in rows])
+  header = (f"{'method':<40} {'budget':>{width}} {'fits':>5} {'XLA':>10} {'model':>10} "
             f"{'time x':>7} {'FLOPs x':>8} {'plan s':>7} {'max batch':>9}")
   lines = [header, "-" * len(header)]
   for r in rows:
     lines.append(
-        f"{r.method:<40} {r.budget:>7} {('yes' if r.fits else 'NO'):>5} "
+        f"{r.method:<40} {r.budget:>{width}} {('yes' if r.fits else 'NO'):>5} "
         f"{_cell(r.xla_bytes, format_bytes):>10} {_cell(r.model_bytes, format_bytes):>10} "
         f"{_cell(r.time_ratio, '{:.2f}'.format):>7} {_cell(r.flops_ratio, '{:.2f}'.format):>8} "
         f"{_cell(r.planning_s, '{:.1f}'.format):>7} {_cell(r.max_batch, str):>9}")
@@ -79,6 +80,9 @@ def _parser(models) -> argparse.ArgumentParser:
   parser.add_argument("--repeats", type=int, default=5, help="timed runs per step")
   parser.add_argument("--max-batch", action="store_true",
                       help="search each method's largest batch at the first budget")
+  parser.add_argument("--at-baselines", action="store_true",
+                      help="also run every jaxmem planner at each remat baseline's own "
+                           "footprint (step times compared at equal memory)")
   parser.add_argument("--json", metavar="PATH", help="write the results here")
   parser.add_argument("--plot", metavar="DIR", help="write plots (matplotlib) here")
   parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -108,6 +112,11 @@ def run(opts) -> dict:
       for row in rows:
         if row.method == method.name and row.budget == budgets[0][0]:
           row.max_batch = best
+  if opts.at_baselines:
+    for baseline in (m for m in methods if m.kind == "remat"):
+      footprint = bench.footprint(baseline)
+      for method in (m for m in methods if m.kind == "jaxmem"):
+        rows.append(bench.measure(method, baseline.name, footprint))
   return {
       "model": opts.model, "config": {**models.options(opts.model), **config},
       "unconstrained_bytes": bench.unconstrained,

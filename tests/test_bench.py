@@ -52,3 +52,19 @@ def test_methods_parse_and_refuse_unknown_names():
     Method.parse("remat:everything")
   assert [m.kind for m in bench.default_methods("mlp")] == ["unconstrained", "jaxmem"]
   assert "remat" in [m.kind for m in bench.default_methods("vit")]
+
+
+def test_at_baselines_runs_jaxmem_at_each_baseline_footprint(tmp_path):
+  out = tmp_path / "run.json"
+  bench.main(["--model", "resnet_deep", "--config", "depth=3", "width=4", "size=16",
+              "batch=8", "--budgets", "100%", "--repeats", "1", "--quiet",
+              "--methods", "unconstrained", "remat:nothing_saveable", "jaxmem:recompute",
+              "--at-baselines", "--json", str(out)])
+  rows = {(r["method"], r["budget"]): r for r in json.loads(out.read_text())["rows"]}
+  remat = rows["remat:nothing_saveable", "100%"]
+  twin = rows["jaxmem:recompute", "remat:nothing_saveable"]
+  assert twin["budget_bytes"] == remat["xla_bytes"] < rows["unconstrained", "100%"]["xla_bytes"]
+  # Fitting or not, the row is consistent with XLA's own footprint.
+  assert twin["fits"] == (twin["xla_bytes"] <= twin["budget_bytes"])
+  if twin["fits"]:
+    assert twin["time_ratio"] > 0
