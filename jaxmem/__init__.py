@@ -13,6 +13,8 @@ from jaxmem import _flags
 _flags.enable_cpu_remat(warn=False)
 
 from jaxmem._budget import Budget, BudgetError, format_bytes  # noqa: E402
+from jaxmem._calibrate import calibrate  # noqa: E402
+from jaxmem._devices import PROFILES, DeviceProfile, get_profile  # noqa: E402
 from jaxmem._flags import enable_cpu_remat  # noqa: E402
 from jaxmem._graph import Graph, Residual  # noqa: E402
 from jaxmem._memory import MemoryProfile  # noqa: E402
@@ -22,9 +24,10 @@ from jaxmem._transform import (Analysis, StepPlan, Transformed, analyze,  # noqa
                                transform, xla_footprint)
 
 __all__ = [
-    "Analysis", "Budget", "BudgetError", "Decision", "Graph", "KEEP", "Keep",
-    "MemoryProfile", "PLANNERS", "Plan", "PlanResult", "RECOMPUTE",
+    "Analysis", "Budget", "BudgetError", "Decision", "DeviceProfile", "Graph", "KEEP",
+    "Keep", "MemoryProfile", "PLANNERS", "PROFILES", "Plan", "PlanResult", "RECOMPUTE",
     "Recompute", "RecomputeGreedy", "Residual", "StepPlan", "Transformed",
-    "analyze", "enable_cpu_remat", "format_bytes", "transform", "xla_footprint",
+    "analyze", "calibrate", "enable_cpu_remat", "format_bytes", "get_profile",
+    "transform", "xla_footprint",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,128 @@
+"""Performance model (UDNN's): predicted step time of a schedule on a device.
+
+Each op of a schedule takes its roofline time on the profile (FLOPs against
+throughput, bytes read and written against memory bandwidth; views and
+barriers are free). Copies between device and host run on two more streams,
+one each way, in the order they are issued: a copy starts when its stream is
+free and its value exists, and an op that needs a prefetched value waits
+until the copy is done (``ready <= start``; the wait is a *stall*). The step
+time is when the last op or copy finishes.
+
+Example:
+  >>> from jaxmem._devices import get_profile
+  >>> ops = [OpCost("a", 1e9, 0), OpCost("b", 1e9, 0)]
+  >>> t = predict(ops, [], get_profile("t4"))
+  >>> round(t.seconds * 1e3, 3), t.stall
+  (0.247, 0.0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmem._devices import DeviceProfile
+
+FREE = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier", "name",
+                  "broadcast_in_dim"})
+
+
+@dataclasses.dataclass(frozen=True)
+class OpCost:
+  """One op on the compute stream: a label, its FLOPs and the bytes it moves."""
+  label: str
+  flops: float
+  nbytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Transfer:
+  """One copy between device and host.
+
+  Attributes:
+    direction: ``"d2h"`` (offload) or ``"h2d"`` (prefetch).
+    nbytes: bytes copied.
+    issue: index of the op after which the copy may start (its value exists,
+      or the plan's prefetch point is reached); -1 for the step's start.
+    need: index of the op that reads the copy's result and must wait for
+      it; None if nothing waits (an offload, which only frees memory).
+  """
+  direction: str
+  nbytes: int
+  issue: int
+  need: int | None = None
+
+
+@dataclasses.dataclass
+class Timing:
+  """A predicted step: total seconds, the part spent computing, the time
+  ops waited for prefetches, and each copy's (start, end)."""
+  seconds: float
+  compute: float
+  stall: float
+  transfers: list
+  op_end: list
+
+
+def predict(ops: list[OpCost], transfers: list[Transfer],
+            profile: DeviceProfile) -> Timing:
+  """Simulates the compute stream and the two copy streams; see the module
+  docstring."""
+  durations = [profile.op_seconds(op.flops, op.nbytes) for op in ops]
+  by_issue: dict[int, list[int]] = {}
+  for i, t in enumerate(transfers):
+    if t.need is not None and t.need <= t.issue:
+      raise ValueError(f"transfer {i} is needed at op {t.need} but issued after op "
+                       f"{t.issue}; a copy must be issued before the op that reads it")
+    by_issue.setdefault(t.issue, []).append(i)
+  waits: dict[int, list[int]] = {}
+  for i, t in enumerate(transfers):
+    if t.need is not None:
+      waits.setdefault(t.need, []).append(i)
+  stream_free = {"d2h": 0.0, "h2d": 0.0}
+  span: list = [None] * len(transfers)
+
+  def issue(after: int, now: float) -> None:
+    for i in by_issue.get(after, ()):
+      t = transfers[i]
+      start = max(now, stream_free[t.direction])
+      end = start + profile.transfer_seconds(t.nbytes, t.direction)
+      stream_free[t.direction] = end
+      span[i] = (start, end)
+
+  clock, stall, op_end = 0.0, 0.0, []
+  issue(-1, 0.0)
+  for pos, seconds in enumerate(durations):
+    ready = max((span[i][1] for i in waits.get(pos, ())), default=0.0)
+    if ready > clock:
+      stall += ready - clock
+      clock = ready
+    clock += seconds
+    op_end.append(clock)
+    issue(pos, clock)
+  end = max([clock] + [s[1] for s in span if s is not None])
+  return Timing(end, sum(durations), stall, span, op_end)
+
+
+def schedule_costs(schedule) -> list[OpCost]:
+  """The compute-stream costs of a rewritten step's ops (``_rewrite``):
+  node FLOPs, and bytes read and written; views and barriers cost nothing."""
+  graph = schedule.graph
+  costs = []
+  for op in schedule.ops:
+    if op.node is None:
+      costs.append(OpCost("optimization_barrier", 0.0, 0))
+      continue
+    node = graph.nodes[op.node]
+    if node.prim.name in FREE:
+      costs.append(OpCost(node.prim.name, 0.0, 0))
+      continue
+    nbytes = sum(graph.values[k[0]].nbytes for k in op.ins if isinstance(k, tuple))
+    nbytes += sum(graph.values[k[0]].nbytes for k in op.outs)
+    costs.append(OpCost(node.prim.name, node.flops, nbytes))
+  return costs
+
+
+def predict_schedule(schedule, profile: DeviceProfile,
+                     transfers: list[Transfer] = ()) -> Timing:
+  """Predicted time of a schedule (its recomputation included) on ``profile``."""
+  return predict(schedule_costs(schedule), list(transfers), profile)
