@@ -13,6 +13,12 @@ from jax.extend import core as jex
 from jaxmem._rewrite import Schedule
 
 
+# Where each copy op of a schedule puts its value: host memory is
+# ``pinned_host`` (DESIGN.md fact 3; XLA:CPU ignores it, fact 2).
+_SPACES = {"offload": lambda: jax.memory.Space.Host,
+           "prefetch": lambda: jax.memory.Space.Device}
+
+
 def _bind(node, args):
   from jax._src import source_info_util
   params = node.prim.get_bind_params(node.params)
@@ -51,7 +57,9 @@ def emit(schedule: Schedule):
     read = lambda k: k.val if isinstance(k, jex.Literal) else env[k]
     for pos, op in enumerate(ops):
       args = [read(k) for k in op.ins]
-      if op.node is None:
+      if op.kind in _SPACES:
+        outs = [jax.device_put(args[0], _SPACES[op.kind]())]
+      elif op.node is None:
         outs = jax.lax.optimization_barrier(args)
       else:
         outs = _bind(graph.nodes[op.node], args)

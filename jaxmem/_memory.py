@@ -34,6 +34,8 @@ from jax.extend import core as jex
 from jaxmem._plan import Plan
 from jaxmem._rewrite import Schedule, build_schedule
 
+# Copies between memories, by schedule op kind (see ``_rewrite.Op``).
+_COPIES = {"offload": "device_put", "prefetch": "device_put"}
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier", "name"})
 ELEMENTWISE = frozenset({
     "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2",
@@ -71,6 +73,8 @@ class MemoryProfile:
     fused: keys that never get a buffer (computed inside every reader).
     in_outputs: temporaries placed in an output's buffer before the output
       is written (they add no bytes).
+    host_peak: most bytes held in host memory at once (offloaded copies).
+    host_timeline: host bytes after each op.
   """
   schedule: Schedule
   peak: int
@@ -83,6 +87,8 @@ class MemoryProfile:
   fused_reads: dict
   fused: frozenset
   in_outputs: frozenset = frozenset()
+  host_peak: int = 0
+  host_timeline: list = dataclasses.field(default_factory=list)
 
   def excess(self, target: int) -> int:
     """Byte-ops above ``target``: how far and how long the step exceeds it,
@@ -97,7 +103,7 @@ class MemoryProfile:
     """Readable name of the equation at the peak."""
     op = self.schedule.ops[self.peak_op]
     if op.node is None:
-      return f"optimization_barrier (op {self.peak_op})"
+      return f"{_COPIES.get(op.kind, 'optimization_barrier')} ({op.kind}, op {self.peak_op})"
     node = self.schedule.nodes[op.node]
     return f"{node.readable} {node.prim.name} ({op.kind}, op {self.peak_op})"
 
@@ -133,8 +139,8 @@ def simulate(schedule: Schedule) -> MemoryProfile:
       readers.setdefault(key, []).append(pos)
   outputs = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
 
-  names = ["optimization_barrier" if op.node is None else graph.nodes[op.node].prim.name
-           for op in ops]
+  names = [_COPIES.get(op.kind, "optimization_barrier") if op.node is None
+           else graph.nodes[op.node].prim.name for op in ops]
   # Recomputed values and barriers belong to the backward pass.
   backward = [op.kind != "node" or graph.nodes[op.node].backward for op in ops]
 
@@ -268,6 +274,9 @@ def simulate(schedule: Schedule) -> MemoryProfile:
 
   inputs = set(schedule.inputs) | {(v, 0) for v in graph.consts}
   arguments = sum(nbytes(k) for k in inputs)
+  # Host copies (offloads) and their views live in host memory.
+  host = {k for op in ops if op.kind == "offload" for k in op.outs}
+  host |= {k for k in root if root[k] in host}
   free_at: dict[int, list] = {}
   owned_by: dict[int, list] = {}
   for key, buf in root.items():
@@ -291,7 +300,8 @@ def simulate(schedule: Schedule) -> MemoryProfile:
   in_outputs = _share_output_buffers(
       {b: producer_of.get(b, -1) for b in {root.get(k, k) for k in outputs}
        if b not in inputs},
-      {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys},
+      {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys
+       if k not in host},
       nbytes)
 
   def scratch(pos: int) -> int:
@@ -305,24 +315,31 @@ def simulate(schedule: Schedule) -> MemoryProfile:
   live = arguments + out_bytes
   live_set: set = set()
   peak, peak_op, live_at_peak = live, 0, []
-  timeline = []
+  timeline, host_timeline, on_host = [], [], 0
   for pos in range(len(ops)):
     for key in owned_by.get(pos, ()):
+      if key in host:
+        on_host += nbytes(key)
+        continue
       if key in in_outputs:
         continue
       live += nbytes(key)
       live_set.add(key)
     timeline.append(live + scratch(pos))
+    host_timeline.append(on_host)
     if timeline[-1] > peak:
       peak, peak_op, live_at_peak = timeline[-1], pos, list(live_set)
     for key in free_at.get(pos, ()):
-      if key in live_set:
+      if key in host:
+        on_host -= nbytes(key)
+      elif key in live_set:
         live -= nbytes(key)
         live_set.discard(key)
   return MemoryProfile(schedule, peak, peak_op, arguments, timeline,
                        live_at_peak, reads, root,
                        {k: reads_through(k) for k in through}, frozenset(fused),
-                       frozenset(in_outputs))
+                       frozenset(in_outputs), max(host_timeline, default=0),
+                       host_timeline)
 
 
 def _share_output_buffers(outputs: dict, temps: dict, nbytes) -> set:

@@ -31,8 +31,24 @@ class Recompute(Decision):
   kind = "recompute"
 
 
+@dataclasses.dataclass(frozen=True)
+class Offload(Decision):
+  """The residual is copied to host memory (``pinned_host``) as soon as it is
+  made; its device buffer is freed after its last forward use, and a copy
+  comes back before the backward pass reads it.
+
+  Attributes:
+    at: the backward equation (graph node index) before which the copy back
+      is issued, so it overlaps the compute in between; None issues it right
+      before the first backward reader.
+  """
+  kind = "offload"
+  at: int | None = None
+
+
 KEEP = Keep()
 RECOMPUTE = Recompute()
+OFFLOAD = Offload()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,3 +87,7 @@ class Plan:
   def values_with(self, kind: str) -> frozenset[int]:
     """Residual ids whose decision has ``kind`` (e.g. ``"recompute"``)."""
     return frozenset(vid for vid, d in self.items if d.kind == kind)
+
+  def with_kind(self, kind: str) -> dict[int, Decision]:
+    """Residual id -> decision, for the decisions of ``kind``."""
+    return {vid: d for vid, d in self.items if d.kind == kind}

@@ -44,9 +44,10 @@ class Op:
 
   Attributes:
     kind: ``"node"`` (an original equation), ``"recompute"`` (a re-run forward
-      equation) or ``"barrier"`` (an ``optimization_barrier``; outputs alias
-      inputs).
-    node: index of the graph node run (None for a barrier).
+      equation), ``"barrier"`` (an ``optimization_barrier``; outputs alias
+      inputs), ``"offload"`` (a copy to host memory) or ``"prefetch"`` (a
+      copy back to the device).
+    node: index of the graph node run (None for the other kinds).
     ins: input keys or ``jex.Literal``.
     outs: output keys.
   """
@@ -97,6 +98,14 @@ class _Rewriter:
     # Backward node -> operands read through a separated copy / rebuilt
     # from such copies (see shared_reads).
     self.to_separate, self.to_rebuild = self.shared_reads()
+    # Offloaded residual -> its host copy; backward node -> the offloaded
+    # residuals copied back before it.
+    self.offloaded = plan.with_kind("offload")
+    self.host: dict[int, Key] = {}
+    self.fetch_at: dict[int, list[int]] = {}
+    for vid, decision in sorted(self.offloaded.items()):
+      at = decision.at if decision.at is not None else graph.residual(vid).first_backward_use
+      self.fetch_at.setdefault(at, []).append(vid)
 
   def key(self, vid: int) -> Key:
     return (vid, 0)
@@ -148,6 +157,9 @@ class _Rewriter:
     graph = self.graph
     for node in self.order():
       if node.backward:
+        self.prefetch(self.fetch_at.get(node.index, ()), node)
+        self.prefetch([a for a in node.ins if isinstance(a, int) and a in self.offloaded],
+                      node)
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache]
         if missing:
@@ -168,6 +180,10 @@ class _Rewriter:
       self.ops.append(Op("node", node.index, ins, tuple(map(self.key, node.outs))))
       if node.backward:
         self.made.extend(node.outs)
+      else:
+        for vid in node.outs:
+          if vid in self.offloaded:
+            self.offload(vid)
     outputs = [o if isinstance(o, jex.Literal) else self.read(o, True)
                for o in graph.outputs]
     return Schedule(graph, self.plan, self.ops, [self.key(v) for v in graph.inputs],
@@ -226,6 +242,8 @@ class _Rewriter:
     stack = list(missing)
     while stack:
       vid = stack.pop()
+      if vid in self.offloaded:
+        self.prefetch([vid], consumer)  # rebuilt from its copy back
       if vid in self.cache:
         continue
       if self.available(vid):
@@ -260,6 +278,27 @@ class _Rewriter:
           self.cache[vid] = key
       self.recompute_flops += node.flops
       self.ops.append(Op("recompute", index, ins, outs))
+
+  def offload(self, vid: int) -> None:
+    """Copies a residual to host memory right after it is made."""
+    self.host[vid] = self.fresh(vid)
+    self.ops.append(Op("offload", None, (self.key(vid),), (self.host[vid],)))
+
+  def prefetch(self, vids, consumer) -> None:
+    """Copies offloaded residuals back to the device before ``consumer``.
+
+    Their host copies pass through one barrier with an anchor (``pin``)
+    first, so XLA cannot issue the copies earlier than here and hold the
+    device buffers from the start of the backward pass.
+    """
+    vids = [v for v in dict.fromkeys(vids) if v not in self.cache]
+    if not vids:
+      return
+    size = max(self.graph.values[v].nbytes for v in vids)
+    hosts = self.pin(tuple(self.host[v] for v in vids), consumer, size)
+    for vid, host in zip(vids, hosts):
+      self.cache[vid] = self.fresh(vid)
+      self.ops.append(Op("prefetch", None, (host,), (self.cache[vid],)))
 
   def separate(self, node, ins: tuple) -> tuple:
     """Backward reads that XLA would otherwise share with the forward pass go
