@@ -122,7 +122,27 @@ def schedule_costs(schedule) -> list[OpCost]:
   return costs
 
 
-def predict_schedule(schedule, profile: DeviceProfile,
-                     transfers: list[Transfer] = ()) -> Timing:
-  """Predicted time of a schedule (its recomputation included) on ``profile``."""
-  return predict(schedule_costs(schedule), list(transfers), profile)
+def schedule_transfers(schedule) -> list[Transfer]:
+  """The copies of a rewritten step: each offload starts where it is
+  issued (right after its value is made); each copy back is issued at its
+  op and needed by the first op that reads the copy."""
+  graph = schedule.graph
+  first_read: dict = {}
+  for pos, op in enumerate(schedule.ops):
+    for key in op.ins:
+      if isinstance(key, tuple):
+        first_read.setdefault(key, pos)
+  transfers = []
+  for pos, op in enumerate(schedule.ops):
+    if op.kind in ("offload", "prefetch"):
+      nbytes = graph.values[op.outs[0][0]].nbytes
+      need = first_read.get(op.outs[0]) if op.kind == "prefetch" else None
+      transfers.append(Transfer("d2h" if op.kind == "offload" else "h2d", nbytes,
+                                pos, need))
+  return transfers
+
+
+def predict_schedule(schedule, profile: DeviceProfile) -> Timing:
+  """Predicted time of a schedule on ``profile``: its ops (recomputation
+  included) and its copies to and from the host."""
+  return predict(schedule_costs(schedule), schedule_transfers(schedule), profile)

@@ -15,7 +15,9 @@ from typing import Callable, Protocol
 
 from jaxmem._graph import Graph, Residual
 from jaxmem._memory import MemoryProfile, fused_values, simulate, unplanned_profile
-from jaxmem._plan import KEEP, RECOMPUTE, Keep, Plan
+from jaxmem._devices import PROFILES, get_profile
+from jaxmem._perf import predict_schedule, schedule_costs
+from jaxmem._plan import KEEP, RECOMPUTE, Keep, Offload, Plan
 from jaxmem._rewrite import Schedule, build_schedule
 
 
@@ -137,6 +139,23 @@ class RecomputeGreedy:
   aims: tuple = (0.85, 0.7, 0.5, 0.3)
   # Bulk moves (``_bulk``): shares of the bytes above the aim to drop at once.
   bulk: tuple = (0.25, 0.5)
+  # Which moves a step may take, and what a plan costs: without a device
+  # profile, recomputed FLOPs; with one (a name in jaxmem.PROFILES or a
+  # DeviceProfile), the predicted step time. Offload needs a profile (it is
+  # never chosen on a unified-memory one); host_budget caps pinned host bytes.
+  recompute: bool = True
+  offload: bool = False
+  profile: object = None
+  host_budget: int | None = None
+
+  def __post_init__(self):
+    if self.offload and self.profile is None:
+      raise ValueError(f"planner {self.name!r}: offload needs a device profile to time "
+                       f"copies; got profile=None, expected a name in {sorted(PROFILES)} "
+                       "or a DeviceProfile (jaxmem.calibrate())")
+    if not (self.offload or self.recompute):
+      raise ValueError(f"planner {self.name!r}: expected recompute or offload moves, "
+                       "got neither")
 
   def plan(self, graph: Graph, target: int, start: Plan | None = None) -> PlanResult:
     """Plans ``graph`` toward ``target`` bytes, from ``start`` if given (a
@@ -178,7 +197,8 @@ class RecomputeGreedy:
     failed :meth:`plan` costs nothing more."""
     base = evaluate(graph, Plan())[1].peak
     runs = graph.derived.setdefault(
-        ("ladder", self.aims, self.evaluations, self.batches, self.bulk), {})
+        ("ladder", self.aims, self.evaluations, self.batches, self.bulk,
+         self.recompute, self.offload, self.profile, self.host_budget), {})
     plan = Plan()
     for fraction in (*self.aims, 0):
       if fraction not in runs:
@@ -199,26 +219,30 @@ class RecomputeGreedy:
     steps = 0
     while profile.peak > aim:
       ranked = self._rank(graph, plan, profile, candidates)
-      base = (profile.peak, profile.excess(aim), schedule.recompute_flops)
+      base = (profile.peak, profile.excess(aim), self._cost(schedule))
       choice = None
-      undo = [([r], KEEP) for r in self._undo(graph, plan, profile)]
-      bulk = [(group, RECOMPUTE) for group in self._bulk(ranked, profile.peak - aim)]
+      undo = [[(r, KEEP)] for r in self._undo(graph, plan, profile)]
+      bulk = [move for group in self._bulk(ranked, profile.peak - aim)
+              if (move := self._bulk_move(graph, schedule, group))]
       ranked = [group for group, _ in ranked]
       # Best-ranked candidates first; when none of a batch helps, the next
       # batch (the cheapest rebuilds can be the ones that make a new peak).
       for batch in range(self.batches):
-        moves = [(r, RECOMPUTE) for r in
-                 ranked[batch * self.evaluations:(batch + 1) * self.evaluations]]
+        moves = [move for group in
+                 ranked[batch * self.evaluations:(batch + 1) * self.evaluations]
+                 for move in self._moves(graph, schedule, group)]
         if batch == 0:
           moves += undo + bulk
-        for group, decision in moves:
+        for move in moves:
           trial = plan
-          for r in group:
+          for r, decision in move:
             trial = trial.with_decision(r.value, decision)
           t_schedule, t_profile = evaluate(graph, trial)
+          if self.host_budget is not None and t_profile.host_peak > self.host_budget:
+            continue
           gain_peak = base[0] - t_profile.peak
           gain_excess = base[1] - t_profile.excess(aim)
-          cost = max(t_schedule.recompute_flops - base[2], 0.0) + 1.0
+          cost = max(self._cost(t_schedule) - base[2], 0.0) + 1.0
           # Lower peak first; at a plateau, less time above the target.
           score = (gain_peak / cost if gain_peak > 0 else 0.0,
                    gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
@@ -234,6 +258,37 @@ class RecomputeGreedy:
         best = (profile.peak, plan, schedule, profile)
     peak, plan, schedule, profile = best
     return PlanResult(plan, schedule, profile, target, peak <= target, 0.0, steps)
+
+  def _cost(self, schedule) -> float:
+    """What a plan costs: FLOPs recomputed, or with a device profile the
+    predicted step time (copies and stalls included) in FLOPs of that
+    device."""
+    if self.profile is None:
+      return schedule.recompute_flops
+    profile = get_profile(self.profile)
+    return predict_schedule(schedule, profile).seconds * profile.flops
+
+  def _bulk_move(self, graph, schedule, residuals) -> list[tuple]:
+    """One move taking many residuals off: rebuilt where the planner may
+    recompute, else each one that may be offloaded."""
+    if self.recompute:
+      return [(r, RECOMPUTE) for r in residuals]
+    return [move[0] for r in residuals for move in self._moves(graph, schedule, [r])]
+
+  def _moves(self, graph, schedule, group) -> list[list[tuple]]:
+    """The ways to take ``group`` off the device at the peak: rebuild it
+    (``recompute``), or copy it to the host (``offload``, a lone residual
+    with a buffer of its own, on a device whose memory is not the host's),
+    copied back early enough to hide the copy under compute."""
+    moves = []
+    if self.recompute:
+      moves.append([(r, RECOMPUTE) for r in group])
+    if self.offload and len(group) == 1 and group[0].value not in fused_values(graph):
+      profile = get_profile(self.profile)
+      if not profile.unified:
+        r = group[0]
+        moves.append([(r, Offload(at=_prefetch_point(schedule, r, profile)))])
+    return moves
 
   def _bulk(self, ranked, deficit: int) -> list[list[Residual]]:
     """Moves that drop several ranked groups at once, far from the aim: the
@@ -258,7 +313,7 @@ class RecomputeGreedy:
 
     Keeping one again splits a recompute segment that became the peak.
     """
-    dropped = plan.values_with("recompute")
+    dropped = plan.values_with("recompute") | plan.values_with("offload")
     live = [k for k in profile.live_at_peak if k[1] > 0 and k[0] in dropped]
     live.sort(key=lambda k: -graph.values[k[0]].nbytes)
     return [graph.residual(k[0]) for k in live[:max(1, self.evaluations // 2)]]
@@ -272,19 +327,20 @@ class RecomputeGreedy:
     there): dropping one without the others frees nothing.
     """
     dropped = plan.values_with("recompute")
+    moved = dropped | plan.values_with("offload")
     live = set(profile.live_at_peak)
     riders: dict = {}
     # The rewrite reads a kept fused residual's buffers for it (directly, or
     # through a copy it rebuilds in the backward pass), so those stay.
     for vid, bufs in fused_values(graph).items():
-      if vid in candidates and vid not in dropped:
+      if vid in candidates and vid not in moved:
         for buf in bufs:
           riders.setdefault((buf, 0), []).append(candidates[vid])
     ops = profile.schedule.ops
     ranked = []
     for buf in live:
       own = [candidates[buf[0]]] if (
-          buf[1] == 0 and buf[0] in candidates and buf[0] not in dropped) else []
+          buf[1] == 0 and buf[0] in candidates and buf[0] not in moved) else []
       group = own + riders.get(buf, [])
       if not group:
         continue
@@ -297,6 +353,31 @@ class RecomputeGreedy:
       ranked.append((nbytes / (flops + 1.0), group, nbytes))
     ranked.sort(key=lambda item: -item[0])
     return [(group, nbytes) for _, group, nbytes in ranked]
+
+
+def _prefetch_point(schedule, residual: Residual, profile) -> int | None:
+  """The latest backward node before ``residual``'s first backward reader
+  such that the predicted compute in between covers the copy back (the copy
+  is then ready when needed); the earliest backward node if none does."""
+  graph = schedule.graph
+  need = profile.transfer_seconds(residual.nbytes, "h2d")
+  costs = schedule_costs(schedule)
+  ops = schedule.ops
+  first = next((i for i, op in enumerate(ops) if op.kind == "node"
+                and op.node == residual.first_backward_use), None)
+  if first is None:
+    return None
+  covered, at = 0.0, residual.first_backward_use
+  for pos in range(first - 1, -1, -1):
+    op = ops[pos]
+    if op.kind == "node" and not graph.nodes[op.node].backward:
+      break
+    covered += profile.op_seconds(costs[pos].flops, costs[pos].nbytes)
+    if op.kind == "node":
+      at = op.node
+      if covered >= need:
+        break
+  return at
 
 
 @contextlib.contextmanager
@@ -329,7 +410,28 @@ def _chain_flops(graph: Graph, vid: int, dropped) -> float:
   return total
 
 
-PLANNERS: dict[str, Callable[[], Planner]] = {"recompute": RecomputeGreedy}
+def hybrid(profile="t4", **options) -> RecomputeGreedy:
+  """Libra's hybrid planner: each step takes a residual at the peak off the
+  device by recomputing it or by offloading it, whichever lowers the peak
+  most per second of predicted step time on ``profile``; an offload whose
+  copy hides under compute costs nothing, a slow link makes recomputation
+  win, and a unified-memory device never offloads.
+
+  Example:
+    >>> hybrid("rtx3060").offload, hybrid("rtx3060").recompute
+    (True, True)
+  """
+  return RecomputeGreedy(name="hybrid", offload=True, profile=profile, **options)
+
+
+def offload_only(profile="t4", **options) -> RecomputeGreedy:
+  """Offload-only planner: like :func:`hybrid` with no recomputation."""
+  return RecomputeGreedy(name="offload", offload=True, recompute=False,
+                         profile=profile, **options)
+
+
+PLANNERS: dict[str, Callable[[], Planner]] = {
+    "recompute": RecomputeGreedy, "hybrid": hybrid, "offload": offload_only}
 
 
 def get_planner(planner) -> Planner:

@@ -102,6 +102,14 @@ def _as_tuple(value) -> tuple:
   return (value,) if isinstance(value, (int, str)) else tuple(value)
 
 
+def _holds_host_memory(compiled) -> bool:
+  """Whether a compiled program puts anything in host memory."""
+  stats = compiled.memory_analysis()
+  return stats is not None and bool(
+      stats.host_temp_size_in_bytes or stats.host_output_size_in_bytes
+      or stats.host_argument_size_in_bytes)
+
+
 def _measured(result: PlanResult, footprint: int | None) -> int:
   """XLA's footprint of a planned step, or the model's where XLA gives none."""
   return result.peak if footprint is None else footprint
@@ -231,7 +239,7 @@ class Transformed:
     # scaled by their ratio on the untransformed step, and tighten if XLA's
     # number for the planned step still exceeds the budget. Last resort: the
     # planner's lowest plan, which is what an infeasible budget's error names.
-    scale = base_profile.peak / unconstrained
+    scale = model_scale = base_profile.peak / unconstrained
     attempts = 0
     lowest = None
     previous = None
@@ -243,7 +251,7 @@ class Transformed:
         previous = result.plan
       else:
         result = unplanned(graph, target)
-      jitted, footprint = self._compile(result, out_tree, args, kwargs)
+      jitted, footprint = self._compile(result, out_tree, args, kwargs, model_scale)
       if _measured(result, footprint) <= budget:
         break
       if result.fits and attempts < self.max_rounds:
@@ -252,7 +260,8 @@ class Transformed:
       if lowest is None and not find_smallest:
         return None
       if lowest is None:
-        lowest = self._lowest(graph, out_tree, args, kwargs, (result, jitted, footprint))
+        lowest = self._lowest(graph, out_tree, args, kwargs, (result, jitted, footprint),
+                              model_scale)
       result, jitted, footprint = lowest
       smallest = _measured(result, footprint)
       if smallest <= budget:
@@ -268,13 +277,21 @@ class Transformed:
                     footprint, result.schedule.recompute_flops, base_flops,
                     attempts, time.perf_counter() - start, jitted)
 
-  def _compile(self, result, out_tree, args, kwargs):
+  def _compile(self, result, out_tree, args, kwargs, model_scale):
     """Jits ``result``'s schedule; returns it with XLA's footprint (None where
-    the backend gives no memory analysis)."""
-    jitted = self._jit(result, out_tree)
-    return jitted, xla_footprint(jitted.lower(*args, **kwargs).compile())
+    the backend gives no memory analysis).
 
-  def _lowest(self, graph, out_tree, args, kwargs, tried):
+    A backend that ignores host memory (XLA:CPU, DESIGN.md fact 2) keeps
+    offloaded values in device memory: for a plan with offloads there, the
+    footprint is the memory model's device peak, in XLA's scale
+    (``model_scale``: model over XLA on the untransformed step)."""
+    jitted = self._jit(result, out_tree)
+    compiled = jitted.lower(*args, **kwargs).compile()
+    if result.plan.values_with("offload") and not _holds_host_memory(compiled):
+      return jitted, int(result.peak / model_scale)
+    return jitted, xla_footprint(compiled)
+
+  def _lowest(self, graph, out_tree, args, kwargs, tried, model_scale):
     """The planner's lowest plan, compiled: (result, jitted, footprint).
 
     ``tried`` is the last plan compiled, (result, jitted, footprint). A
@@ -293,7 +310,7 @@ class Transformed:
       if result.plan in seen:
         continue
       seen.add(result.plan)
-      compiled = (result, *self._compile(result, out_tree, args, kwargs))
+      compiled = (result, *self._compile(result, out_tree, args, kwargs, model_scale))
       if _measured(result, compiled[2]) < _measured(best[0], best[2]):
         best = compiled
     return best

@@ -1,0 +1,81 @@
+"""The hybrid (Libra) and offload-only planners: choices by predicted time,
+same numbers, budgets below what recomputation alone reaches."""
+
+import dataclasses
+
+import jax
+import optax
+import pytest
+
+import jaxmem
+import models
+from jaxmem._graph import build_graph
+from jaxmem._planners import RecomputeGreedy, evaluate, hybrid, offload_only
+from jaxmem._plan import Plan
+from tests.helpers import assert_trees_close
+
+CONFIG = dict(depth=6, width=32, batch=256, features=16)
+
+
+@pytest.fixture(scope="module")
+def mlp():
+  task = models.get("mlp", optimizer=optax.adam(1e-3, eps=1e-3), **CONFIG)
+  args = task.init()
+  graph = build_graph(jax.make_jaxpr(task.step)(*args))
+  return task, args, graph, evaluate(graph, Plan())[1].peak
+
+
+def offloads(result):
+  return len(result.plan.values_with("offload"))
+
+
+def test_planner_choices_follow_the_device(mlp):
+  _, _, graph, base = mlp
+  t4 = jaxmem.get_profile("t4")
+  fast = dataclasses.replace(t4, name="fast-link", h2d_bandwidth=1e12, d2h_bandwidth=1e12,
+                             link_latency=0.0)
+  slow = dataclasses.replace(t4, name="slow-link", h2d_bandwidth=1e7, d2h_bandwidth=1e7)
+  target = int(0.6 * base)
+  # A link fast enough to hide every copy: offloading is free, and chosen.
+  assert offloads(hybrid(fast).plan(graph, target)) > 0
+  # A slow link makes every copy stall: recomputation is preferred.
+  slow_plan = hybrid(slow).plan(graph, target)
+  assert slow_plan.fits and offloads(slow_plan) == 0
+  # Unified memory: moving a tensor to "host" frees nothing; never chosen.
+  unified = dataclasses.replace(fast, name="unified", unified=True)
+  assert offloads(hybrid(unified).plan(graph, target)) == 0
+  with pytest.raises(ValueError, match="offload needs a device profile"):
+    RecomputeGreedy(offload=True)
+
+
+def test_hybrid_goes_below_recomputation_alone_and_host_budget_holds(mlp):
+  _, _, graph, base = mlp
+  lowest = min(r.peak for r in RecomputeGreedy().lowest(graph))
+  result = hybrid().plan(graph, int(lowest * 0.95))
+  assert result.fits and result.peak < lowest and offloads(result) > 0
+  capped = hybrid(host_budget=result.profile.host_peak // 2).plan(graph, int(lowest * 0.95))
+  assert capped.profile.host_peak <= result.profile.host_peak // 2
+
+
+# Offload alone stops higher: each copy comes back before the backward pass
+# reads it, so the backward peak stays.
+@pytest.mark.parametrize("planner,budget", [("hybrid", "60%"), ("offload", "85%")])
+def test_offload_plans_give_the_same_numbers(mlp, planner, budget):
+  task, args, _, _ = mlp
+  fitted = jaxmem.transform(task.step, budget=budget, planner=planner)
+  plan = fitted.plan(*args)
+  assert plan.footprint <= plan.budget
+  moved = plan.plan.values_with("offload")
+  if planner == "offload":
+    assert moved and not plan.plan.values_with("recompute")
+  # The rewritten step really moves each chosen residual to pinned_host.
+  text = str(jax.make_jaxpr(fitted)(*args))
+  assert text.count("devices=(MemorySpace.Host,)") == len(moved)
+  state, batch = args
+  want, got = [], []
+  for steps, fn in ((want, jax.jit(task.step)), (got, fitted)):
+    s = state
+    for _ in range(3):
+      s, loss = fn(s, batch)
+      steps.append((s, loss))
+  assert_trees_close(got, want)
