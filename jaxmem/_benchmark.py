@@ -17,7 +17,9 @@ from typing import Callable
 import jax
 
 from jaxmem._budget import BudgetError
-from jaxmem._planners import PLANNERS
+from jaxmem._devices import get_profile
+from jaxmem._perf import predict_schedule
+from jaxmem._planners import PLANNERS, unplanned
 from jaxmem._transform import transform, xla_footprint
 
 
@@ -81,6 +83,8 @@ class Row:
   flops_ratio: float | None = None
   planning_s: float | None = None
   max_batch: int | None = None
+  predicted_ms: float | None = None
+  predicted_ratio: float | None = None
   timeline: list | None = dataclasses.field(default=None, repr=False)
   recompute_ops: list | None = dataclasses.field(default=None, repr=False)
 
@@ -112,16 +116,20 @@ class Bench:
     config: the model's options (``batch`` included or the factory's).
     repeats: timed runs per step (median reported).
     progress: called with a line of text as work proceeds.
+    device: a device profile (name in ``jaxmem.PROFILES`` or a
+      ``DeviceProfile``): every jaxmem planner plans for it, and jaxmem rows
+      carry the step time it predicts beside the measured one.
   """
 
   def __init__(self, model: str, config: dict, repeats: int = 5,
-               progress: Callable[[str], None] = lambda line: None):
+               progress: Callable[[str], None] = lambda line: None, device=None):
     import models
     self.models = models
     self.model = model
     self.config = dict(config)
     self.repeats = repeats
     self.progress = progress
+    self.device = None if device is None else get_profile(device)
     self.base = self.task(Method("unconstrained"))
     self.args = self.base.init()
     compiled = jax.jit(self.base.step).lower(*self.args).compile()
@@ -139,13 +147,19 @@ class Bench:
     self.progress(f"{self.model}: {method.name} at {budget}")
     row = Row(method.name, budget, budget_bytes, False, None)
     if method.kind == "jaxmem":
-      fitted = transform(self.base.step, budget=budget_bytes, planner=method.option)
+      fitted = transform(self.base.step, budget=budget_bytes, planner=self.planner(method))
       try:
         plan = fitted.plan(*self.args)
       except BudgetError as err:
         row.xla_bytes = err.smallest
         return row
       row.model_bytes, row.planning_s = plan.profile.peak, plan.seconds
+      if self.device is not None:
+        predicted = predict_schedule(plan.profile.schedule, self.device).seconds
+        unplanned_seconds = predict_schedule(unplanned(plan.graph, 0).schedule,
+                                             self.device).seconds
+        row.predicted_ms = predicted * 1e3
+        row.predicted_ratio = predicted / unplanned_seconds
       row.timeline = list(plan.profile.timeline)
       row.recompute_ops = [i for i, op in enumerate(plan.profile.schedule.ops)
                            if op.kind == "recompute"]
@@ -158,9 +172,19 @@ class Bench:
       figures = self._fixed[method] = self._run(
           jax.jit(task.step).lower(*args).compile(), args)
     row.xla_bytes, row.flops_ratio, seconds = figures
+    if method.kind == "jaxmem":
+      # The transform's own figure: XLA's, or for offload plans on a backend
+      # that ignores host memory (CPU), the model's device peak.
+      row.xla_bytes = plan.footprint
     row.fits = row.xla_bytes <= budget_bytes
     row.step_ms, row.time_ratio = seconds * 1e3, seconds / self.base_seconds
     return row
+
+  def planner(self, method: Method):
+    """The planner of a jaxmem method, set up for this run's device."""
+    if self.device is None:
+      return method.option
+    return PLANNERS[method.option](profile=self.device)
 
   def footprint(self, method: Method) -> int:
     """XLA's footprint of a method that does not depend on the budget
@@ -190,7 +214,8 @@ class Bench:
     task = self.task(method, batch=batch)
     args = jax.eval_shape(task.init)
     if method.kind == "jaxmem":
-      return transform(task.step, budget=budget_bytes, planner=method.option).fits(*args)
+      return transform(task.step, budget=budget_bytes,
+                       planner=self.planner(method)).fits(*args)
     return xla_footprint(jax.jit(task.step).lower(*args).compile()) <= budget_bytes
 
   def max_batch(self, method: Method, budget_bytes: int, limit: int = 64) -> int:

@@ -31,6 +31,7 @@ import jax
 
 from jaxmem._benchmark import Bench, Method, Row, default_methods
 from jaxmem._budget import Budget, format_bytes
+from jaxmem._devices import PROFILES
 
 
 def _parse_config(items) -> dict:
@@ -55,13 +56,15 @@ def table(rows: list[Row]) -> str:
   """The readable table of a run's rows."""
   width = max([7] + [len(r.budget) for r in rows])
   header = (f"{'method':<40} {'budget':>{width}} {'fits':>5} {'XLA':>10} {'model':>10} "
-            f"{'time x':>7} {'FLOPs x':>8} {'plan s':>7} {'max batch':>9}")
+            f"{'time x':>7} {'pred x':>7} {'FLOPs x':>8} {'plan s':>7} {'max batch':>9}")
   lines = [header, "-" * len(header)]
   for r in rows:
     lines.append(
         f"{r.method:<40} {r.budget:>{width}} {('yes' if r.fits else 'NO'):>5} "
         f"{_cell(r.xla_bytes, format_bytes):>10} {_cell(r.model_bytes, format_bytes):>10} "
-        f"{_cell(r.time_ratio, '{:.2f}'.format):>7} {_cell(r.flops_ratio, '{:.2f}'.format):>8} "
+        f"{_cell(r.time_ratio, '{:.2f}'.format):>7} "
+        f"{_cell(r.predicted_ratio, '{:.2f}'.format):>7} "
+        f"{_cell(r.flops_ratio, '{:.2f}'.format):>8} "
         f"{_cell(r.planning_s, '{:.1f}'.format):>7} {_cell(r.max_batch, str):>9}")
   return "\n".join(lines)
 
@@ -80,6 +83,11 @@ def _parser(models) -> argparse.ArgumentParser:
   parser.add_argument("--repeats", type=int, default=5, help="timed runs per step")
   parser.add_argument("--max-batch", action="store_true",
                       help="search each method's largest batch at the first budget")
+  parser.add_argument("--device", metavar="PROFILE",
+                      help="plan for this device profile (" + ", ".join(sorted(PROFILES))
+                           + ", or 'calibrate' to measure this one) and report the "
+                           "step time it predicts beside the measured one; the hybrid "
+                           "and offload planners use t4 without it")
   parser.add_argument("--at-baselines", action="store_true",
                       help="also run every jaxmem planner at each remat baseline's own "
                            "footprint (step times compared at equal memory)")
@@ -101,7 +109,14 @@ def run(opts) -> dict:
   budgets = [(text, Budget.parse(text)) for text in opts.budgets]
   started = time.time()
   progress(f"{opts.model}: compiling and timing the unconstrained step")
-  bench = Bench(opts.model, config, opts.repeats, progress)
+  device = opts.device
+  if device == "calibrate":
+    progress("calibrating this device")
+    device = jaxmem.calibrate()
+  elif device is not None and device not in PROFILES:
+    raise SystemExit(f"jaxmem-bench: unknown --device {device!r}; expected one of "
+                     f"{sorted(PROFILES)} or 'calibrate'")
+  bench = Bench(opts.model, config, opts.repeats, progress, device)
   rows = []
   for method in methods:
     for text, budget in budgets:
@@ -123,6 +138,7 @@ def run(opts) -> dict:
       "unconstrained_step_ms": bench.base_seconds * 1e3,
       "unconstrained_flops": bench.base_flops,
       "rows": rows, "seconds": time.time() - started,
+      "device_profile": None if bench.device is None else dataclasses.asdict(bench.device),
       "command": " ".join(["jaxmem-bench"] + sys.argv[1:]),
       "date": time.strftime("%Y-%m-%d %H:%M:%S"),
       "machine": {"backend": jax.default_backend(),
@@ -159,8 +175,11 @@ def main(argv=None) -> int:
         f"{result['unconstrained_step_ms']:.1f} ms\n")
   print(table(rows))
   print("\nXLA = compiled footprint (temp + args + outputs - aliases); for a method "
-        "that does not fit, the smallest it reaches. model = jaxmem's prediction. "
-        "time x, FLOPs x = ratios to the unconstrained step of this run"
+        "that does not fit, the smallest it reaches; for offload plans on a backend that "
+        "ignores host memory (CPU), jaxmem's device peak. model = jaxmem's prediction. "
+        "time x, FLOPs x = ratios to the unconstrained step of this run; pred x = the "
+        "step time the device profile predicts, over its prediction for the "
+        "unconstrained step"
         + (" (CPU time on CPU)." if result["machine"]["backend"] == "cpu" else "."))
   save(result, opts)
   return 0
