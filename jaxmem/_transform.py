@@ -88,7 +88,9 @@ class StepPlan:
         f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
         f"peak at           {p.peak_name}",
         f"decisions         {len(self.plan)} of {len(self.graph.residuals)} "
-        f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed)",
+        f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
+        f"{len(self.plan.values_with('offload'))} offloaded; "
+        f"{format_bytes(p.host_peak)} on the host at most)",
         f"added FLOPs       {self.added_flops:.3g} "
         f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
         f"planning time     {self.seconds:.2f} s ({self.attempts} round(s))",
