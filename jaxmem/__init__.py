@@ -19,12 +19,12 @@ from jaxmem._flags import enable_cpu_remat  # noqa: E402
 from jaxmem._graph import Graph, Residual  # noqa: E402
 from jaxmem._memory import MemoryProfile  # noqa: E402
 from jaxmem._plan import KEEP, RECOMPUTE, Decision, Keep, Plan, Recompute  # noqa: E402
-from jaxmem._planners import PLANNERS, PlanResult, RecomputeGreedy  # noqa: E402
+from jaxmem._planners import PLANNERS, Hybrid, PlanResult, RecomputeGreedy  # noqa: E402
 from jaxmem._transform import (Analysis, StepPlan, Transformed, analyze,  # noqa: E402
                                transform, xla_footprint)
 
 __all__ = [
-    "Analysis", "Budget", "BudgetError", "Decision", "DeviceProfile", "Graph", "KEEP",
+    "Analysis", "Budget", "BudgetError", "Decision", "DeviceProfile", "Graph", "Hybrid", "KEEP",
     "Keep", "MemoryProfile", "PLANNERS", "PROFILES", "Plan", "PlanResult", "RECOMPUTE",
     "Recompute", "RecomputeGreedy", "Residual", "StepPlan", "Transformed",
     "analyze", "calibrate", "enable_cpu_remat", "format_bytes", "get_profile",

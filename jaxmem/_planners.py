@@ -410,18 +410,85 @@ def _chain_flops(graph: Graph, vid: int, dropped) -> float:
   return total
 
 
-def hybrid(profile="t4", **options) -> RecomputeGreedy:
-  """Libra's hybrid planner: each step takes a residual at the peak off the
-  device by recomputing it or by offloading it, whichever lowers the peak
-  most per second of predicted step time on ``profile``; an offload whose
-  copy hides under compute costs nothing, a slow link makes recomputation
-  win, and a unified-memory device never offloads.
+@dataclasses.dataclass
+class Hybrid:
+  """Libra's hybrid planner: recompute first, swap where it pays.
+
+  1. The recompute-only greedy plans toward the target, its moves scored
+     by predicted step time on ``profile``.
+  2. Where that plan does not fit, the greedy goes on from it with offload
+     moves as well: each step takes a residual at the peak off the device by
+     recomputing or offloading it, whichever lowers the peak most per
+     predicted second (an offload whose copy hides under compute costs
+     nothing; a slow link makes recomputation win).
+  3. Refinement: each recomputed residual, largest first (up to ``swaps``),
+     is switched to an offload copied back early enough to hide the copy,
+     where that lowers the predicted time and the plan still fits.
+
+  A unified-memory device never offloads (it frees nothing there);
+  ``host_budget`` caps pinned host bytes.
 
   Example:
-    >>> hybrid("rtx3060").offload, hybrid("rtx3060").recompute
-    (True, True)
+    >>> Hybrid("rtx3060").name
+    'hybrid'
   """
-  return RecomputeGreedy(name="hybrid", offload=True, profile=profile, **options)
+  profile: object = "t4"
+  host_budget: int | None = None
+  swaps: int = 32
+  name: str = "hybrid"
+
+  def __post_init__(self):
+    self.alone = RecomputeGreedy(profile=self.profile)
+    self.mixed = RecomputeGreedy(name=self.name, offload=True, profile=self.profile,
+                                 host_budget=self.host_budget)
+
+  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> PlanResult:
+    """Plans toward ``target`` bytes, from ``start`` if given."""
+    began = time.perf_counter()
+    kept = None if start is None else Plan.of(start.with_kind("recompute"))
+    first = self.alone.plan(graph, target, start=kept)
+    results = [first]
+    if not first.fits:
+      results.append(self.mixed.plan(graph, target, start=first.plan))
+    with _paused_gc():
+      results = [self._swap(graph, r, target) for r in results]
+    best = min(results, key=lambda r: (not r.fits, self.mixed._cost(r.schedule)
+                                       if r.fits else r.peak))
+    best.seconds = time.perf_counter() - began
+    return best
+
+  def lowest(self, graph: Graph) -> list[PlanResult]:
+    """The candidates for the smallest footprint: both greedy ladders'."""
+    return sorted(self.alone.lowest(graph) + self.mixed.lowest(graph),
+                  key=lambda r: r.peak)
+
+  def _swap(self, graph, result: PlanResult, target: int) -> PlanResult:
+    """Refinement 3: recomputed residuals switched to offloads that pay."""
+    if get_profile(self.profile).unified:
+      return result
+    limit = max(target, result.peak)
+    plan, schedule, profile = result.plan, result.schedule, result.profile
+    cost = self.mixed._cost(schedule)
+    fused = fused_values(graph)
+    chosen = sorted((graph.residual(v) for v in plan.values_with("recompute")
+                     if v not in fused), key=lambda r: -r.nbytes)[:self.swaps]
+    for r in chosen:
+      at = _prefetch_point(schedule, r, get_profile(self.profile))
+      trial = plan.with_decision(r.value, Offload(at=at))
+      t_schedule, t_profile = evaluate(graph, trial)
+      if t_profile.peak > limit or (self.host_budget is not None
+                                    and t_profile.host_peak > self.host_budget):
+        continue
+      t_cost = self.mixed._cost(t_schedule)
+      if t_cost < cost:
+        plan, schedule, profile, cost = trial, t_schedule, t_profile, t_cost
+    return dataclasses.replace(result, plan=plan, schedule=schedule, profile=profile,
+                               fits=profile.peak <= target)
+
+
+def hybrid(profile="t4", **options) -> Hybrid:
+  """The hybrid planner for ``profile`` (see :class:`Hybrid`)."""
+  return Hybrid(profile=profile, **options)
 
 
 def offload_only(profile="t4", **options) -> RecomputeGreedy:

@@ -6,6 +6,7 @@ import pytest
 
 from jaxmem import bench
 from jaxmem._benchmark import Method
+from jaxmem._planners import PLANNERS
 
 TINY = ["--model", "mlp", "--config", "depth=4", "width=16", "batch=32", "features=8"]
 
@@ -50,7 +51,8 @@ def test_methods_parse_and_refuse_unknown_names():
   assert Method.parse("remat:nothing_saveable").name == "remat:nothing_saveable"
   with pytest.raises(ValueError, match="unknown method 'remat:everything'"):
     Method.parse("remat:everything")
-  assert [m.kind for m in bench.default_methods("mlp")] == ["unconstrained", "jaxmem"]
+  assert [m.name for m in bench.default_methods("mlp")] == ["unconstrained"] + [
+      f"jaxmem:{p}" for p in sorted(PLANNERS)]
   assert "remat" in [m.kind for m in bench.default_methods("vit")]
 
 
