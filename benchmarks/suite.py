@@ -38,10 +38,12 @@ CPU_CONFIGS = {
 }
 
 
-def _opts(model, budgets, out, suite, max_batch, repeats):
+def _opts(model, budgets, out, suite, max_batch, repeats, planners):
+  methods = [m.name for m in bench.default_methods(model)
+             if m.kind != "jaxmem" or m.option in planners]
   return types.SimpleNamespace(
       model=model, config=[f"{k}={json.dumps(v)}" for k, v in CPU_CONFIGS[model].items()],
-      budgets=budgets, methods=None, repeats=repeats, max_batch=max_batch,
+      budgets=budgets, methods=methods, repeats=repeats, max_batch=max_batch,
       at_baselines=suite == "maxbatch", device=None,
       json=os.path.join(out, f"{suite}-{model}.json"),
       plot=os.path.join(out, "plots") if suite == "sweep" else None, quiet=False)
@@ -92,6 +94,9 @@ def main(argv=None) -> int:
                       choices=sorted(CPU_CONFIGS))
   parser.add_argument("--budget", default="100%", help="maxbatch: the fixed budget")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--planners", nargs="+", default=["recompute"],
+                      help="jaxmem planners to run (on CPU, offload plans' footprints "
+                           "are the memory model's, so the default is recompute)")
   parser.add_argument("--out", default="benchmarks/results/latest")
   opts = parser.parse_args(argv)
   os.makedirs(opts.out, exist_ok=True)
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
   results = []
   for model in opts.models:
     run_opts = _opts(model, budgets, opts.out, opts.suite, opts.suite == "maxbatch",
-                     opts.repeats)
+                     opts.repeats, opts.planners)
     result = bench.run(run_opts)
     print(bench.table(result["rows"]), flush=True)
     bench.save(result, run_opts)

@@ -139,6 +139,7 @@ class RecomputeGreedy:
   aims: tuple = (0.85, 0.7, 0.5, 0.3)
   # Bulk moves (``_bulk``): shares of the bytes above the aim to drop at once.
   bulk: tuple = (0.25, 0.5)
+  bulk_above: float = 0.5
   # Which moves a step may take, and what a plan costs: without a device
   # profile, recomputed FLOPs; with one (a name in jaxmem.PROFILES or a
   # DeviceProfile), the predicted step time. Offload needs a profile (it is
@@ -197,7 +198,7 @@ class RecomputeGreedy:
     failed :meth:`plan` costs nothing more."""
     base = evaluate(graph, Plan())[1].peak
     runs = graph.derived.setdefault(
-        ("ladder", self.aims, self.evaluations, self.batches, self.bulk,
+        ("ladder", self.aims, self.evaluations, self.batches, self.bulk, self.bulk_above,
          self.recompute, self.offload, self.profile, self.host_budget), {})
     plan = Plan()
     for fraction in (*self.aims, 0):
@@ -222,7 +223,7 @@ class RecomputeGreedy:
       base = (profile.peak, profile.excess(aim), self._cost(schedule))
       choice = None
       undo = [[(r, KEEP)] for r in self._undo(graph, plan, profile)]
-      bulk = [move for group in self._bulk(ranked, profile.peak - aim)
+      bulk = [move for group in self._bulk(ranked, profile.peak - aim, profile.peak)
               if (move := self._bulk_move(graph, schedule, group))]
       ranked = [group for group, _ in ranked]
       # Best-ranked candidates first; when none of a batch helps, the next
@@ -290,13 +291,17 @@ class RecomputeGreedy:
         moves.append([(r, Offload(at=_prefetch_point(schedule, r, profile)))])
     return moves
 
-  def _bulk(self, ranked, deficit: int) -> list[list[Residual]]:
-    """Moves that drop several ranked groups at once, far from the aim: the
-    best-ranked groups covering a share (``bulk``) of the bytes still above
-    it. They are scored like single drops, so one is taken only where it
-    lowers the peak as much per added FLOP; it saves the steps a long descent
-    would take one group at a time."""
+  def _bulk(self, ranked, deficit: int, peak: int) -> list[list[Residual]]:
+    """Moves that drop several ranked groups at once, far from the aim (more
+    than ``bulk_above`` of the peak above it): the best-ranked groups
+    covering a share (``bulk``) of the bytes still above it. They are scored
+    like single drops, so one is taken only where it lowers the peak as much
+    per added FLOP; it saves the steps a long descent would take one group at
+    a time. (Nearer the aim they cost quality: on a residual MLP at 60%, bulk
+    moves all the way ended at 62% where single drops reach 58%.)"""
     moves = []
+    if deficit <= self.bulk_above * peak:
+      return moves
     for share in self.bulk:
       move, covered = [], 0
       for group, nbytes in ranked:
