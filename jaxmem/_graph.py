@@ -128,6 +128,27 @@ class Graph:
     out = self.values[node.outs[0]].nbytes
     return all(self.values[a].nbytes > out for a in node.ins if isinstance(a, int))
 
+  def blocks(self, depth: int) -> dict[str, list[int]]:
+    """Forward nodes grouped by module path cut after ``depth`` names:
+    ``{"GPT2/block0": [node, ...], ...}`` at depth 2. Nodes whose path is
+    shorter (a model's stem and head) belong to no block.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> g = build_graph(jax.make_jaxpr(jax.grad(jnp.sin))(1.0))
+      >>> g.blocks(2)
+      {}
+    """
+    key = ("blocks", depth)
+    if key not in self.derived:
+      found: dict[str, list[int]] = {}
+      for node in self.nodes:
+        parts = node.readable.split("/")
+        if not node.backward and node.readable != "<top>" and len(parts) >= depth:
+          found.setdefault("/".join(parts[:depth]), []).append(node.index)
+      self.derived[key] = found
+    return self.derived[key]
+
   def __post_init__(self):
     self.derived: dict = {}  # analyses computed once per graph, by name
     self._by_value = {r.value: r for r in self.residuals}

@@ -2,9 +2,11 @@
 
 A decision is a small frozen dataclass, in the manner of
 ``jax.ad_checkpoint``'s policies. Residuals a plan does not mention are kept
-on the device. Later decision kinds (offload with a prefetch point, chunked
-vTensors) are new dataclasses that the rewrite dispatches on; the plan type
-itself does not change.
+on the device; forward values that are not residuals are not kept unless
+the plan saves them (:class:`Save`: a checkpoint at a block boundary, so
+that recomputation starts there). Further decision kinds (chunked vTensors)
+are new dataclasses that the rewrite dispatches on; the plan type itself
+does not change.
 """
 
 from __future__ import annotations
@@ -46,14 +48,25 @@ class Offload(Decision):
   at: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Save(Decision):
+  """A forward value the backward pass does not read is kept anyway, so that
+  recomputation can start from it: a checkpoint, like the inputs that
+  ``jax.checkpoint`` saves at a block's boundary."""
+  kind = "save"
+
+
 KEEP = Keep()
+SAVE = Save()
 RECOMPUTE = Recompute()
 OFFLOAD = Offload()
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """An immutable map from residual value id to :class:`Decision`.
+  """An immutable map from value id to :class:`Decision`: a residual's
+  (kept unless mentioned), or a forward value's :class:`Save` (a block
+  boundary recomputation starts from).
 
   Example:
     >>> plan = Plan().with_decision(7, RECOMPUTE)
@@ -85,7 +98,7 @@ class Plan:
     return Plan.of(decisions)
 
   def values_with(self, kind: str) -> frozenset[int]:
-    """Residual ids whose decision has ``kind`` (e.g. ``"recompute"``)."""
+    """Value ids whose decision has ``kind`` (e.g. ``"recompute"``)."""
     return frozenset(vid for vid, d in self.items if d.kind == kind)
 
   def with_kind(self, kind: str) -> dict[int, Decision]:

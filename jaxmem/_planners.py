@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import logging
 import time
 from typing import Callable, Protocol
 
@@ -17,8 +18,12 @@ from jaxmem._graph import Graph, Residual
 from jaxmem._memory import MemoryProfile, fused_values, simulate, unplanned_profile
 from jaxmem._devices import PROFILES, get_profile
 from jaxmem._perf import predict_schedule, schedule_costs
-from jaxmem._plan import KEEP, RECOMPUTE, Keep, Offload, Plan
+from jaxmem._plan import KEEP, RECOMPUTE, SAVE, Keep, Offload, Plan
 from jaxmem._rewrite import Schedule, build_schedule
+
+
+# Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
+_log = logging.getLogger("jaxmem")
 
 
 @dataclasses.dataclass
@@ -140,6 +145,8 @@ class RecomputeGreedy:
   # Bulk moves (``_bulk``): shares of the bytes above the aim to drop at once.
   bulk: tuple = (0.25, 0.5)
   bulk_above: float = 0.5
+  # Evaluations the refinement of a fitting plan may spend (``_refine``).
+  refine: int = 24
   # Which moves a step may take, and what a plan costs: without a device
   # profile, recomputed FLOPs; with one (a name in jaxmem.PROFILES or a
   # DeviceProfile), the predicted step time. Offload needs a profile (it is
@@ -176,8 +183,39 @@ class RecomputeGreedy:
           best = result
         if best.fits:
           break
+    if best.fits and self.recompute:
+      with _paused_gc():
+        best = self._refine(graph, best, target)
     best.seconds = time.perf_counter() - began
     return best
+
+  def _refine(self, graph, result: PlanResult, target: int) -> PlanResult:
+    """Libra's greedy refinement of a plan that fits: recomputed residuals
+    are kept again wherever the peak stays within ``target``, whole blocks
+    first, then one by one, the costliest rebuilds per byte first (matmul
+    and convolution outputs before elementwise ones), within ``refine``
+    evaluations. A plan that overshot (a ladder or block plan taken for a
+    looser target) gives back the recomputation it does not need."""
+    plan, schedule, profile = result.plan, result.schedule, result.profile
+    dropped = plan.values_with("recompute")
+    blocks = [[v for v in seg.drops if v in dropped] for seg in segments(graph)]
+    costly = sorted(dropped, key=lambda v: (-graph.nodes[graph.values[v].producer].flops
+                                             / max(graph.values[v].nbytes, 1), v))
+    tries = 0
+    for group in [b for b in blocks if b] + [[v] for v in costly]:
+      if tries >= self.refine:
+        break
+      group = [v for v in group if plan[v].kind == "recompute"]
+      if not group:
+        continue
+      tries += 1
+      trial = plan
+      for vid in group:
+        trial = trial.with_decision(vid, KEEP)
+      t_schedule, t_profile = evaluate(graph, trial)
+      if t_profile.peak <= target:
+        plan, schedule, profile = trial, t_schedule, t_profile
+    return dataclasses.replace(result, plan=plan, schedule=schedule, profile=profile)
 
   def lowest(self, graph: Graph) -> list[PlanResult]:
     """The ladder's plans, lowest predicted peak first: the candidates for
@@ -207,6 +245,15 @@ class RecomputeGreedy:
       result = runs[fraction]
       plan = result.plan
       yield dataclasses.replace(result, target=target, fits=result.peak <= target)
+    # Then every block checkpointed (the plan XLA follows best), and the
+    # greedy's descent from there.
+    for i, start in enumerate(block_plans(graph, candidates) if self.recompute else ()):
+      if ("blocks", i) not in runs:
+        schedule, profile = evaluate(graph, start)
+        runs["blocks", i] = PlanResult(start, schedule, profile, 0, False, 0.0, 0)
+        runs["blocks", i, 0] = self._greedy(graph, 0, 0, candidates, start)
+      for result in (runs["blocks", i], runs["blocks", i, 0]):
+        yield dataclasses.replace(result, target=target, fits=result.peak <= target)
 
   def _greedy(self, graph, target, aim, candidates, plan) -> PlanResult:
     """One greedy run from ``plan`` toward ``aim``; fits is judged against
@@ -222,22 +269,11 @@ class RecomputeGreedy:
       ranked = self._rank(graph, plan, profile, candidates)
       base = (profile.peak, profile.excess(aim), self._cost(schedule))
       choice = None
-      undo = [[(r, KEEP)] for r in self._undo(graph, plan, profile)]
-      bulk = [move for group in self._bulk(ranked, profile.peak - aim, profile.peak)
-              if (move := self._bulk_move(graph, schedule, group))]
-      ranked = [group for group, _ in ranked]
-      # Best-ranked candidates first; when none of a batch helps, the next
-      # batch (the cheapest rebuilds can be the ones that make a new peak).
-      for batch in range(self.batches):
-        moves = [move for group in
-                 ranked[batch * self.evaluations:(batch + 1) * self.evaluations]
-                 for move in self._moves(graph, schedule, group)]
-        if batch == 0:
-          moves += undo + bulk
+      for moves in self._batches(graph, plan, schedule, profile, ranked, aim, candidates):
         for move in moves:
           trial = plan
-          for r, decision in move:
-            trial = trial.with_decision(r.value, decision)
+          for vid, decision in move:
+            trial = trial.with_decision(vid, decision)
           t_schedule, t_profile = evaluate(graph, trial)
           if self.host_budget is not None and t_profile.host_peak > self.host_budget:
             continue
@@ -249,16 +285,42 @@ class RecomputeGreedy:
                    gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
           if score > (0.0, 0.0) and (choice is None or score > choice[0]):
             choice = (score, trial, t_schedule, t_profile)
-        if choice is not None or not moves:
+        if choice is not None:
           break
       if choice is None:
         break
       _, plan, schedule, profile = choice
+      _log.debug("greedy step %d: peak %d (aim %d), %d decisions, %d saves, peak at %s",
+                 steps, profile.peak, aim, len(plan), len(plan.values_with("save")),
+                 profile.peak_name)
       steps += 1
       if profile.peak < best[0]:
         best = (profile.peak, plan, schedule, profile)
     peak, plan, schedule, profile = best
     return PlanResult(plan, schedule, profile, target, peak <= target, 0.0, steps)
+
+  def _batches(self, graph, plan, schedule, profile, ranked, aim, candidates):
+    """The moves of one greedy step, in batches tried until one helps:
+    the best-ranked candidates with the undo and bulk moves, then the next
+    ranked ones (the cheapest rebuilds can be the ones that make a new
+    peak), and last the block moves (``_segment_moves``), for where single
+    drops no longer lower the peak: a block checkpointed at its boundary
+    stops recomputation from running back through earlier blocks."""
+    undo = [[(r.value, KEEP)] for r in self._undo(graph, plan, profile)]
+    bulk = [move for group in self._bulk(ranked, profile.peak - aim, profile.peak)
+            if (move := self._bulk_move(graph, schedule, group))]
+    groups = [group for group, _ in ranked]
+    for batch in range(self.batches):
+      moves = [move for group in groups[batch * self.evaluations:
+                                         (batch + 1) * self.evaluations]
+               for move in self._moves(graph, schedule, group)]
+      if batch == 0:
+        moves += undo + bulk
+      if not moves:
+        break
+      yield moves
+    if self.recompute:
+      yield self._segment_moves(graph, plan, profile, candidates)
 
   def _cost(self, schedule) -> float:
     """What a plan costs: FLOPs recomputed, or with a device profile the
@@ -273,7 +335,7 @@ class RecomputeGreedy:
     """One move taking many residuals off: rebuilt where the planner may
     recompute, else each one that may be offloaded."""
     if self.recompute:
-      return [(r, RECOMPUTE) for r in residuals]
+      return [(r.value, RECOMPUTE) for r in residuals]
     return [move[0] for r in residuals for move in self._moves(graph, schedule, [r])]
 
   def _moves(self, graph, schedule, group) -> list[list[tuple]]:
@@ -283,12 +345,12 @@ class RecomputeGreedy:
     copied back early enough to hide the copy under compute."""
     moves = []
     if self.recompute:
-      moves.append([(r, RECOMPUTE) for r in group])
+      moves.append([(r.value, RECOMPUTE) for r in group])
     if self.offload and len(group) == 1 and group[0].value not in fused_values(graph):
       profile = get_profile(self.profile)
       if not profile.unified:
         r = group[0]
-        moves.append([(r, Offload(at=_prefetch_point(schedule, r, profile)))])
+        moves.append([(r.value, Offload(at=_prefetch_point(schedule, r, profile)))])
     return moves
 
   def _bulk(self, ranked, deficit: int, peak: int) -> list[list[Residual]]:
@@ -312,6 +374,34 @@ class RecomputeGreedy:
       if len(move) > 1 and (not moves or len(move) > len(moves[-1])):
         moves.append(move)
     return moves
+
+  def _segment_moves(self, graph, plan, profile, candidates) -> list[list[tuple]]:
+    """Block moves: checkpoint a whole module block at once (see
+    :func:`segments`), for the ``evaluations`` blocks whose residuals free
+    the most bytes at the peak per FLOP of the block.
+
+    The move saves the values the block reads from outside it (its
+    boundary; a dropped residual there is kept again) and drops the
+    residuals made and used inside it, as per-block ``jax.checkpoint``
+    does: recomputation then starts at the boundary instead of running
+    back through earlier blocks.
+    """
+    decisions = plan.as_dict()
+    live = {k[0] for k in profile.live_at_peak if k[1] == 0}
+    # Rebuilt copies at the peak: a recomputation running back through
+    # earlier blocks (their boundaries not saved) may be what peaks.
+    rebuilt = sum(graph.values[k[0]].nbytes for k in profile.live_at_peak if k[1] > 0)
+    ranked = []
+    for seg in segments(graph, candidates):
+      todo = [v for v in seg.drops if v not in decisions]
+      move = _checkpoint(graph, seg, decisions)
+      freed = sum(graph.values[v].nbytes for v in todo if v in live)
+      if len(move) > len(todo) and len(todo) < len(seg.drops):
+        freed += rebuilt  # some dropped already: saving the boundary may cut a chain
+      if freed:
+        ranked.append((freed / (seg.flops + 1.0), move))
+    ranked.sort(key=lambda item: -item[0])
+    return [move for _, move in ranked[:self.evaluations]]
 
   def _undo(self, graph, plan, profile) -> list[Residual]:
     """Dropped residuals whose rebuilt copy is live at the peak.
@@ -358,6 +448,101 @@ class RecomputeGreedy:
       ranked.append((nbytes / (flops + 1.0), group, nbytes))
     ranked.sort(key=lambda item: -item[0])
     return [(group, nbytes) for _, group, nbytes in ranked]
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """A module block that a planner can checkpoint in one move.
+
+  Attributes:
+    name: the block's module path (``GPT2/block0``).
+    drops: recomputable residuals made in the block and read by no forward
+      equation outside it.
+    saves: forward values made outside the block that it reads: where its
+      recomputation starts.
+    flops: FLOPs of the block's forward equations.
+  """
+  name: str
+  drops: tuple
+  saves: tuple
+  flops: float
+
+
+def segments(graph: Graph, candidates: dict | None = None,
+             depths: tuple = (2, 3)) -> list[Segment]:
+  """The blocks of ``graph`` at module depths ``depths`` that hold residuals
+  to drop (duplicates of a shallower block left out); computed once per
+  graph.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return x + nn.Dense(8)(jnp.tanh(nn.Dense(8)(x)))
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     h = Block()(x)
+    ...     return jnp.sum(Block()(h) ** 2)
+    >>> from jaxmem._graph import build_graph
+    >>> net, x = Net(), jnp.ones((4, 8))
+    >>> p = net.init(jax.random.key(0), x)
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(p))
+    >>> [(s.name, len(s.drops), len(s.saves)) for s in segments(g)]
+    [('Net/Block_0', 2, 0), ('Net/Block_1', 2, 1)]
+  """
+  key = ("segments", depths)
+  if key in graph.derived:
+    return graph.derived[key]
+  if candidates is None:
+    candidates = recomputable(graph)
+  found, seen = [], set()
+  for depth in depths:
+    for name, nodes in graph.blocks(depth).items():
+      inside = set(nodes)
+      drops = tuple(r.value for r in graph.residuals
+                    if r.produced_at in inside and r.value in candidates
+                    and all(u in inside for u in graph.values[r.value].uses
+                            if not graph.nodes[u].backward))
+      saves = tuple(sorted({a for i in nodes for a in graph.nodes[i].ins
+                            if isinstance(a, int) and graph.is_forward_value(a)
+                            and graph.values[a].producer not in inside}))
+      if drops and (drops, saves) not in seen:
+        seen.add((drops, saves))
+        found.append(Segment(name, drops, saves,
+                             sum(graph.nodes[i].flops for i in nodes)))
+  graph.derived[key] = found
+  return found
+
+
+def _checkpoint(graph: Graph, seg: Segment, decisions: dict) -> list[tuple]:
+  """The decisions that checkpoint ``seg`` on top of ``decisions``: its
+  residuals recomputed, its boundary saved (a dropped residual there kept
+  again)."""
+  move = [(v, RECOMPUTE) for v in seg.drops if v not in decisions]
+  for v in seg.saves:
+    if v not in graph._by_value:
+      if v not in decisions:
+        move.append((v, SAVE))
+    elif decisions.get(v, KEEP).kind == "recompute":
+      move.append((v, KEEP))
+  return move
+
+
+def block_plans(graph: Graph, candidates: dict | None = None) -> list[Plan]:
+  """Every block checkpointed, at module depth 2 and at depth 3: the plans
+  per-block ``jax.checkpoint`` with ``nothing_saveable`` would give, as
+  starting points and as candidates for the lowest footprint (XLA follows
+  them closely: recomputation starts at saved block boundaries)."""
+  plans = []
+  for depth in (2, 3):
+    decisions: dict = {}
+    for seg in segments(graph, candidates, depths=(depth,)):
+      decisions.update(_checkpoint(graph, seg, decisions))
+    if decisions and Plan.of(decisions) not in plans:
+      plans.append(Plan.of(decisions))
+  return plans
 
 
 def _prefetch_point(schedule, residual: Residual, profile) -> int | None:

@@ -8,9 +8,13 @@ so what is predicted is exactly what is compiled.
 
 Recomputation (:class:`~jaxmem._plan.Recompute`): before a backward equation
 that reads a dropped residual, the forward equations that rebuild it are
-re-run from *kept* values only (step inputs, constants, kept residuals, and
-copies recomputed earlier and still in use), never from a forward value that
-happens to be at hand (that would keep it alive and save nothing). The kept
+re-run from *kept* values only (step inputs, constants, kept residuals,
+forward values the plan saves as block boundaries (:class:`~jaxmem._plan.Save`),
+and copies recomputed earlier and still in use), never from a forward value
+that happens to be at hand (that would keep it alive and save nothing).
+Intermediates rebuilt for one block's backward pass are reused by its later
+recomputations (as ``jax.checkpoint`` rebuilds a block once) and dropped when
+the backward pass moves to another block. The kept
 values enter the recomputation through one ``optimization_barrier`` together
 with an anchor, the latest backward value emitted that is read again (see
 ``_Rewriter.anchor``), so XLA can neither merge the copy with the forward
@@ -80,6 +84,7 @@ class _Rewriter:
     self.separating = separating
     self.plan = plan
     self.dropped = plan.values_with("recompute")
+    self.saved = plan.values_with("save")
     self.fused = fused
     # Buffers that kept fused residuals are computed from stay alive for
     # their backward reads, so recomputation may read them too.
@@ -87,6 +92,10 @@ class _Rewriter:
                  if vid in graph._by_value and vid not in self.dropped for b in bufs}
     self.ops: list[Op] = []
     self.cache: dict[int, Key] = {}  # dropped residual -> recomputed key
+    # Other recomputed values, reused by later recomputations while the
+    # backward pass stays in the block they were rebuilt for (``scope``).
+    self.scratch: dict[int, Key] = {}
+    self.scope: str | None = None
     # Backward value -> its latest barrier copy: later readers read the copy,
     # so XLA cannot prune it out of the barrier that orders a group.
     self.routed: dict[int, Key] = {}
@@ -121,7 +130,7 @@ class _Rewriter:
     # buffer of its own: reading a pure forward intermediate, or a residual
     # XLA computes inside its readers, would give it a buffer kept alive
     # until here, and save nothing.
-    return vid in self.held or (vid in self.graph._by_value
+    return vid in self.held or vid in self.saved or (vid in self.graph._by_value
                                 and vid not in self.dropped and vid not in self.fused)
 
   def order(self) -> list:
@@ -237,6 +246,9 @@ class _Rewriter:
     values it starts from (see ``separate``), and ``missing`` are kept for
     later backward reads."""
     graph = self.graph
+    scope = _scope(consumer)
+    if scope != self.scope:
+      self.scope, self.scratch = scope, {}
     to_run: set[int] = set()
     leaves: set[int] = set()
     stack = list(missing)
@@ -244,7 +256,7 @@ class _Rewriter:
       vid = stack.pop()
       if vid in self.offloaded:
         self.prefetch([vid], consumer)  # rebuilt from its copy back
-      if vid in self.cache:
+      if vid in self.cache or vid in self.scratch:
         continue
       if self.available(vid):
         leaves.add(vid)
@@ -269,13 +281,15 @@ class _Rewriter:
     for index in sorted(to_run):
       node = graph.nodes[index]
       ins = tuple(a if isinstance(a, jex.Literal) else
-                  local.get(a) or self.cache.get(a) or self.key(a)
+                  local.get(a) or self.cache.get(a) or self.scratch.get(a) or self.key(a)
                   for a in node.ins)
       outs = tuple(self.fresh(v) for v in node.outs)
       for vid, key in zip(node.outs, outs):
         local[vid] = key
         if vid in self.dropped or (separated and vid in missing):
           self.cache[vid] = key
+        else:
+          self.scratch[vid] = key
       self.recompute_flops += node.flops
       self.ops.append(Op("recompute", index, ins, outs))
 
@@ -385,6 +399,12 @@ class _Rewriter:
       self.graph.derived["position"] = {
           n.index: i for i, n in enumerate(self.order())}
     return self.graph.derived["position"]
+
+
+def _scope(node) -> str:
+  """The block a backward node works on: its module path cut after two
+  names (``GPT2/block0``), as ``Graph.blocks`` groups forward nodes."""
+  return "/".join(node.readable.split("/")[:2])
 
 
 def _broadcasts(own: tuple, shape: tuple) -> bool:

@@ -81,16 +81,19 @@ class StepPlan:
     p = self.result.profile
     decisions = {vid: d.kind for vid, d in self.plan}
     fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
+    saved = self.plan.values_with("save")
+    saved_bytes = sum(self.graph.values[v].nbytes for v in saved)
     lines = [
         f"budget            {format_bytes(self.budget)}",
         f"unconstrained     {format_bytes(self.unconstrained)} (XLA), "
         f"{format_bytes(self.unconstrained_model)} (model)",
         f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
         f"peak at           {p.peak_name}",
-        f"decisions         {len(self.plan)} of {len(self.graph.residuals)} "
+        f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
         f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
         f"{len(self.plan.values_with('offload'))} offloaded; "
-        f"{format_bytes(p.host_peak)} on the host at most)",
+        f"{format_bytes(p.host_peak)} on the host at most); {len(saved)} "
+        f"block boundaries saved ({format_bytes(saved_bytes)})",
         f"added FLOPs       {self.added_flops:.3g} "
         f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
         f"planning time     {self.seconds:.2f} s ({self.attempts} round(s))",
