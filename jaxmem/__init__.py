@@ -18,18 +18,18 @@ from jaxmem._devices import PROFILES, DeviceProfile, get_profile  # noqa: E402
 from jaxmem._flags import enable_cpu_remat  # noqa: E402
 from jaxmem._graph import Graph, Residual  # noqa: E402
 from jaxmem._memory import MemoryProfile  # noqa: E402
-from jaxmem._plan import (KEEP, OFFLOAD, RECOMPUTE, SAVE, Decision, Keep,  # noqa: E402
-                          Offload, Plan, Recompute, Save)
+from jaxmem._lgm import LGM, reservation_floor  # noqa: E402
+from jaxmem._plan import (KEEP, OFFLOAD, RECOMPUTE, SAVE, Chunked, Decision,  # noqa: E402
+                          Keep, Offload, Plan, Recompute, Save)
 from jaxmem._planners import PLANNERS, Hybrid, PlanResult, RecomputeGreedy  # noqa: E402
 from jaxmem._transform import (Analysis, StepPlan, Transformed, analyze,  # noqa: E402
                                transform, xla_footprint)
 
 __all__ = [
-    "Analysis", "Budget", "BudgetError", "Decision", "DeviceProfile", "Graph", "Hybrid", "KEEP",
-    "Keep", "MemoryProfile", "OFFLOAD", "Offload", "PLANNERS", "PROFILES", "Plan", "PlanResult",
-    "RECOMPUTE", "Recompute", "RecomputeGreedy", "Residual", "SAVE", "Save", "StepPlan",
-    "Transformed",
-    "analyze", "calibrate", "enable_cpu_remat", "format_bytes", "get_profile",
-    "transform", "xla_footprint",
+    "Analysis", "Budget", "BudgetError", "Chunked", "Decision", "DeviceProfile", "Graph",
+    "Hybrid", "KEEP", "Keep", "LGM", "MemoryProfile", "OFFLOAD", "Offload", "PLANNERS",
+    "PROFILES", "Plan", "PlanResult", "RECOMPUTE", "Recompute", "RecomputeGreedy", "Residual",
+    "SAVE", "Save", "StepPlan", "Transformed", "analyze", "calibrate", "enable_cpu_remat",
+    "format_bytes", "get_profile", "reservation_floor", "transform", "xla_footprint",
 ]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ import jax
 from jaxmem._budget import BudgetError
 from jaxmem._devices import get_profile
 from jaxmem._perf import predict_schedule
-from jaxmem._planners import PLANNERS, unplanned
+from jaxmem._planners import ABLATIONS, PLANNERS, unplanned
 from jaxmem._transform import transform, xla_footprint
 
 
@@ -56,14 +56,15 @@ class Method:
 
 
 def default_methods(model: str) -> list[Method]:
-  """Unconstrained, every jaxmem planner, and the remat baselines the model
-  supports (models without block modules have none)."""
+  """Unconstrained, every jaxmem planner (the ablation variants left out:
+  ask for them by name), and the remat baselines the model supports
+  (models without block modules have none)."""
   import models
   methods = [Method("unconstrained")]
   if models.supports_remat(model):
     methods += [Method("remat", p) for p in ("nothing_saveable", "dots_saveable",
                                               "dots_with_no_batch_dims_saveable")]
-  return methods + [Method("jaxmem", p) for p in sorted(PLANNERS)]
+  return methods + [Method("jaxmem", p) for p in sorted(PLANNERS) if p not in ABLATIONS]
 
 
 @dataclasses.dataclass

@@ -59,6 +59,13 @@ def emit(schedule: Schedule):
       args = [read(k) for k in op.ins]
       if op.kind in _SPACES:
         outs = [jax.device_put(args[0], _SPACES[op.kind]())]
+      elif op.kind == "split":  # vTensor split + salloc: chunks in own buffers
+        axis, bounds = op.params
+        outs = jax.lax.optimization_barrier(
+            [jax.lax.slice_in_dim(args[0], start, stop, axis=axis)
+             for start, stop in bounds])
+      elif op.kind == "merge":  # vTensor merge
+        outs = [jax.lax.concatenate(args, op.params[0])]
       elif op.node is None:
         outs = jax.lax.optimization_barrier(args)
       else:

@@ -34,8 +34,11 @@ from jax.extend import core as jex
 from jaxmem._plan import Plan
 from jaxmem._rewrite import Schedule, build_schedule
 
-# Copies between memories, by schedule op kind (see ``_rewrite.Op``).
-_COPIES = {"offload": "device_put", "prefetch": "device_put"}
+# What the ops a rewrite adds are, by schedule op kind (see ``_rewrite.Op``):
+# copies between memories, and a vTensor's split and merge (copies into
+# buffers of their own); any other is an optimization barrier.
+_OPS = {"offload": "device_put", "prefetch": "device_put", "split": "slice",
+        "merge": "concatenate"}
 VIEWS = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier", "name"})
 ELEMENTWISE = frozenset({
     "add", "add_any", "sub", "mul", "div", "neg", "max", "min", "exp", "exp2",
@@ -103,7 +106,7 @@ class MemoryProfile:
     """Readable name of the equation at the peak."""
     op = self.schedule.ops[self.peak_op]
     if op.node is None:
-      return f"{_COPIES.get(op.kind, 'optimization_barrier')} ({op.kind}, op {self.peak_op})"
+      return f"{_OPS.get(op.kind, 'optimization_barrier')} ({op.kind}, op {self.peak_op})"
     node = self.schedule.nodes[op.node]
     return f"{node.readable} {node.prim.name} ({op.kind}, op {self.peak_op})"
 
@@ -123,7 +126,7 @@ def simulate(schedule: Schedule) -> MemoryProfile:
   """
   graph = schedule.graph
   ops = schedule.ops
-  nbytes = lambda key: graph.values[key[0]].nbytes
+  nbytes = schedule.nbytes
 
   # Which key owns which buffer, and which keys are fused away.
   producer_of: dict = {}
@@ -139,7 +142,7 @@ def simulate(schedule: Schedule) -> MemoryProfile:
       readers.setdefault(key, []).append(pos)
   outputs = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
 
-  names = [_COPIES.get(op.kind, "optimization_barrier") if op.node is None
+  names = [_OPS.get(op.kind, "optimization_barrier") if op.node is None
            else graph.nodes[op.node].prim.name for op in ops]
   # Recomputed values and barriers belong to the backward pass.
   backward = [op.kind != "node" or graph.nodes[op.node].backward for op in ops]

@@ -109,6 +109,11 @@ def schedule_costs(schedule) -> list[OpCost]:
   graph = schedule.graph
   costs = []
   for op in schedule.ops:
+    moved = (sum(schedule.nbytes(k) for k in op.ins if isinstance(k, tuple))
+             + sum(schedule.nbytes(k) for k in op.outs))
+    if op.kind in ("split", "merge"):  # a vTensor's chunks copied out / in
+      costs.append(OpCost(op.kind, 0.0, moved))
+      continue
     if op.node is None:
       costs.append(OpCost("optimization_barrier", 0.0, 0))
       continue
@@ -116,9 +121,7 @@ def schedule_costs(schedule) -> list[OpCost]:
     if node.prim.name in FREE:
       costs.append(OpCost(node.prim.name, 0.0, 0))
       continue
-    nbytes = sum(graph.values[k[0]].nbytes for k in op.ins if isinstance(k, tuple))
-    nbytes += sum(graph.values[k[0]].nbytes for k in op.outs)
-    costs.append(OpCost(node.prim.name, node.flops, nbytes))
+    costs.append(OpCost(node.prim.name, node.flops, moved))
   return costs
 
 
@@ -126,7 +129,6 @@ def schedule_transfers(schedule) -> list[Transfer]:
   """The copies of a rewritten step: each offload starts where it is
   issued (right after its value is made); each copy back is issued at its
   op and needed by the first op that reads the copy."""
-  graph = schedule.graph
   first_read: dict = {}
   for pos, op in enumerate(schedule.ops):
     for key in op.ins:
@@ -135,7 +137,7 @@ def schedule_transfers(schedule) -> list[Transfer]:
   transfers = []
   for pos, op in enumerate(schedule.ops):
     if op.kind in ("offload", "prefetch"):
-      nbytes = graph.values[op.outs[0][0]].nbytes
+      nbytes = schedule.nbytes(op.outs[0])
       need = first_read.get(op.outs[0]) if op.kind == "prefetch" else None
       transfers.append(Transfer("d2h" if op.kind == "offload" else "h2d", nbytes,
                                 pos, need))

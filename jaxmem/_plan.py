@@ -4,9 +4,8 @@ A decision is a small frozen dataclass, in the manner of
 ``jax.ad_checkpoint``'s policies. Residuals a plan does not mention are kept
 on the device; forward values that are not residuals are not kept unless
 the plan saves them (:class:`Save`: a checkpoint at a block boundary, so
-that recomputation starts there). Further decision kinds (chunked vTensors)
-are new dataclasses that the rewrite dispatches on; the plan type itself
-does not change.
+that recomputation starts there). A residual may also be split into chunks
+with a decision each (:class:`Chunked`, the vTensor seed's vTensors).
 """
 
 from __future__ import annotations
@@ -56,6 +55,44 @@ class Save(Decision):
   kind = "save"
 
 
+@dataclasses.dataclass(frozen=True)
+class Chunked(Decision):
+  """A residual virtualized into vTensors (the vTensor seed's ``split``):
+  right after it is made it is cut along ``axis`` into chunks, each its own
+  buffer (``salloc``), and each chunk gets its own decision, :class:`Keep`
+  or :class:`Offload` with its own copy-back point; before the backward
+  pass reads it the chunks are joined again (``merge``). Only as many
+  chunks as the peak needs leave the device.
+
+  Attributes:
+    axis: the axis cut.
+    bounds: ``(start, stop)`` of each chunk along ``axis``, covering it.
+    chunks: one decision per chunk.
+
+  Example:
+    >>> c = Chunked(0, ((0, 2), (2, 4)), (KEEP, Offload()))
+    >>> c.offloaded
+    (1,)
+  """
+  kind = "chunked"
+  axis: int
+  bounds: tuple
+  chunks: tuple
+
+  def __post_init__(self):
+    if len(self.bounds) != len(self.chunks) or not self.bounds:
+      raise ValueError(f"Chunked: expected one decision per chunk, got {len(self.bounds)} "
+                       f"bounds and {len(self.chunks)} decisions")
+    for d in self.chunks:
+      if not isinstance(d, (Keep, Offload)):
+        raise ValueError(f"Chunked: a chunk is kept or offloaded, got {d!r}")
+
+  @property
+  def offloaded(self) -> tuple:
+    """Indices of the chunks that go to host memory."""
+    return tuple(i for i, d in enumerate(self.chunks) if d.kind == "offload")
+
+
 KEEP = Keep()
 SAVE = Save()
 RECOMPUTE = Recompute()
@@ -100,6 +137,12 @@ class Plan:
   def values_with(self, kind: str) -> frozenset[int]:
     """Value ids whose decision has ``kind`` (e.g. ``"recompute"``)."""
     return frozenset(vid for vid, d in self.items if d.kind == kind)
+
+  @property
+  def uses_host(self) -> bool:
+    """Whether anything goes to host memory (an offload or a chunk's)."""
+    return any(d.kind == "offload" or (d.kind == "chunked" and d.offloaded)
+               for _, d in self.items)
 
   def with_kind(self, kind: str) -> dict[int, Decision]:
     """Residual id -> decision, for the decisions of ``kind``."""

@@ -38,6 +38,8 @@ class PlanResult:
     fits: whether ``profile.peak <= target``.
     seconds: planning time.
     steps: number of greedy choices made.
+    details: what a planner reports beyond the plan (the LGM planner: its
+      layers, peaks and the vTensors that cover them), or None.
   """
   plan: Plan
   schedule: Schedule
@@ -46,6 +48,7 @@ class PlanResult:
   fits: bool
   seconds: float
   steps: int
+  details: object = None
 
   @property
   def peak(self) -> int:
@@ -545,20 +548,28 @@ def block_plans(graph: Graph, candidates: dict | None = None) -> list[Plan]:
   return plans
 
 
-def _prefetch_point(schedule, residual: Residual, profile) -> int | None:
+def _prefetch_point(schedule, residual: Residual, profile, nbytes: int | None = None,
+                    costs: list | None = None, after: int = -1,
+                    late: bool = False) -> int | None:
   """The latest backward node before ``residual``'s first backward reader
-  such that the predicted compute in between covers the copy back (the copy
-  is then ready when needed); the earliest backward node if none does."""
+  such that the predicted compute in between covers the copy back of
+  ``nbytes`` (the residual's by default; a vTensor's chunks queue on one
+  link, so a later chunk passes the bytes of those before it too): the copy
+  is then ready when needed. If none does, the earliest backward node, or
+  with ``late`` the reader itself (the copy stalls the step but holds the
+  device buffer for the least time). With ``after``, no node at or before
+  that schedule position: a copy that frees memory at a peak must not come
+  back before it."""
   graph = schedule.graph
-  need = profile.transfer_seconds(residual.nbytes, "h2d")
-  costs = schedule_costs(schedule)
+  need = profile.transfer_seconds(residual.nbytes if nbytes is None else nbytes, "h2d")
+  costs = schedule_costs(schedule) if costs is None else costs
   ops = schedule.ops
   first = next((i for i, op in enumerate(ops) if op.kind == "node"
                 and op.node == residual.first_backward_use), None)
   if first is None:
     return None
   covered, at = 0.0, residual.first_backward_use
-  for pos in range(first - 1, -1, -1):
+  for pos in range(first - 1, after, -1):
     op = ops[pos]
     if op.kind == "node" and not graph.nodes[op.node].backward:
       break
@@ -566,8 +577,8 @@ def _prefetch_point(schedule, residual: Residual, profile) -> int | None:
     if op.kind == "node":
       at = op.node
       if covered >= need:
-        break
-  return at
+        return at
+  return residual.first_backward_use if late else at
 
 
 @contextlib.contextmanager
@@ -610,7 +621,9 @@ class Hybrid:
      moves as well: each step takes a residual at the peak off the device by
      recomputing or offloading it, whichever lowers the peak most per
      predicted second (an offload whose copy hides under compute costs
-     nothing; a slow link makes recomputation win).
+     nothing; a slow link makes recomputation win). With ``swap="lgm"``
+     the vTensor planner (:class:`~jaxmem._lgm.LGM`) covers what is left
+     instead, swapping only the chunks each peak lacks.
   3. Refinement: each recomputed residual, largest first (up to ``swaps``),
      is switched to an offload copied back early enough to hide the copy,
      where that lowers the predicted time and the plan still fits.
@@ -625,32 +638,43 @@ class Hybrid:
   profile: object = "t4"
   host_budget: int | None = None
   swaps: int = 32
+  swap: str = "greedy"
   name: str = "hybrid"
 
   def __post_init__(self):
+    if self.swap not in ("greedy", "lgm"):
+      raise ValueError(f"Hybrid: swap must be 'greedy' or 'lgm', got {self.swap!r}")
     self.alone = RecomputeGreedy(profile=self.profile)
     self.mixed = RecomputeGreedy(name=self.name, offload=True, profile=self.profile,
                                  host_budget=self.host_budget)
+    if self.swap == "lgm":
+      from jaxmem._lgm import LGM
+      self.mixed = LGM(self.profile, host_budget=self.host_budget, name=self.name)
 
   def plan(self, graph: Graph, target: int, start: Plan | None = None) -> PlanResult:
     """Plans toward ``target`` bytes, from ``start`` if given."""
     began = time.perf_counter()
-    kept = None if start is None else Plan.of(start.with_kind("recompute"))
+    kept = None if start is None else Plan.of(
+        {**start.with_kind("recompute"), **start.with_kind("save")})
     first = self.alone.plan(graph, target, start=kept)
     results = [first]
     if not first.fits:
       results.append(self.mixed.plan(graph, target, start=first.plan))
     with _paused_gc():
       results = [self._swap(graph, r, target) for r in results]
-    best = min(results, key=lambda r: (not r.fits, self.mixed._cost(r.schedule)
+    best = min(results, key=lambda r: (not r.fits, self.alone._cost(r.schedule)
                                        if r.fits else r.peak))
     best.seconds = time.perf_counter() - began
     return best
 
   def lowest(self, graph: Graph) -> list[PlanResult]:
-    """The candidates for the smallest footprint: both greedy ladders'."""
-    return sorted(self.alone.lowest(graph) + self.mixed.lowest(graph),
-                  key=lambda r: r.peak)
+    """The candidates for the smallest footprint: both greedy ladders', or
+    with ``swap="lgm"`` the recompute ladder's and LGM's swaps on top of its
+    lowest plan."""
+    alone = self.alone.lowest(graph)
+    mixed = (self.mixed.lowest(graph) if self.swap == "greedy"
+             else [self.mixed.plan(graph, 0, start=alone[0].plan)])
+    return sorted(alone + mixed, key=lambda r: r.peak)
 
   def _swap(self, graph, result: PlanResult, target: int) -> PlanResult:
     """Refinement 3: recomputed residuals switched to offloads that pay."""
@@ -658,7 +682,7 @@ class Hybrid:
       return result
     limit = max(target, result.peak)
     plan, schedule, profile = result.plan, result.schedule, result.profile
-    cost = self.mixed._cost(schedule)
+    cost = self.alone._cost(schedule)
     fused = fused_values(graph)
     chosen = sorted((graph.residual(v) for v in plan.values_with("recompute")
                      if v not in fused), key=lambda r: -r.nbytes)[:self.swaps]
@@ -669,7 +693,7 @@ class Hybrid:
       if t_profile.peak > limit or (self.host_budget is not None
                                     and t_profile.host_peak > self.host_budget):
         continue
-      t_cost = self.mixed._cost(t_schedule)
+      t_cost = self.alone._cost(t_schedule)
       if t_cost < cost:
         plan, schedule, profile, cost = trial, t_schedule, t_profile, t_cost
     return dataclasses.replace(result, plan=plan, schedule=schedule, profile=profile,
@@ -687,8 +711,28 @@ def offload_only(profile="t4", **options) -> RecomputeGreedy:
                          profile=profile, **options)
 
 
+def lgm(profile="t4", **options):
+  """The vTensor planner (:class:`~jaxmem._lgm.LGM`) for ``profile``."""
+  from jaxmem._lgm import LGM
+  return LGM(profile=profile, **options)
+
+
+def lgm_whole(profile="t4", **options):
+  """Ablation: the LGM planner swapping whole tensors only (no vTensors)."""
+  return lgm(profile, whole=True, name="lgm-whole", **options)
+
+
+def lgm_unreserved(profile="t4", **options):
+  """Ablation: the LGM planner with memory reservation off (no chunk floor,
+  no headroom)."""
+  return lgm(profile, min_chunk=0, reserve=0.0, name="lgm-unreserved", **options)
+
+
 PLANNERS: dict[str, Callable[[], Planner]] = {
-    "recompute": RecomputeGreedy, "hybrid": hybrid, "offload": offload_only}
+    "recompute": RecomputeGreedy, "hybrid": hybrid, "offload": offload_only,
+    "lgm": lgm, "lgm-whole": lgm_whole, "lgm-unreserved": lgm_unreserved}
+# Planners that exist to be compared against (left out of default runs).
+ABLATIONS = frozenset({"lgm-whole", "lgm-unreserved"})
 
 
 def get_planner(planner) -> Planner:

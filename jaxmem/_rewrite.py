@@ -49,16 +49,19 @@ class Op:
   Attributes:
     kind: ``"node"`` (an original equation), ``"recompute"`` (a re-run forward
       equation), ``"barrier"`` (an ``optimization_barrier``; outputs alias
-      inputs), ``"offload"`` (a copy to host memory) or ``"prefetch"`` (a
-      copy back to the device).
+      inputs), ``"offload"`` (a copy to host memory), ``"prefetch"`` (a
+      copy back to the device), ``"split"`` (a value cut into chunks, each
+      its own buffer) or ``"merge"`` (chunks joined into one value).
     node: index of the graph node run (None for the other kinds).
     ins: input keys or ``jex.Literal``.
     outs: output keys.
+    params: ``(axis, bounds)`` of a split, ``(axis,)`` of a merge.
   """
   kind: str
   node: int | None
   ins: tuple
   outs: tuple
+  params: tuple = ()
 
 
 @dataclasses.dataclass
@@ -70,6 +73,11 @@ class Schedule:
   inputs: list[Key]
   outputs: list  # keys or jex.Literal
   recompute_flops: float
+  sizes: dict = dataclasses.field(default_factory=dict)  # chunk key -> bytes
+
+  def nbytes(self, key: Key) -> int:
+    """Bytes of the buffer behind ``key`` (a chunk's own size for chunks)."""
+    return self.sizes.get(key) or self.graph.values[key[0]].nbytes
 
   @property
   def nodes(self):
@@ -107,14 +115,23 @@ class _Rewriter:
     # Backward node -> operands read through a separated copy / rebuilt
     # from such copies (see shared_reads).
     self.to_separate, self.to_rebuild = self.shared_reads()
-    # Offloaded residual -> its host copy; backward node -> the offloaded
-    # residuals copied back before it.
+    # What goes to host memory is a *unit*: an offloaded residual's id, or
+    # (id, chunk index) for a chunk of a vTensor. Unit -> its host copy /
+    # its copy back; backward node -> the units copied back before it.
     self.offloaded = plan.with_kind("offload")
-    self.host: dict[int, Key] = {}
-    self.fetch_at: dict[int, list[int]] = {}
-    for vid, decision in sorted(self.offloaded.items()):
+    self.chunked = plan.with_kind("chunked")
+    self.host: dict = {}
+    self.fetched: dict = {}
+    self.chunks: dict[int, list[Key]] = {}  # vTensor -> its chunks' keys
+    self.sizes: dict[Key, int] = {}
+    self.fetch_at: dict[int, list] = {}
+    offloads = [(vid, d) for vid, d in self.offloaded.items()]
+    offloads += [((vid, i), c.chunks[i]) for vid, c in self.chunked.items()
+                 for i in c.offloaded]
+    for unit, decision in sorted(offloads, key=lambda item: str(item[0])):
+      vid = unit if isinstance(unit, int) else unit[0]
       at = decision.at if decision.at is not None else graph.residual(vid).first_backward_use
-      self.fetch_at.setdefault(at, []).append(vid)
+      self.fetch_at.setdefault(at, []).append(unit)
 
   def key(self, vid: int) -> Key:
     return (vid, 0)
@@ -169,6 +186,9 @@ class _Rewriter:
         self.prefetch(self.fetch_at.get(node.index, ()), node)
         self.prefetch([a for a in node.ins if isinstance(a, int) and a in self.offloaded],
                       node)
+        for a in node.ins:
+          if isinstance(a, int) and a in self.chunked:
+            self.merge(a, node)
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache]
         if missing:
@@ -192,11 +212,13 @@ class _Rewriter:
       else:
         for vid in node.outs:
           if vid in self.offloaded:
-            self.offload(vid)
+            self.offload(vid, self.key(vid))
+          elif vid in self.chunked:
+            self.split(vid)
     outputs = [o if isinstance(o, jex.Literal) else self.read(o, True)
                for o in graph.outputs]
     return Schedule(graph, self.plan, self.ops, [self.key(v) for v in graph.inputs],
-                    outputs, self.recompute_flops)
+                    outputs, self.recompute_flops, self.sizes)
 
   def read(self, atom, backward: bool):
     if isinstance(atom, jex.Literal):
@@ -256,6 +278,8 @@ class _Rewriter:
       vid = stack.pop()
       if vid in self.offloaded:
         self.prefetch([vid], consumer)  # rebuilt from its copy back
+      elif vid in self.chunked:
+        self.merge(vid, consumer)
       if vid in self.cache or vid in self.scratch:
         continue
       if self.available(vid):
@@ -293,26 +317,67 @@ class _Rewriter:
       self.recompute_flops += node.flops
       self.ops.append(Op("recompute", index, ins, outs))
 
-  def offload(self, vid: int) -> None:
-    """Copies a residual to host memory right after it is made."""
-    self.host[vid] = self.fresh(vid)
-    self.ops.append(Op("offload", None, (self.key(vid),), (self.host[vid],)))
+  def offload(self, unit, key: Key) -> None:
+    """Copies a residual (or a vTensor's chunk, ``key``) to host memory
+    right after it is made."""
+    self.host[unit] = self.sized(self.fresh(key[0]), key)
+    self.ops.append(Op("offload", None, (key,), (self.host[unit],)))
 
-  def prefetch(self, vids, consumer) -> None:
-    """Copies offloaded residuals back to the device before ``consumer``.
+  def prefetch(self, units, consumer) -> None:
+    """Copies offloaded residuals and chunks back to the device before
+    ``consumer``.
 
     Their host copies pass through one barrier with an anchor (``pin``)
     first, so XLA cannot issue the copies earlier than here and hold the
     device buffers from the start of the backward pass.
     """
-    vids = [v for v in dict.fromkeys(vids) if v not in self.cache]
-    if not vids:
+    units = [u for u in dict.fromkeys(units) if u not in self.fetched]
+    if not units:
       return
-    size = max(self.graph.values[v].nbytes for v in vids)
-    hosts = self.pin(tuple(self.host[v] for v in vids), consumer, size)
-    for vid, host in zip(vids, hosts):
-      self.cache[vid] = self.fresh(vid)
-      self.ops.append(Op("prefetch", None, (host,), (self.cache[vid],)))
+    size = max(self.nbytes(self.host[u]) for u in units)
+    hosts = self.pin(tuple(self.host[u] for u in units), consumer, size)
+    for unit, host in zip(units, hosts):
+      self.fetched[unit] = self.sized(self.fresh(host[0]), host)
+      if isinstance(unit, int):
+        self.cache[unit] = self.fetched[unit]
+      self.ops.append(Op("prefetch", None, (host,), (self.fetched[unit],)))
+
+  def split(self, vid: int) -> None:
+    """vTensor ``split`` and ``salloc``: cuts a residual into its chunks
+    right after it is made, each in a buffer of its own (the emitter ties
+    them with a barrier, so XLA cannot keep reading the whole value), and
+    copies the offloaded ones to host memory. The whole value is freed
+    after its last forward use."""
+    decision = self.chunked[vid]
+    keys = tuple(self.fresh(vid) for _ in decision.bounds)
+    for key, nbytes in zip(keys, chunk_bytes(self.graph.values[vid], decision)):
+      self.sizes[key] = nbytes
+    self.ops.append(Op("split", None, (self.key(vid),), keys,
+                       (decision.axis, decision.bounds)))
+    self.chunks[vid] = list(keys)
+    for i in decision.offloaded:
+      self.offload((vid, i), keys[i])
+
+  def merge(self, vid: int, consumer) -> None:
+    """vTensor ``merge``: before the first backward reader of a chunked
+    residual, copies back the chunks still on the host and joins all chunks
+    into one value, which the backward pass reads from then on."""
+    if vid in self.cache:
+      return
+    decision = self.chunked[vid]
+    self.prefetch([(vid, i) for i in decision.offloaded], consumer)
+    ins = tuple(self.fetched.get((vid, i), key) for i, key in enumerate(self.chunks[vid]))
+    self.cache[vid] = self.fresh(vid)
+    self.ops.append(Op("merge", None, ins, (self.cache[vid],), (decision.axis,)))
+
+  def sized(self, key: Key, like: Key) -> Key:
+    """``key``, recorded with the size of ``like`` where that is a chunk's."""
+    if like in self.sizes:
+      self.sizes[key] = self.sizes[like]
+    return key
+
+  def nbytes(self, key: Key) -> int:
+    return self.sizes.get(key) or self.graph.values[key[0]].nbytes
 
   def separate(self, node, ins: tuple) -> tuple:
     """Backward reads that XLA would otherwise share with the forward pass go
@@ -356,7 +421,7 @@ class _Rewriter:
       return keys
     anchor = self.anchor(consumer, size)
     ins = tuple(real) + ((self.read(anchor, True),) if anchor is not None else ())
-    outs = tuple(self.fresh(k[0]) for k in ins)
+    outs = tuple(self.sized(self.fresh(k[0]), k) for k in ins)
     self.ops.append(Op("barrier", None, ins, outs))
     if anchor is not None:
       # Later readers of the anchor read its barrier copy, so the barrier
@@ -399,6 +464,23 @@ class _Rewriter:
       self.graph.derived["position"] = {
           n.index: i for i, n in enumerate(self.order())}
     return self.graph.derived["position"]
+
+
+def chunk_bytes(value, decision) -> list[int]:
+  """Bytes of each chunk of ``value`` cut as ``decision`` says; they add up
+  to the value's bytes exactly.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem._graph import Value
+    >>> from jaxmem._plan import KEEP, Chunked
+    >>> v = Value(0, jax.core.ShapedArray((5, 4), jnp.float32), 80)
+    >>> chunk_bytes(v, Chunked(0, ((0, 2), (2, 5)), (KEEP, KEEP)))
+    [32, 48]
+  """
+  shape = value.aval.shape
+  row = value.nbytes // max(shape[decision.axis], 1)
+  return [(stop - start) * row for start, stop in decision.bounds]
 
 
 def _scope(node) -> str:

@@ -14,7 +14,7 @@ from jaxmem import _flags
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._emit import emit
 from jaxmem._graph import Graph, build_graph, trace
-from jaxmem._memory import MemoryProfile, simulate
+from jaxmem._memory import MemoryProfile
 from jaxmem._plan import Plan
 from jaxmem._planners import PlanResult, evaluate, get_planner, unplanned
 from jaxmem._report import residual_table
@@ -91,7 +91,8 @@ class StepPlan:
         f"peak at           {p.peak_name}",
         f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
         f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
-        f"{len(self.plan.values_with('offload'))} offloaded; "
+        f"{len(self.plan.values_with('offload'))} offloaded, "
+        f"{len(self.plan.values_with('chunked'))} split into vTensors; "
         f"{format_bytes(p.host_peak)} on the host at most); {len(saved)} "
         f"block boundaries saved ({format_bytes(saved_bytes)})",
         f"added FLOPs       {self.added_flops:.3g} "
@@ -100,6 +101,9 @@ class StepPlan:
         "",
         residual_table(self.graph, top=top, decisions=decisions),
     ]
+    if hasattr(self.result.details, "table"):  # the LGM planner's swaps
+      lines += ["", "vTensor swaps (layer, its deficit, tensor, chunks swapped/cut, bytes):",
+                self.result.details.table()]
     return "\n".join(lines)
 
 
@@ -292,7 +296,7 @@ class Transformed:
     (``model_scale``: model over XLA on the untransformed step)."""
     jitted = self._jit(result, out_tree)
     compiled = jitted.lower(*args, **kwargs).compile()
-    if result.plan.values_with("offload") and not _holds_host_memory(compiled):
+    if result.plan.uses_host and not _holds_host_memory(compiled):
       return jitted, int(result.peak / model_scale)
     return jitted, xla_footprint(compiled)
 

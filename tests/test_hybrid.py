@@ -4,25 +4,11 @@ same numbers, budgets below what recomputation alone reaches."""
 import dataclasses
 
 import jax
-import optax
 import pytest
 
 import jaxmem
-import models
-from jaxmem._graph import build_graph
-from jaxmem._planners import RecomputeGreedy, evaluate, hybrid, offload_only
-from jaxmem._plan import Plan
+from jaxmem._planners import RecomputeGreedy, hybrid
 from tests.helpers import assert_trees_close
-
-CONFIG = dict(depth=6, width=32, batch=256, features=16)
-
-
-@pytest.fixture(scope="module")
-def mlp():
-  task = models.get("mlp", optimizer=optax.adam(1e-3, eps=1e-3), **CONFIG)
-  args = task.init()
-  graph = build_graph(jax.make_jaxpr(task.step)(*args))
-  return task, args, graph, evaluate(graph, Plan())[1].peak
 
 
 def offloads(result):
