@@ -59,7 +59,7 @@ from jaxmem._perf import schedule_costs
 from jaxmem._plan import KEEP, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem._planners import (PlanResult, _paused_gc, _prefetch_point, evaluate,
                               fused_values, recomputable)
-from jaxmem._rewrite import _scope
+from jaxmem._rewrite import _scope, chunk_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,79 +272,91 @@ class LGM:
   def _cover(self, graph, plan, schedule, profile, peak_at, deficit, layer, device,
              whole):
     """The swaps that cover ``deficit`` at op ``peak_at``: a list of (value
-    id, decision, :class:`SwapRecord`)."""
+    id, decision, :class:`SwapRecord`).
+
+    Two passes over the candidates, the most room first: the first swaps
+    only the chunks whose copies back the compute before their reader hides
+    (a tensor gives as many chunks as its window carries; whole, only a
+    tensor whose whole copy hides), the second whatever is still needed.
+    """
     costs = schedule_costs(schedule)
-    seconds = [device.op_seconds(c.flops, c.nbytes) for c in costs]
     elapsed = [0.0]
-    for s in seconds:
-      elapsed.append(elapsed[-1] + s)
-    moves, left = [], deficit
-    for vid, room in self._candidates(graph, plan, profile, peak_at, elapsed):
-      if left <= 0:
-        break
-      r = graph.residual(vid)
+    for c in costs:
+      elapsed.append(elapsed[-1] + device.op_seconds(c.flops, c.nbytes))
+    found = self._candidates(graph, plan, profile, peak_at, elapsed)
+    units: dict = {}  # vid -> [(chunk index or None for whole, bytes)] not swapped yet
+    cuts: dict = {}  # vid -> (axis, bounds) of a vTensor
+    for vid, _ in found:
       current = plan[vid]
-      nbytes = r.nbytes
-      if isinstance(current, Chunked):  # a vTensor already: swap more chunks
+      if isinstance(current, Chunked):
+        cuts[vid] = (current.axis, current.bounds)
         sizes = _sizes(graph, vid, current)
-        kept = [i for i, d in enumerate(current.chunks) if d.kind == "keep"]
-        take, freed = [], 0
-        for i in kept:
-          if freed >= left:
-            break
-          take.append(i)
-          freed += sizes[i]
-        decision = self._chunked(schedule, r, current.axis, current.bounds,
-                                 set(current.offloaded) | set(take), device, costs,
-                                 peak_at)
-        moves.append((vid, decision, SwapRecord(layer, left, vid, r.name, nbytes,
-                                                len(current.bounds), len(take), freed)))
-        left -= freed
+        units[vid] = [(i, sizes[i]) for i, d in enumerate(current.chunks)
+                      if d.kind == "keep"]
         continue
-      n, axis = self._split(graph, vid, left, whole)
-      if n <= 1:
-        at = _prefetch_point(schedule, r, device, costs=costs, after=peak_at,
-                             late=True)
-        moves.append((vid, Offload(at=at),
-                      SwapRecord(layer, left, vid, r.name, nbytes, 1, 1, nbytes)))
-        left -= nbytes
+      n, axis = (1, 0) if whole else self._split(graph, vid)
+      if n == 1:
+        units[vid] = [(None, graph.values[vid].nbytes)]
         continue
       length = graph.values[vid].aval.shape[axis]
-      bounds = tuple((length * i // n, length * (i + 1) // n) for i in range(n))
-      row = nbytes // length
-      take, freed = [], 0
-      for i, (a, b) in enumerate(bounds):
-        if freed >= left:
-          break
-        take.append(i)
-        freed += (b - a) * row
-      decision = self._chunked(schedule, r, axis, bounds, set(take), device, costs,
-                               peak_at)
-      moves.append((vid, decision,
-                    SwapRecord(layer, left, vid, r.name, nbytes, n, len(take), freed)))
-      left -= freed
+      cuts[vid] = (axis, tuple((length * i // n, length * (i + 1) // n) for i in range(n)))
+      sizes = chunk_bytes(graph.values[vid], Chunked(axis, cuts[vid][1], (KEEP,) * n))
+      units[vid] = list(enumerate(sizes))
+    picked: dict = {}  # vid -> [(chunk index or None, bytes)], in pick order
+    order: dict = {}  # vid -> when it was last picked from
+    left, count = deficit, 0
+    for hidden in (True, False):
+      for vid, room in found:
+        window = room
+        while left > 0 and units[vid]:
+          index, nbytes = units[vid][0]
+          if hidden and device.transfer_seconds(nbytes, "h2d") > window:
+            break
+          window -= device.transfer_seconds(nbytes, "h2d")
+          units[vid].pop(0)
+          picked.setdefault(vid, []).append((index, nbytes))
+          order[vid] = count = count + 1
+          left -= nbytes
+      if left <= 0:
+        break
+    moves = []
+    for vid in sorted(picked, key=order.get):
+      r = graph.residual(vid)
+      chunks = picked[vid]
+      freed = sum(nbytes for _, nbytes in chunks)
+      fresh = not isinstance(plan[vid], Chunked)
+      if chunks[0][0] is None or (fresh and not units[vid]):  # all of it: whole
+        at = _prefetch_point(schedule, r, device, costs=costs, after=peak_at, late=True)
+        moves.append((vid, Offload(at=at),
+                      SwapRecord(layer, deficit, vid, r.name, r.nbytes, 1, 1, freed)))
+        continue
+      axis, bounds = cuts[vid]
+      swapped = {i for i, _ in chunks} | set(() if fresh else plan[vid].offloaded)
+      decision = self._chunked(schedule, r, axis, bounds, swapped, device, costs, peak_at)
+      moves.append((vid, decision, SwapRecord(layer, deficit, vid, r.name, r.nbytes,
+                                              len(bounds), len(chunks), freed)))
     return moves
 
   def _candidates(self, graph, plan, profile, peak_at, elapsed):
-    """Residuals whose buffers are live and idle at the peak (op
-    ``peak_at``), with the
-    predicted compute seconds between the peak and their first backward
-    reader; the most room first."""
+    """Residuals whose buffers (a vTensor: its kept chunks) are live and idle
+    at the peak (op ``peak_at``), with the predicted compute seconds between
+    the peak and their first backward reader; the most room first."""
     fused = fused_values(graph)
     ops = profile.schedule.ops
-    position = {}
+    position, chunk_of = {}, {}
     for pos, op in enumerate(ops):
       if op.kind == "node":
         position.setdefault(op.node, pos)
-    found = []
+      elif op.kind == "split":
+        chunk_of.update((key, op.ins[0]) for key in op.outs)
+    found = {}
     for key in profile.live_at_peak:
+      key = chunk_of.get(key, key)  # a kept chunk stands for its vTensor
       vid = key[0]
       if key[1] != 0 or vid not in graph._by_value or vid in fused or \
-          vid in graph.output_ids:
+          vid in graph.output_ids or vid in found:
         continue
-      current = plan[vid]
-      if current.kind not in ("keep", "chunked") or (
-          current.kind == "chunked" and all(d.kind == "offload" for d in current.chunks)):
+      if plan[vid].kind not in ("keep", "chunked"):
         continue
       r = graph.residual(vid)
       reads = profile.reads.get(key, [])
@@ -354,19 +366,15 @@ class LGM:
       first = position.get(r.first_backward_use)
       if first is None or first <= peak_at:
         continue
-      found.append((vid, elapsed[first] - elapsed[peak_at + 1]))
-    found.sort(key=lambda item: (-item[1], item[0]))
-    return found
+      found[vid] = elapsed[first] - elapsed[peak_at + 1]
+    return sorted(found.items(), key=lambda item: (-item[1], item[0]))
 
-  def _split(self, graph, vid, left, whole) -> tuple[int, int]:
-    """(chunks, axis) for a tensor that covers ``left`` bytes: 1 (whole)
-    when it fits in what is left, when splitting is off, or when no chunk
-    of at least the floor is smaller than the tensor."""
+  def _split(self, graph, vid) -> tuple[int, int]:
+    """(chunks, axis) a tensor is cut into: as many chunks as the floor
+    allows (at most ``max_chunks``) along its first axis long enough; 1
+    (whole) if no two chunks of at least the floor fit."""
     value = graph.values[vid]
-    if whole or value.nbytes <= left:
-      return 1, 0
-    floor = max(self.floor, 1)
-    want = min(self.max_chunks, value.nbytes // floor)
+    want = min(self.max_chunks, value.nbytes // max(self.floor, 1))
     for axis, length in enumerate(value.aval.shape):
       n = min(want, length)
       if n >= 2:
@@ -391,6 +399,5 @@ class LGM:
 
 
 def _sizes(graph, vid, decision: Chunked) -> list[int]:
-  from jaxmem._rewrite import chunk_bytes
   return chunk_bytes(graph.values[vid], decision)
 

@@ -83,7 +83,7 @@ def test_lgm_covers_each_deficit_with_little_excess(mlp):
 
 def test_chunks_respect_the_reservation_floor(mlp):
   _, _, graph, base = mlp
-  floor = 16384
+  floor = 8192
   for planner, allowed in ((LGM("t4", min_chunk=floor), floor), (LGM("t4", min_chunk=0), 0)):
     result = planner.plan(graph, int(0.8 * base))
     sizes = [size for vid, d in result.plan.with_kind("chunked").items()
