@@ -88,6 +88,13 @@ class Row:
   predicted_ratio: float | None = None
   timeline: list | None = dataclasses.field(default=None, repr=False)
   recompute_ops: list | None = dataclasses.field(default=None, repr=False)
+  copy_ops: dict | None = dataclasses.field(default=None, repr=False)
+  host_timeline: list | None = dataclasses.field(default=None, repr=False)
+  vtensors: list | None = None  # the LGM planner's swaps (SwapRecord fields)
+
+
+# Row fields too long for the JSON file (per-op series, for plots).
+SERIES = ("timeline", "recompute_ops", "copy_ops", "host_timeline")
 
 
 def median_seconds(fn: Callable, args, repeats: int) -> float:
@@ -162,8 +169,13 @@ class Bench:
         row.predicted_ms = predicted * 1e3
         row.predicted_ratio = predicted / unplanned_seconds
       row.timeline = list(plan.profile.timeline)
-      row.recompute_ops = [i for i, op in enumerate(plan.profile.schedule.ops)
-                           if op.kind == "recompute"]
+      ops = plan.profile.schedule.ops
+      row.recompute_ops = [i for i, op in enumerate(ops) if op.kind == "recompute"]
+      row.copy_ops = {kind: [i for i, op in enumerate(ops) if op.kind == kind]
+                      for kind in ("offload", "prefetch", "split", "merge")}
+      row.host_timeline = list(plan.profile.host_timeline)
+      if hasattr(plan.result.details, "records"):
+        row.vtensors = [dataclasses.asdict(r) for r in plan.result.details.records]
       figures = self._run(fitted.lower(*self.args).compile(), self.args)
     elif method in self._fixed:  # the step does not depend on the budget
       figures = self._fixed[method]

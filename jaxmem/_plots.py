@@ -1,8 +1,10 @@
 """Plots for ``jaxmem-bench`` (matplotlib, the ``bench`` extra).
 
-Two figures: a plan's memory timeline (predicted device bytes after each op
-of the rewritten step, with the budget, XLA's footprint and the recomputed
-ops marked) and the step-time overhead of every method against the budget.
+Figures: a plan's memory timeline (predicted device bytes after each op of
+the rewritten step, with the budget, XLA's footprint, the recomputed ops,
+the copies to the host and back, vTensor splits and merges, and the host
+bytes), the step-time overhead of every method against the budget, and for
+an LGM plan the deficit of each peak beside the bytes swapped to cover it.
 """
 
 from __future__ import annotations
@@ -37,6 +39,18 @@ def timeline(row, path: str, title: str) -> str:
   if row.recompute_ops:
     ax.plot(row.recompute_ops, [low] * len(row.recompute_ops), "|", color="g",
             ms=8, label="recomputed op")
+  marks = {"offload": ("v", "tab:purple", "copy to host"),
+           "prefetch": ("^", "tab:purple", "copy back"),
+           "split": ("<", "tab:orange", "vTensor split"),
+           "merge": (">", "tab:orange", "vTensor merge")}
+  for kind, positions in (row.copy_ops or {}).items():
+    if positions:
+      shape, color, label = marks[kind]
+      ax.plot(positions, [row.timeline[p] / MIB for p in positions], shape, color=color,
+              ms=4, ls="none", label=label)
+  if row.host_timeline and max(row.host_timeline):
+    ax.plot([t / MIB for t in row.host_timeline], lw=1, color="tab:purple", ls="-.",
+            label="host bytes")
   ax.set_xlabel("op of the rewritten step")
   ax.set_ylabel("MiB")
   ax.set_title(title)
@@ -71,6 +85,39 @@ def overhead(rows, unconstrained: int, path: str, title: str) -> str:
   return path
 
 
+def swaps(row, path: str, title: str) -> str:
+  """Writes, for an LGM plan, each covered peak's deficit beside the bytes
+  its vTensors moved to the host, labelled with the layer, the tensors
+  swapped and how many of them were split."""
+  plt = _pyplot()
+  peaks: dict = {}
+  for record in row.vtensors:
+    entry = peaks.setdefault(record["peak"], dict(layer=record["layer"],
+                                                  deficit=record["deficit"], moved=0,
+                                                  tensors=0, split=0))
+    entry["moved"] += record["swapped_bytes"]
+    entry["tensors"] += 1
+    entry["split"] += record["chunks"] > 1
+  order = sorted(peaks)
+  fig, ax = plt.subplots(figsize=(max(5, 0.9 * len(order) + 2), 4))
+  xs = range(len(order))
+  ax.bar([x - 0.2 for x in xs], [peaks[p]["deficit"] / MIB for p in order], 0.4,
+         label="deficit at the peak")
+  ax.bar([x + 0.2 for x in xs], [peaks[p]["moved"] / MIB for p in order], 0.4,
+         label="bytes swapped for it")
+  ax.set_xticks(list(xs))
+  ax.set_xticklabels([f"{peaks[p]['layer'][-18:]}\n{peaks[p]['tensors']} tensors, "
+                      f"{peaks[p]['split']} split" for p in order], fontsize=7, rotation=30,
+                     ha="right")
+  ax.set_ylabel("MiB")
+  ax.set_title(title)
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
 def write_all(result: dict, rows, directory: str) -> list[str]:
   """Every plot for one bench run, into ``directory``; returns the paths."""
   os.makedirs(directory, exist_ok=True)
@@ -79,8 +126,11 @@ def write_all(result: dict, rows, directory: str) -> list[str]:
                     os.path.join(directory, f"{model}-overhead.png"),
                     f"{model}: step-time overhead vs budget")]
   for row in rows:
+    name = f"{model}-{row.method.replace(':', '-')}-{row.budget.replace('%', 'pct')}"
     if row.timeline:
-      name = f"{model}-{row.method.replace(':', '-')}-{row.budget.replace('%', 'pct')}"
       paths.append(timeline(row, os.path.join(directory, f"{name}-timeline.png"),
                             f"{model}, {row.method} at {row.budget}"))
+    if row.vtensors:
+      paths.append(swaps(row, os.path.join(directory, f"{name}-vtensors.png"),
+                         f"{model}, {row.method} at {row.budget}: deficits and swaps"))
   return paths

@@ -29,7 +29,7 @@ import jaxmem  # sets the XLA:CPU remat flag before JAX starts
 
 import jax
 
-from jaxmem._benchmark import Bench, Method, Row, default_methods
+from jaxmem._benchmark import SERIES, Bench, Method, Row, default_methods
 from jaxmem._budget import Budget, format_bytes
 from jaxmem._devices import PROFILES
 
@@ -159,8 +159,8 @@ def save(result: dict, opts) -> None:
   if opts.json:
     with open(opts.json, "w") as f:
       json.dump({**result, "rows": [
-          {k: v for k, v in dataclasses.asdict(r).items()
-           if k not in ("timeline", "recompute_ops")} for r in rows]}, f, indent=2)
+          {k: v for k, v in dataclasses.asdict(r).items() if k not in SERIES}
+          for r in rows]}, f, indent=2)
     print(f"json: {opts.json}")
 
 
