@@ -16,6 +16,8 @@ from jaxmem._emit import emit
 from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._memory import MemoryProfile
 from jaxmem._plan import Plan
+from jaxmem._devices import get_profile
+from jaxmem._perf import predict_schedule
 from jaxmem._planners import PlanResult, evaluate, get_planner, unplanned
 from jaxmem._report import residual_table
 
@@ -262,6 +264,10 @@ class Transformed:
         result = unplanned(graph, target)
       jitted, footprint = self._compile(result, out_tree, args, kwargs, model_scale)
       if _measured(result, footprint) <= budget:
+        if find_smallest and len(result.plan):
+          result, jitted, footprint = self._loosen(
+              graph, out_tree, args, kwargs, (result, jitted, footprint), budget,
+              model_scale)
         break
       if result.fits and attempts < self.max_rounds:
         scale *= budget / _measured(result, footprint) * 0.99
@@ -285,6 +291,41 @@ class Transformed:
     return StepPlan(graph, result, budget, unconstrained, base_profile.peak,
                     footprint, result.schedule.recompute_flops, base_flops,
                     attempts, time.perf_counter() - start, jitted)
+
+  def _loosen(self, graph, out_tree, args, kwargs, found, budget, model_scale,
+              rounds: int = 2):
+    """A fitting plan well under the budget, where the model rates the
+    plan's savings below what XLA gives them, recomputes more than it needs
+    to: re-planned up to ``rounds`` times for a looser model target
+    (bisecting between the last target that fit and the first that did
+    not), a plan is taken if XLA's footprint still fits and it costs less
+    (predicted time on the planner's device profile, else recomputed
+    FLOPs)."""
+    result, jitted, footprint = found
+    measured = _measured(result, footprint)
+    low, high = result.target / budget, None
+    for _ in range(rounds):
+      if measured >= 0.95 * budget:
+        break
+      scale = (low + high) / 2 if high else low * budget / measured * 0.99
+      trial = self.planner.plan(graph, int(budget * scale))
+      if trial.fits and trial.plan != result.plan:
+        t_jitted, t_footprint = self._compile(trial, out_tree, args, kwargs, model_scale)
+        if (_measured(trial, t_footprint) <= budget
+            and self._cost(trial) < self._cost(result)):
+          result, jitted, footprint = trial, t_jitted, t_footprint
+          measured, low = _measured(trial, t_footprint), scale
+          continue
+      high = scale
+    return result, jitted, footprint
+
+  def _cost(self, result: PlanResult) -> float:
+    """What a plan costs: predicted seconds on the planner's device profile,
+    or without one the FLOPs it recomputes."""
+    profile = getattr(self.planner, "profile", None)
+    if profile is None:
+      return result.schedule.recompute_flops
+    return predict_schedule(result.schedule, get_profile(profile)).seconds
 
   def _compile(self, result, out_tree, args, kwargs, model_scale):
     """Jits ``result``'s schedule; returns it with XLA's footprint (None where
