@@ -177,6 +177,14 @@ class RecomputeGreedy:
     if target > 0:
       best = self._greedy(graph, target, target, candidates, start or Plan())
     if best is None or not best.fits:
+      # Every block checkpointed costs one evaluation: where that fits, the
+      # refinement below gives back the recomputation the target does not
+      # need, and the ladder is not climbed.
+      fitting = [r for r in self._block_results(graph, candidates) if r.peak <= target]
+      if fitting:
+        best = dataclasses.replace(min(fitting, key=lambda r: self._cost(r.schedule)),
+                                   target=target, fits=True)
+    if best is None or not best.fits:
       # The ladder, always the same aims: when nothing fits, its best is
       # the lowest plan of this graph whatever the target, so the smallest
       # footprint named in an error is met when asked for.
@@ -249,14 +257,24 @@ class RecomputeGreedy:
       plan = result.plan
       yield dataclasses.replace(result, target=target, fits=result.peak <= target)
     # Then every block checkpointed (the plan XLA follows best), and the
-    # greedy's descent from there.
-    for i, start in enumerate(block_plans(graph, candidates) if self.recompute else ()):
-      if ("blocks", i) not in runs:
-        schedule, profile = evaluate(graph, start)
-        runs["blocks", i] = PlanResult(start, schedule, profile, 0, False, 0.0, 0)
-        runs["blocks", i, 0] = self._greedy(graph, 0, 0, candidates, start)
-      for result in (runs["blocks", i], runs["blocks", i, 0]):
-        yield dataclasses.replace(result, target=target, fits=result.peak <= target)
+    # greedy's descent from there (run only when asked for).
+    for i, result in enumerate(self._block_results(graph, candidates)):
+      yield dataclasses.replace(result, target=target, fits=result.peak <= target)
+      if ("blocks", i, 0) not in runs:
+        runs["blocks", i, 0] = self._greedy(graph, 0, 0, candidates, result.plan)
+      result = runs["blocks", i, 0]
+      yield dataclasses.replace(result, target=target, fits=result.peak <= target)
+
+  def _block_results(self, graph, candidates) -> list[PlanResult]:
+    """The every-block-checkpointed plans (:func:`block_plans`), evaluated
+    once per graph; none for a planner that may not recompute."""
+    if not self.recompute:
+      return []
+    key = ("block plans",)
+    if key not in graph.derived:
+      graph.derived[key] = [PlanResult(plan, *evaluate(graph, plan), 0, False, 0.0, 0)
+                            for plan in block_plans(graph, candidates)]
+    return graph.derived[key]
 
   def _greedy(self, graph, target, aim, candidates, plan) -> PlanResult:
     """One greedy run from ``plan`` toward ``aim``; fits is judged against
