@@ -73,8 +73,10 @@ class SwapRecord:
     nbytes: the tensor's bytes.
     chunks: how many chunks it was cut into (1: whole).
     swapped: how many of them go to host memory.
-    swapped_bytes: bytes they hold.
+    swapped_bytes: bytes they free at that peak.
     peak: which of the plan's peaks, in the order they were covered.
+    delayed: an earlier swap's copy back moved after this peak (nothing
+      more goes to the host).
   """
   layer: str
   deficit: int
@@ -85,6 +87,7 @@ class SwapRecord:
   swapped: int
   swapped_bytes: int
   peak: int = 0
+  delayed: bool = False
 
 
 @dataclasses.dataclass
@@ -107,7 +110,8 @@ class LayerReport:
     """Bytes sent to host memory per layer covered."""
     out: dict = {}
     for r in self.records:
-      out[r.layer] = out.get(r.layer, 0) + r.swapped_bytes
+      if not r.delayed:
+        out[r.layer] = out.get(r.layer, 0) + r.swapped_bytes
     return out
 
   def table(self) -> str:
@@ -283,6 +287,9 @@ class LGM:
     elapsed = [0.0]
     for c in costs:
       elapsed.append(elapsed[-1] + device.op_seconds(c.flops, c.nbytes))
+    moves, left = self._delay(graph, plan, schedule, profile, peak_at, deficit, layer,
+                              device, costs)
+    plan = _applied(plan, moves)
     found = self._candidates(graph, plan, profile, peak_at, elapsed)
     units: dict = {}  # vid -> [(chunk index or None for whole, bytes)] not swapped yet
     cuts: dict = {}  # vid -> (axis, bounds) of a vTensor
@@ -304,7 +311,7 @@ class LGM:
       units[vid] = list(enumerate(sizes))
     picked: dict = {}  # vid -> [(chunk index or None, bytes)], in pick order
     order: dict = {}  # vid -> when it was last picked from
-    left, count = deficit, 0
+    count = 0
     for hidden in (True, False):
       for vid, room in found:
         window = room
@@ -319,23 +326,60 @@ class LGM:
           left -= nbytes
       if left <= 0:
         break
-    moves = []
     for vid in sorted(picked, key=order.get):
       r = graph.residual(vid)
       chunks = picked[vid]
       freed = sum(nbytes for _, nbytes in chunks)
       fresh = not isinstance(plan[vid], Chunked)
       if chunks[0][0] is None or (fresh and not units[vid]):  # all of it: whole
-        at = _prefetch_point(schedule, r, device, costs=costs, after=peak_at, late=True)
+        at = _prefetch_point(schedule, r, device, costs=costs, after=peak_at)
         moves.append((vid, Offload(at=at),
                       SwapRecord(layer, deficit, vid, r.name, r.nbytes, 1, 1, freed)))
         continue
       axis, bounds = cuts[vid]
       swapped = {i for i, _ in chunks} | set(() if fresh else plan[vid].offloaded)
-      decision = self._chunked(schedule, r, axis, bounds, swapped, device, costs, peak_at)
+      decision = self._chunked(schedule, r, axis, bounds, swapped, device, costs, peak_at,
+                               None if fresh else plan[vid])
       moves.append((vid, decision, SwapRecord(layer, deficit, vid, r.name, r.nbytes,
                                               len(bounds), len(chunks), freed)))
     return moves
+
+  def _delay(self, graph, plan, schedule, profile, peak_at, deficit, layer, device,
+             costs):
+    """Copies back issued before the peak whose reader comes after it: each
+    is issued again after the peak (the prefetch order follows the peaks),
+    which frees its bytes there without moving anything more. Returns the
+    moves and the deficit left."""
+    moves, left = [], deficit
+    ops = schedule.ops
+    first_read: dict = {}
+    for pos, op in enumerate(ops):
+      for key in op.ins:
+        if isinstance(key, tuple):
+          first_read.setdefault(key, pos)
+    made = {op.outs[0]: pos for pos, op in enumerate(ops) if op.kind == "prefetch"}
+    for key in profile.live_at_peak:
+      unit = schedule.fetched.get(key)
+      if unit is None or left <= 0 or made[key] > peak_at or \
+          first_read.get(key, peak_at) <= peak_at:
+        continue
+      vid = unit if isinstance(unit, int) else unit[0]
+      r, nbytes = graph.residual(vid), schedule.nbytes(key)
+      at = _prefetch_point(schedule, r, device, costs=costs, after=peak_at)
+      current = plan[vid]
+      if isinstance(unit, int):
+        decision = Offload(at=at)
+      else:
+        chunks = list(current.chunks)
+        chunks[unit[1]] = Offload(at=at)
+        decision = dataclasses.replace(current, chunks=tuple(chunks))
+      plan = plan.with_decision(vid, decision)
+      moves.append((vid, decision, SwapRecord(layer, deficit, vid, r.name, r.nbytes,
+                                              1 if isinstance(unit, int) else
+                                              len(current.bounds), 0, nbytes,
+                                              delayed=True)))
+      left -= nbytes
+    return moves, left
 
   def _candidates(self, graph, plan, profile, peak_at, elapsed):
     """Residuals whose buffers (a vTensor: its kept chunks) are live and idle
@@ -382,17 +426,21 @@ class LGM:
     return 1, 0
 
   def _chunked(self, schedule, residual, axis, bounds, offloaded, device, costs,
-               peak_at):
+               peak_at, decided=None):
     """The :class:`Chunked` decision with chunks ``offloaded`` swapped, each
     copied back at its own point (later chunks of the queue earlier), none
-    before the peak they cover (op ``peak_at``)."""
+    before the peak they cover (op ``peak_at``); chunks already swapped in
+    ``decided`` keep their points."""
     row = residual.nbytes // schedule.graph.values[residual.value].aval.shape[axis]
     chunks, queued = [], 0
     for i in range(len(bounds)):
       if i in offloaded:
         queued += (bounds[i][1] - bounds[i][0]) * row
-        chunks.append(Offload(at=_prefetch_point(schedule, residual, device, queued,
-                                                 costs, peak_at, late=True)))
+        if decided is not None and decided.chunks[i].kind == "offload":
+          chunks.append(decided.chunks[i])
+        else:
+          chunks.append(Offload(at=_prefetch_point(schedule, residual, device, queued,
+                                                   costs, peak_at)))
       else:
         chunks.append(KEEP)
     return Chunked(axis, tuple(bounds), tuple(chunks))
@@ -401,3 +449,9 @@ class LGM:
 def _sizes(graph, vid, decision: Chunked) -> list[int]:
   return chunk_bytes(graph.values[vid], decision)
 
+
+
+def _applied(plan: Plan, moves) -> Plan:
+  for vid, decision, _ in moves:
+    plan = plan.with_decision(vid, decision)
+  return plan

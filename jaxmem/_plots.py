@@ -104,7 +104,7 @@ def swaps(row, path: str, title: str) -> str:
   ax.bar([x - 0.2 for x in xs], [peaks[p]["deficit"] / MIB for p in order], 0.4,
          label="deficit at the peak")
   ax.bar([x + 0.2 for x in xs], [peaks[p]["moved"] / MIB for p in order], 0.4,
-         label="bytes swapped for it")
+         label="bytes freed for it (swapped, or copies back moved after it)")
   ax.set_xticks(list(xs))
   ax.set_xticklabels([f"{peaks[p]['layer'][-18:]}\n{peaks[p]['tensors']} tensors, "
                       f"{peaks[p]['split']} split" for p in order], fontsize=7, rotation=30,

@@ -74,6 +74,8 @@ class Schedule:
   outputs: list  # keys or jex.Literal
   recompute_flops: float
   sizes: dict = dataclasses.field(default_factory=dict)  # chunk key -> bytes
+  # Copy back's key -> what it copies: a residual's id, or (id, chunk index).
+  fetched: dict = dataclasses.field(default_factory=dict)
 
   def nbytes(self, key: Key) -> int:
     """Bytes of the buffer behind ``key`` (a chunk's own size for chunks)."""
@@ -218,7 +220,8 @@ class _Rewriter:
     outputs = [o if isinstance(o, jex.Literal) else self.read(o, True)
                for o in graph.outputs]
     return Schedule(graph, self.plan, self.ops, [self.key(v) for v in graph.inputs],
-                    outputs, self.recompute_flops, self.sizes)
+                    outputs, self.recompute_flops, self.sizes,
+                    {key: unit for unit, key in self.fetched.items()})
 
   def read(self, atom, backward: bool):
     if isinstance(atom, jex.Literal):
