@@ -23,11 +23,13 @@ a Layered Graph Model:
   that peak (the ``covers`` relation of :class:`SwapRecord`). Then the
   model is run again (a swap also lowers the other peaks it spans) and the
   next deficit is covered, until none is left.
-* **Prefetch order.** Each swapped chunk is copied back at its own point,
-  late enough to hold the device buffer as briefly as possible and early
-  enough that the compute before its reader covers the copy; a tensor's
-  chunks queue on one link, so each later chunk starts earlier by the time
-  of those before it.
+* **Prefetch order.** Each swapped chunk is copied back at its own point:
+  after the peak it covers, as late as the compute before its reader still
+  hides the copy (as early after the peak as possible where none does); a
+  tensor's chunks queue on one link, so each later chunk starts earlier by
+  the time of those before it. A copy back that a later peak finds back on
+  the device and idle is issued again after that peak, before anything more
+  is swapped.
 * **Memory reservation.** No chunk smaller than the size where the host
   link's efficiency falls below ``efficiency`` (from the device profile's
   latency and bandwidth: small copies are slow), and ``reserve`` of the
@@ -248,9 +250,8 @@ class LGM:
       for whole in (self.whole, True):
         moves = self._cover(graph, plan, schedule, profile, peak_at, deficit, layer,
                             device, whole)
-        trial = plan
-        for vid, decision, _ in moves:
-          trial = trial.with_decision(vid, decision)
+        trial = _applied(plan, moves)
+        for vid, _, _ in moves:
           # Residuals XLA computes from this buffer inside their readers
           # would keep it on the device: they are rebuilt from its copy.
           for rider in riders.get(vid, ()):
@@ -297,7 +298,7 @@ class LGM:
       current = plan[vid]
       if isinstance(current, Chunked):
         cuts[vid] = (current.axis, current.bounds)
-        sizes = _sizes(graph, vid, current)
+        sizes = chunk_bytes(graph.values[vid], current)
         units[vid] = [(i, sizes[i]) for i, d in enumerate(current.chunks)
                       if d.kind == "keep"]
         continue
@@ -444,10 +445,6 @@ class LGM:
       else:
         chunks.append(KEEP)
     return Chunked(axis, tuple(bounds), tuple(chunks))
-
-
-def _sizes(graph, vid, decision: Chunked) -> list[int]:
-  return chunk_bytes(graph.values[vid], decision)
 
 
 
