@@ -197,6 +197,7 @@ class LGM:
   name: str = "lgm"
 
   def __post_init__(self):
+    get_profile(self.profile)  # an unknown name fails here, with the choices
     if not 0 <= self.reserve < 1:
       raise ValueError(f"LGM: reserve is a share of the target in [0, 1), got "
                        f"{self.reserve!r}")

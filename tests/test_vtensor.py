@@ -99,6 +99,17 @@ def test_chunks_respect_the_reservation_floor(mlp):
   assert result.peak <= 0.8 * base * 0.95
 
 
+def test_bad_options_are_refused():
+  with pytest.raises(ValueError, match="unknown device profile 'k80'"):
+    LGM("k80")
+  with pytest.raises(ValueError, match="reserve is a share"):
+    LGM(reserve=1.5)
+  with pytest.raises(ValueError, match="one decision per chunk"):
+    Chunked(0, ((0, 2),), (KEEP, KEEP))
+  with pytest.raises(ValueError, match="kept or offloaded"):
+    Chunked(0, ((0, 2),), (jaxmem.RECOMPUTE,))
+
+
 def test_unified_memory_never_swaps(mlp):
   _, _, graph, base = mlp
   result = LGM("orin-nano").plan(graph, int(0.8 * base))
