@@ -257,24 +257,36 @@ class RecomputeGreedy:
       plan = result.plan
       yield dataclasses.replace(result, target=target, fits=result.peak <= target)
     # Then every block checkpointed (the plan XLA follows best), and the
-    # greedy's descent from there (run only when asked for).
+    # greedy's descent from there (run only when asked for; not from the
+    # plans that keep matmul outputs, which start higher).
+    descend = len(block_plans(graph, candidates))
     for i, result in enumerate(self._block_results(graph, candidates)):
       yield dataclasses.replace(result, target=target, fits=result.peak <= target)
+      if i >= descend:
+        continue
       if ("blocks", i, 0) not in runs:
         runs["blocks", i, 0] = self._greedy(graph, 0, 0, candidates, result.plan)
       result = runs["blocks", i, 0]
       yield dataclasses.replace(result, target=target, fits=result.peak <= target)
 
-  def _block_results(self, graph, candidates) -> list[PlanResult]:
-    """The every-block-checkpointed plans (:func:`block_plans`), evaluated
-    once per graph; none for a planner that may not recompute."""
+  def _block_results(self, graph, candidates=None) -> list[PlanResult]:
+    """The every-block-checkpointed plans (:func:`block_plans`: everything
+    recomputed, then matmul outputs kept), evaluated once per graph; none
+    for a planner that may not recompute."""
     if not self.recompute:
       return []
     key = ("block plans",)
     if key not in graph.derived:
+      plans = block_plans(graph, candidates) + block_plans(graph, candidates, MATMULS)
       graph.derived[key] = [PlanResult(plan, *evaluate(graph, plan), 0, False, 0.0, 0)
-                            for plan in block_plans(graph, candidates)]
+                            for plan in plans]
     return graph.derived[key]
+
+  def structured(self, graph: Graph) -> list[PlanResult]:
+    """Plans shaped like the per-block remat baselines (every block
+    checkpointed; matmul outputs kept or not), cheapest first: XLA follows
+    them closely, so the transform measures them against the plan it has."""
+    return sorted(self._block_results(graph), key=lambda r: self._cost(r.schedule))
 
   def _greedy(self, graph, target, aim, candidates, plan) -> PlanResult:
     """One greedy run from ``plan`` toward ``aim``; fits is judged against
@@ -551,17 +563,33 @@ def _checkpoint(graph: Graph, seg: Segment, decisions: dict) -> list[tuple]:
   return move
 
 
-def block_plans(graph: Graph, candidates: dict | None = None) -> list[Plan]:
+# Primitives whose outputs a dots_saveable-like block plan keeps.
+MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+
+def block_plans(graph: Graph, candidates: dict | None = None,
+                keep: frozenset = frozenset()) -> list[Plan]:
   """Every block checkpointed, at module depth 2 and at depth 3: the plans
-  per-block ``jax.checkpoint`` with ``nothing_saveable`` would give, as
-  starting points and as candidates for the lowest footprint (XLA follows
-  them closely: recomputation starts at saved block boundaries)."""
+  per-block ``jax.checkpoint`` with ``nothing_saveable`` would give (with
+  ``keep=MATMULS``, ``dots_saveable``'s: matmul and convolution outputs
+  kept), as starting points and as candidates for the lowest footprint
+  (XLA follows them closely: recomputation starts at saved block
+  boundaries)."""
   plans = []
   for depth in (2, 3):
     decisions: dict = {}
     for seg in segments(graph, candidates, depths=(depth,)):
       decisions.update(_checkpoint(graph, seg, decisions))
-    if decisions and Plan.of(decisions) not in plans:
+      for index in graph.blocks(depth)[seg.name]:
+        node = graph.nodes[index]
+        if node.prim.name in keep:  # kept: a residual, or saved for rebuilding
+          for vid in node.outs:
+            if vid in graph._by_value:
+              decisions.pop(vid, None)
+            else:
+              decisions[vid] = SAVE
+    if any(d.kind == "recompute" for d in decisions.values()) and \
+        Plan.of(decisions) not in plans:
       plans.append(Plan.of(decisions))
   return plans
 

@@ -265,9 +265,10 @@ class Transformed:
       jitted, footprint = self._compile(result, out_tree, args, kwargs, model_scale)
       if _measured(result, footprint) <= budget:
         if find_smallest and len(result.plan):
-          result, jitted, footprint = self._loosen(
-              graph, out_tree, args, kwargs, (result, jitted, footprint), budget,
-              model_scale)
+          found = self._loosen(graph, out_tree, args, kwargs, (result, jitted, footprint),
+                               budget, model_scale)
+          result, jitted, footprint = self._structured(graph, out_tree, args, kwargs,
+                                                       found, budget, model_scale)
         break
       if result.fits and attempts < self.max_rounds:
         scale *= budget / _measured(result, footprint) * 0.99
@@ -318,6 +319,22 @@ class Transformed:
           continue
       high = scale
     return result, jitted, footprint
+
+  def _structured(self, graph, out_tree, args, kwargs, found, budget, model_scale):
+    """The planner's plans shaped like the per-block remat baselines
+    (``structured``), cheapest first, where they cost less than the plan
+    found: the first whose XLA footprint fits the budget replaces it."""
+    if not hasattr(self.planner, "structured"):
+      return found
+    cost = self._cost(found[0])
+    for candidate in self.planner.structured(graph):
+      if self._cost(candidate) >= cost:
+        break
+      candidate = dataclasses.replace(candidate, target=found[0].target, fits=True)
+      jitted, footprint = self._compile(candidate, out_tree, args, kwargs, model_scale)
+      if _measured(candidate, footprint) <= budget:
+        return candidate, jitted, footprint
+    return found
 
   def _cost(self, result: PlanResult) -> float:
     """What a plan costs: predicted seconds on the planner's device profile,
