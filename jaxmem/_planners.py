@@ -596,13 +596,17 @@ def block_plans(graph: Graph, candidates: dict | None = None,
 
 def _prefetch_point(schedule, residual: Residual, profile, nbytes: int | None = None,
                     costs: list | None = None, after: int = -1,
-                    late: bool = False) -> int | None:
-  """The latest backward node before ``residual``'s first backward reader
-  such that the predicted compute in between covers the copy back of
+                    late: bool = False, queue: bool = False) -> int | None:
+  """The latest backward node before ``residual`` is first needed in the
+  backward pass (:func:`_first_backward_need`: its reader, or a
+  recomputation that reads it) such that the predicted compute in between covers the copy back of
   ``nbytes`` (the residual's by default; a vTensor's chunks queue on one
   link, so a later chunk passes the bytes of those before it too): the copy
-  is then ready when needed. If none does, the earliest backward node, or
-  with ``late`` the reader itself (the copy stalls the step but holds the
+  is then ready when needed. With ``queue``, copies back already issued in
+  between are ahead of it on the link, so the compute must cover theirs
+  too (an earlier point: the copy is ready, but it holds device memory
+  longer). If none does, the earliest backward node, or
+  with ``late`` the node where it is needed (the copy stalls the step but holds the
   device buffer for the least time). With ``after``, no node at or before
   that schedule position: a copy that frees memory at a peak must not come
   back before it."""
@@ -610,21 +614,39 @@ def _prefetch_point(schedule, residual: Residual, profile, nbytes: int | None = 
   need = profile.transfer_seconds(residual.nbytes if nbytes is None else nbytes, "h2d")
   costs = schedule_costs(schedule) if costs is None else costs
   ops = schedule.ops
-  first = next((i for i, op in enumerate(ops) if op.kind == "node"
-                and op.node == residual.first_backward_use), None)
+  first = _first_backward_need(schedule, residual.value)
   if first is None:
     return None
-  covered, at = 0.0, residual.first_backward_use
+  # The backward node whose turn emits the op at ``first``.
+  reader = next(op.node for op in ops[first:] if op.kind == "node")
+  covered, at = 0.0, reader
   for pos in range(first - 1, after, -1):
     op = ops[pos]
     if op.kind == "node" and not graph.nodes[op.node].backward:
       break
     covered += profile.op_seconds(costs[pos].flops, costs[pos].nbytes)
+    if queue and op.kind == "prefetch":  # issued in between: ahead on the link
+      need += profile.transfer_seconds(schedule.nbytes(op.outs[0]), "h2d")
     if op.kind == "node":
       at = op.node
       if covered >= need:
         return at
-  return residual.first_backward_use if late else at
+  return reader if late else at
+
+
+def _first_backward_need(schedule, vid: int) -> int | None:
+  """The schedule position of the first backward op that needs ``vid``: a
+  backward equation reading it, a recomputation reading it (a dropped value
+  rebuilt from it, which comes before the residual's own first backward
+  reader) or making it, or the merge of its chunks."""
+  graph = schedule.graph
+  for pos, op in enumerate(schedule.ops):
+    if op.kind == "node" and not graph.nodes[op.node].backward:
+      continue
+    if op.kind in ("node", "recompute", "merge") and any(
+        isinstance(k, tuple) and k[0] == vid for k in op.ins + op.outs):
+      return pos
+  return None
 
 
 @contextlib.contextmanager
@@ -671,8 +693,10 @@ class Hybrid:
      the vTensor planner (:class:`~jaxmem._lgm.LGM`) covers what is left
      instead, swapping only the chunks each peak lacks.
   3. Refinement: each recomputed residual, largest first (up to ``swaps``),
-     is switched to an offload copied back early enough to hide the copy,
-     where that lowers the predicted time and the plan still fits.
+     is switched to an offload copied back early enough to hide the copy
+     (behind the copies already queued on the link, and ahead of any
+     recomputation that reads it), where that lowers the predicted time and
+     the plan still fits.
 
   A unified-memory device never offloads (it frees nothing there);
   ``host_budget`` caps pinned host bytes.
@@ -733,7 +757,7 @@ class Hybrid:
     chosen = sorted((graph.residual(v) for v in plan.values_with("recompute")
                      if v not in fused), key=lambda r: -r.nbytes)[:self.swaps]
     for r in chosen:
-      at = _prefetch_point(schedule, r, get_profile(self.profile))
+      at = _prefetch_point(schedule, r, get_profile(self.profile), queue=True)
       trial = plan.with_decision(r.value, Offload(at=at))
       t_schedule, t_profile = evaluate(graph, trial)
       if t_profile.peak > limit or (self.host_budget is not None

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import jaxmem
-from jaxmem._planners import RecomputeGreedy, hybrid
+from jaxmem._planners import RecomputeGreedy, _prefetch_point, hybrid
 from tests.helpers import assert_trees_close
 
 
@@ -65,3 +65,30 @@ def test_offload_plans_give_the_same_numbers(mlp, planner, budget):
       s, loss = fn(s, batch)
       steps.append((s, loss))
   assert_trees_close(got, want)
+
+
+def test_copy_back_is_ready_for_the_recomputation_that_reads_it(mlp):
+  """A kept residual that a recomputation reads is needed there, before its
+  own first backward reader: its copy back is placed ahead of that."""
+  _, _, graph, base = mlp
+  result = RecomputeGreedy().plan(graph, int(0.6 * base))
+  schedule, dropped = result.schedule, set(result.plan.values_with("recompute"))
+  position = {op.node: i for i, op in enumerate(schedule.ops) if op.kind == "node"}
+  rebuilt_from = {}
+  for i, op in enumerate(schedule.ops):
+    if op.kind == "recompute":
+      for key in op.ins:
+        if isinstance(key, tuple) and graph.is_forward_value(key[0]):
+          rebuilt_from.setdefault(key[0], i)
+  read = [r for r in graph.residuals if r.value in rebuilt_from and r.value not in dropped
+          and rebuilt_from[r.value] < position[r.first_backward_use]]
+  assert read, "no kept residual is read by a recomputation in this plan"
+  t4 = jaxmem.get_profile("t4")
+  slow = dataclasses.replace(t4, name="slow-link", h2d_bandwidth=1e7)
+  for r in read:
+    for profile in (t4, slow):
+      # The copy back is issued at the start of node ``at``'s turn: no
+      # backward node may run between the recomputation and that turn.
+      at = _prefetch_point(schedule, r, profile, late=True)
+      assert not any(op.kind == "node"
+                     for op in schedule.ops[rebuilt_from[r.value]:position[at]])
