@@ -187,10 +187,11 @@ class Transformed:
     (shapes suffice, e.g. from ``jax.eval_shape``), for batch-size searches.
 
     Plans like :meth:`plan` and keeps a plan that fits, but where the
-    planner's search toward the budget fails it answers False at once
-    instead of looking for the smallest footprint (which :meth:`plan`'s
-    error names, and which can occasionally still fit): True means
-    :meth:`plan` succeeds; False means it most likely raises.
+    planner's search toward the budget fails, and no plan shaped like the
+    per-block remat baselines fits either, it answers False instead of
+    looking for the smallest footprint (which :meth:`plan`'s error names,
+    and which can occasionally still fit): True means :meth:`plan`
+    succeeds; False means it most likely raises.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmem
@@ -274,7 +275,16 @@ class Transformed:
         scale *= budget / _measured(result, footprint) * 0.99
         continue
       if lowest is None and not find_smallest:
-        return None
+        # A search toward the budget can fail where a plan shaped like the
+        # per-block baselines fits far under it: those are compiled before
+        # answering no.
+        shaped = self._structured(graph, out_tree, args, kwargs,
+                                  (result, jitted, footprint), budget, model_scale,
+                                  cheaper=False)
+        if _measured(shaped[0], shaped[2]) > budget:
+          return None
+        result, jitted, footprint = shaped
+        break
       if lowest is None:
         lowest = self._lowest(graph, out_tree, args, kwargs, (result, jitted, footprint),
                               model_scale)
@@ -320,13 +330,15 @@ class Transformed:
       high = scale
     return result, jitted, footprint
 
-  def _structured(self, graph, out_tree, args, kwargs, found, budget, model_scale):
+  def _structured(self, graph, out_tree, args, kwargs, found, budget, model_scale,
+                  cheaper: bool = True):
     """The planner's plans shaped like the per-block remat baselines
     (``structured``), cheapest first, where they cost less than the plan
-    found: the first whose XLA footprint fits the budget replaces it."""
+    found (any cost, without ``cheaper``): the first whose XLA footprint
+    fits the budget replaces it."""
     if not hasattr(self.planner, "structured"):
       return found
-    cost = self._cost(found[0])
+    cost = self._cost(found[0]) if cheaper else float("inf")
     for candidate in self.planner.structured(graph):
       if self._cost(candidate) >= cost:
         break

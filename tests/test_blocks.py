@@ -16,7 +16,7 @@ import pytest
 import jaxmem
 import models
 from jaxmem._emit import emit
-from jaxmem._planners import block_plans, evaluate, segments
+from jaxmem._planners import block_plans, evaluate, segments, unplanned
 from jaxmem._rewrite import _scope
 from tests.helpers import assert_trees_close
 
@@ -110,3 +110,29 @@ def test_refinement_keeps_residuals_again_where_the_budget_allows(gpt2):
   assert refined.peak <= loose
   assert len(refined.plan.values_with("recompute")) < len(start.values_with("recompute"))
   assert refined.schedule.recompute_flops < schedule.recompute_flops
+
+
+def test_fits_tries_the_block_shaped_plans_before_answering_no(gpt2):
+  """``fits`` (the max-batch probe) answers True where the planner's search
+  toward the budget fails but a plan shaped like a per-block baseline fits."""
+  task, args, _ = gpt2
+  greedy = jaxmem.RecomputeGreedy()
+
+  class KeepsEverything:
+    """A planner whose search never gets under the budget."""
+    name = "keeps-everything"
+
+    def plan(self, graph, target, start=None):
+      return unplanned(graph, target)
+
+    def structured(self, graph):
+      return greedy.structured(graph)
+
+  fitted = jaxmem.transform(task.step, budget="70%", planner=KeepsEverything())
+  assert fitted.fits(*args)
+  plan = fitted.plan(*args)
+  assert plan.footprint <= plan.budget and len(plan.plan) > 0
+  assert_trees_close(fitted(*args), jax.jit(task.step)(*args))
+  # With nothing to fall back on, the probe answers no at once.
+  del KeepsEverything.structured
+  assert not jaxmem.transform(task.step, budget="70%", planner=KeepsEverything()).fits(*args)
