@@ -353,13 +353,8 @@ class LGM:
     which frees its bytes there without moving anything more. Returns the
     moves and the deficit left."""
     moves, left = [], deficit
-    ops = schedule.ops
-    first_read: dict = {}
-    for pos, op in enumerate(ops):
-      for key in op.ins:
-        if isinstance(key, tuple):
-          first_read.setdefault(key, pos)
-    made = {op.outs[0]: pos for pos, op in enumerate(ops) if op.kind == "prefetch"}
+    first_read = schedule.first_reads()
+    made = {op.outs[0]: pos for pos, op in enumerate(schedule.ops) if op.kind == "prefetch"}
     for key in profile.live_at_peak:
       unit = schedule.fetched.get(key)
       if unit is None or left <= 0 or made[key] > peak_at or \

@@ -129,11 +129,7 @@ def schedule_transfers(schedule) -> list[Transfer]:
   """The copies of a rewritten step: each offload starts where it is
   issued (right after its value is made); each copy back is issued at its
   op and needed by the first op that reads the copy."""
-  first_read: dict = {}
-  for pos, op in enumerate(schedule.ops):
-    for key in op.ins:
-      if isinstance(key, tuple):
-        first_read.setdefault(key, pos)
+  first_read = schedule.first_reads()
   transfers = []
   for pos, op in enumerate(schedule.ops):
     if op.kind in ("offload", "prefetch"):

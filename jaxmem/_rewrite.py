@@ -81,6 +81,15 @@ class Schedule:
     """Bytes of the buffer behind ``key`` (a chunk's own size for chunks)."""
     return self.sizes.get(key) or self.graph.values[key[0]].nbytes
 
+  def first_reads(self) -> dict:
+    """Key -> position of the first op that reads it."""
+    first: dict = {}
+    for pos, op in enumerate(self.ops):
+      for key in op.ins:
+        if isinstance(key, tuple):
+          first.setdefault(key, pos)
+    return first
+
   @property
   def nodes(self):
     return self.graph.nodes
