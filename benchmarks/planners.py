@@ -29,12 +29,14 @@ import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
 import jax
 import optax
 
-import models
+from jaxmem._zoo import models as _models
+models = _models()
 from jaxmem._devices import PROFILES
 from jaxmem._graph import build_graph
 from jaxmem._budget import format_bytes
 from jaxmem._perf import predict_schedule, schedule_transfers
-from jaxmem._planners import PLANNERS, unplanned
+from jaxmem._evaluate import unplanned
+from jaxmem.planners import PLANNERS
 
 SIZES = {
     # Test models at the tests' sizes, and two zoo models at small sizes.
@@ -69,14 +71,14 @@ def rows(name: str, config: dict, profiles, budgets, planners):
       target = int(base.peak * fraction)
       for planner_name in planners:
         began = time.perf_counter()
-        result = PLANNERS[planner_name](profile=profile).plan(graph, target)
+        result = PLANNERS[planner_name](device=profile).plan(graph, target)
         timing = predict_schedule(result.schedule, profile)
         moved = sum(t.nbytes for t in schedule_transfers(result.schedule))
         yield dict(model=name, profile=profile_name, budget=fraction,
                    planner=planner_name, fits=result.fits, peak=result.peak / base.peak,
                    time_ratio=timing.seconds / base_seconds,
                    stall_ratio=timing.stall / base_seconds,
-                   host_bytes=result.profile.host_peak, moved_bytes=moved,
+                   host_bytes=result.memory.host_peak, moved_bytes=moved,
                    recomputed=len(result.plan.values_with("recompute")),
                    offloaded=len(result.plan.values_with("offload")),
                    chunked=len(result.plan.values_with("chunked")),

@@ -15,7 +15,8 @@ import sys
 import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
 import optax
 
-import models
+from jaxmem._zoo import models as _models
+models = _models()
 from tests.test_transform import SMALL
 
 
@@ -23,14 +24,14 @@ def rows(name: str):
   task = models.get(name, optimizer=optax.adam(1e-3, eps=1e-3), **SMALL[name])
   args = task.init()
   try:
-    jaxmem.transform(task.step, budget=1).plan(*args)
+    jaxmem.transform(task.step, budget=1).fit(*args)
   except jaxmem.BudgetError as err:
     smallest = err.smallest
   for budget in ["100%", "70%", "50%", smallest]:
-    p = jaxmem.transform(task.step, budget=budget).plan(*args)
+    p = jaxmem.transform(task.step, budget=budget).fit(*args)
     label = budget if isinstance(budget, str) else "smallest"
     yield (f"| {name} | {label} | {p.footprint / p.unconstrained:.3f} | "
-           f"{p.profile.peak / p.footprint:.3f} | "
+           f"{p.memory.peak / p.footprint:.3f} | "
            f"{p.unconstrained_model / p.unconstrained:.3f} | "
            f"+{p.added_flops / p.base_flops:.1%} | {p.seconds:.1f} | {len(p.plan)} | "
            f"{p.unconstrained} |")

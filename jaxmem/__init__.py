@@ -1,5 +1,23 @@
 """jaxmem: fit a JAX training step into a GPU memory budget.
 
+The public face, in one screen:
+
+* :func:`transform` (a step fitted to a budget, shaped like ``jax.jit``),
+  its :class:`Transformed` and the :class:`Fit` it decides per signature;
+  :func:`analyze` (residuals of a step, no planning);
+* :class:`Budget`, :class:`BudgetError`;
+* the decisions a plan makes per residual: :class:`Plan` of
+  :class:`Keep`, :class:`Recompute`, :class:`Offload`, :class:`Chunked`
+  (vTensors) and :class:`Save` (block boundaries);
+* the planners: :class:`Planner` (the contract), :class:`Greedy`,
+  :class:`Hybrid`, :class:`LGM`, the factory :func:`hybrid` and the
+  registry :data:`PLANNERS`;
+* device profiles: :class:`DeviceProfile`, :data:`PROFILES`,
+  :func:`calibrate`;
+* :func:`enable_cpu_remat`, the XLA:CPU flag set on import.
+
+Internals stay importable from their modules (``jaxmem._graph``, ...).
+
 Example:
   >>> import jaxmem
   >>> fitted = jaxmem.transform(lambda w: w, budget="60%")
@@ -12,24 +30,18 @@ from jaxmem import _flags
 # so it is set on import. It is a no-op for GPU pipelines.
 _flags.enable_cpu_remat(warn=False)
 
-from jaxmem._budget import Budget, BudgetError, format_bytes  # noqa: E402
+from jaxmem._budget import Budget, BudgetError  # noqa: E402
 from jaxmem._calibrate import calibrate  # noqa: E402
-from jaxmem._devices import PROFILES, DeviceProfile, get_profile  # noqa: E402
+from jaxmem._decisions import Chunked, Decision, Keep, Offload, Plan, Recompute, Save  # noqa: E402
+from jaxmem._devices import PROFILES, DeviceProfile  # noqa: E402
 from jaxmem._flags import enable_cpu_remat  # noqa: E402
-from jaxmem._graph import Graph, Residual  # noqa: E402
-from jaxmem._memory import MemoryProfile  # noqa: E402
-from jaxmem._lgm import LGM, reservation_floor  # noqa: E402
-from jaxmem._plan import (KEEP, OFFLOAD, RECOMPUTE, SAVE, Chunked, Decision,  # noqa: E402
-                          Keep, Offload, Plan, Recompute, Save)
-from jaxmem._planners import PLANNERS, Hybrid, PlanResult, RecomputeGreedy  # noqa: E402
-from jaxmem._transform import (Analysis, StepPlan, Transformed, analyze,  # noqa: E402
-                               transform, xla_footprint)
+from jaxmem._transform import Analysis, Fit, Transformed, analyze, transform  # noqa: E402
+from jaxmem.planners import LGM, PLANNERS, Greedy, Hybrid, Planner, hybrid  # noqa: E402
 
 __all__ = [
-    "Analysis", "Budget", "BudgetError", "Chunked", "Decision", "DeviceProfile", "Graph",
-    "Hybrid", "KEEP", "Keep", "LGM", "MemoryProfile", "OFFLOAD", "Offload", "PLANNERS",
-    "PROFILES", "Plan", "PlanResult", "RECOMPUTE", "Recompute", "RecomputeGreedy", "Residual",
-    "SAVE", "Save", "StepPlan", "Transformed", "analyze", "calibrate", "enable_cpu_remat",
-    "format_bytes", "get_profile", "reservation_floor", "transform", "xla_footprint",
+    "Analysis", "Budget", "BudgetError", "Chunked", "Decision", "DeviceProfile", "Fit",
+    "Greedy", "Hybrid", "Keep", "LGM", "Offload", "PLANNERS", "PROFILES", "Plan",
+    "Planner", "Recompute", "Save", "Transformed", "analyze", "calibrate",
+    "enable_cpu_remat", "hybrid", "transform",
 ]
 __version__ = "0.1.0"

@@ -16,11 +16,14 @@ from typing import Callable
 
 import jax
 
+from jaxmem import _zoo
 from jaxmem._budget import BudgetError
 from jaxmem._devices import get_profile
+from jaxmem._evaluate import unplanned
+from jaxmem._fit import xla_footprint
 from jaxmem._perf import predict_schedule
-from jaxmem._planners import ABLATIONS, PLANNERS, unplanned
-from jaxmem._transform import transform, xla_footprint
+from jaxmem._transform import transform
+from jaxmem.planners import ABLATIONS, PLANNERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,7 +45,7 @@ class Method:
       >>> Method.parse("remat:dots_saveable")
       Method(kind='remat', option='dots_saveable')
     """
-    import models
+    models = _zoo.models()
     kind, _, option = text.partition(":")
     choices = {"remat": models.REMAT_POLICIES, "jaxmem": PLANNERS}
     if kind == "unconstrained" and not option:
@@ -59,7 +62,7 @@ def default_methods(model: str) -> list[Method]:
   """Unconstrained, every jaxmem planner (the ablation variants left out:
   ask for them by name), and the remat baselines the model supports
   (models without block modules have none)."""
-  import models
+  models = _zoo.models()
   methods = [Method("unconstrained")]
   if models.supports_remat(model):
     methods += [Method("remat", p) for p in ("nothing_saveable", "dots_saveable",
@@ -131,7 +134,7 @@ class Bench:
 
   def __init__(self, model: str, config: dict, repeats: int = 5,
                progress: Callable[[str], None] = lambda line: None, device=None):
-    import models
+    models = _zoo.models()
     self.models = models
     self.model = model
     self.config = dict(config)
@@ -157,25 +160,11 @@ class Bench:
     if method.kind == "jaxmem":
       fitted = transform(self.base.step, budget=budget_bytes, planner=self.planner(method))
       try:
-        plan = fitted.plan(*self.args)
+        fit = fitted.fit(*self.args)
       except BudgetError as err:
         row.xla_bytes = err.smallest
         return row
-      row.model_bytes, row.planning_s = plan.profile.peak, plan.seconds
-      if self.device is not None:
-        predicted = predict_schedule(plan.profile.schedule, self.device).seconds
-        unplanned_seconds = predict_schedule(unplanned(plan.graph, 0).schedule,
-                                             self.device).seconds
-        row.predicted_ms = predicted * 1e3
-        row.predicted_ratio = predicted / unplanned_seconds
-      row.timeline = list(plan.profile.timeline)
-      ops = plan.profile.schedule.ops
-      row.recompute_ops = [i for i, op in enumerate(ops) if op.kind == "recompute"]
-      row.copy_ops = {kind: [i for i, op in enumerate(ops) if op.kind == kind]
-                      for kind in ("offload", "prefetch", "split", "merge")}
-      row.host_timeline = list(plan.profile.host_timeline)
-      if hasattr(plan.result.details, "records"):
-        row.vtensors = [dataclasses.asdict(r) for r in plan.result.details.records]
+      self._describe(row, fit)
       figures = self._run(fitted.lower(*self.args).compile(), self.args)
     elif method in self._fixed:  # the step does not depend on the budget
       figures = self._fixed[method]
@@ -188,16 +177,36 @@ class Bench:
     if method.kind == "jaxmem":
       # The transform's own figure: XLA's, or for offload plans on a backend
       # that ignores host memory (CPU), the model's device peak.
-      row.xla_bytes = plan.footprint
+      row.xla_bytes = fit.footprint
     row.fits = row.xla_bytes <= budget_bytes
     row.step_ms, row.time_ratio = seconds * 1e3, seconds / self.base_seconds
     return row
+
+  def _describe(self, row: Row, fit) -> None:
+    """Fills ``row`` with what the model says of a jaxmem fit: its peak,
+    timelines, copies and, with a device, the predicted step time."""
+    memory = fit.memory
+    row.model_bytes, row.planning_s = memory.peak, fit.seconds
+    if self.device is not None:
+      predicted = predict_schedule(memory.schedule, self.device).seconds
+      unplanned_seconds = predict_schedule(unplanned(fit.graph, 0).schedule,
+                                           self.device).seconds
+      row.predicted_ms = predicted * 1e3
+      row.predicted_ratio = predicted / unplanned_seconds
+    row.timeline = list(memory.timeline)
+    ops = memory.schedule.ops
+    row.recompute_ops = [i for i, op in enumerate(ops) if op.kind == "recompute"]
+    row.copy_ops = {kind: [i for i, op in enumerate(ops) if op.kind == kind]
+                    for kind in ("offload", "prefetch", "split", "merge")}
+    row.host_timeline = list(memory.host_timeline)
+    if fit.result.details is not None:
+      row.vtensors = fit.result.details.rows()
 
   def planner(self, method: Method):
     """The planner of a jaxmem method, set up for this run's device."""
     if self.device is None:
       return method.option
-    return PLANNERS[method.option](profile=self.device)
+    return PLANNERS[method.option](device=self.device)
 
   def footprint(self, method: Method) -> int:
     """XLA's footprint of a method that does not depend on the budget
@@ -222,13 +231,13 @@ class Bench:
   def fits_at(self, method: Method, budget_bytes: int, batch: int) -> bool:
     """Whether ``method`` fits ``budget_bytes`` at batch ``batch``, from the
     compiled footprint alone (arguments are shapes, nothing runs); for
-    jaxmem, :meth:`~jaxmem.Transformed.fits`, which skips the search for the
+    jaxmem, :meth:`~jaxmem.Transformed.can_fit`, which skips the search for the
     smallest footprint, so a max batch is never overstated."""
     task = self.task(method, batch=batch)
     args = jax.eval_shape(task.init)
     if method.kind == "jaxmem":
       return transform(task.step, budget=budget_bytes,
-                       planner=self.planner(method)).fits(*args)
+                       planner=self.planner(method)).can_fit(*args)
     return xla_footprint(jax.jit(task.step).lower(*args).compile()) <= budget_bytes
 
   def max_batch(self, method: Method, budget_bytes: int, limit: int = 64) -> int:

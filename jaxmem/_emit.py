@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from jax.extend import core as jex
 
-from jaxmem._rewrite import Schedule
+from jaxmem._schedule import Schedule
 
 
 # Where each copy op of a schedule puts its value: host memory is
@@ -36,8 +36,8 @@ def emit(schedule: Schedule):
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jaxmem._graph import build_graph
-    >>> from jaxmem._plan import Plan
-    >>> from jaxmem._rewrite import build_schedule
+    >>> from jaxmem._decisions import Plan
+    >>> from jaxmem._schedule import build_schedule
     >>> g = build_graph(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0))
     >>> emit(build_schedule(g, Plan()))(0.0)
     [Array(0., dtype=float32, weak_type=True)]

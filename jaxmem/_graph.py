@@ -10,24 +10,19 @@ and finds the *residuals*: forward values that the backward part reads.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
-from typing import Any
+from typing import Any, Callable, Mapping
 
 import jax
 from jax.extend import core as jex
 
-from jaxmem import _cost
+from jaxmem import _primitives
 
-# Call-like primitives whose body is inlined, and the param holding the body.
-_INLINE = {
-    "jit": "jaxpr", "pjit": "jaxpr", "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr", "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr", "custom_vjp_call_jaxpr": "fun_jaxpr",
-}
 _TRANSFORMS = re.compile(r"\b(?:jvp|transpose|vmap|pmap|remat|checkpoint)\(")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class Node:
   """One equation of the flattened step."""
   index: int
@@ -51,15 +46,20 @@ class Node:
     path = re.sub(r"/+", "/", path)
     return path or "<top>"
 
+  def scope(self, depth: int = 2) -> str:
+    """The module block this node works on: its module path cut after
+    ``depth`` names (``GPT2/block0``), as :meth:`Graph.blocks` groups nodes."""
+    return "/".join(self.readable.split("/")[:depth])
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(frozen=True, eq=False)
 class Value:
   """One value of the step: an input, a constant, or an equation's output."""
   id: int
   aval: Any
   nbytes: int
   producer: int | None = None
-  uses: list[int] = dataclasses.field(default_factory=list)
+  uses: tuple[int, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +93,32 @@ class Residual:
   recomputable: bool
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True, eq=False)
 class Graph:
-  """A flattened training step."""
-  nodes: list[Node]
-  values: dict[int, Value]
-  inputs: list[int]
-  outputs: list  # value ids or jex.Literal
-  consts: dict[int, Any]
+  """A flattened training step; immutable once built.
+
+  Analyses of a graph that several modules need (its unplanned memory
+  profile, the values XLA fuses, ...) are functions decorated with
+  :func:`analysis`: each is computed once per graph and kept with it.
+  """
+  nodes: tuple[Node, ...]
+  values: Mapping[int, Value]
+  inputs: tuple[int, ...]
+  outputs: tuple  # value ids or jex.Literal
+  consts: Mapping[int, Any]
   backward_start: int | None
-  residuals: list[Residual]
+  residuals: tuple[Residual, ...]
+  _by_value: dict = dataclasses.field(init=False, repr=False)
+  _analyses: dict = dataclasses.field(init=False, repr=False)
+
+  def __post_init__(self):
+    object.__setattr__(self, "_by_value", {r.value: r for r in self.residuals})
+    object.__setattr__(self, "_analyses", {})
+
+  @functools.cached_property
+  def output_ids(self) -> frozenset[int]:
+    """Ids of the values the step returns."""
+    return frozenset(o for o in self.outputs if isinstance(o, int))
 
   @property
   def has_backward(self) -> bool:
@@ -116,8 +132,15 @@ class Graph:
     producer = self.values[vid].producer
     return producer is not None and self.nodes[producer].backward
 
+  def is_residual(self, vid: int) -> bool:
+    return vid in self._by_value
+
   def residual(self, vid: int) -> Residual:
     return self._by_value[vid]
+
+  def producer(self, vid: int) -> Node:
+    """The node that makes value ``vid`` (which must not be an input)."""
+    return self.nodes[self.values[vid].producer]
 
   def transposes_inputs(self, node: Node) -> bool:
     """Whether XLA:CPU runs ``node`` on transposed copies of its inputs: a
@@ -127,6 +150,13 @@ class Graph:
       return False
     out = self.values[node.outs[0]].nbytes
     return all(self.values[a].nbytes > out for a in node.ins if isinstance(a, int))
+
+  def memo(self, fn: Callable, args: tuple):
+    """``fn(self, *args)``, computed once per graph (see :func:`analysis`)."""
+    key = (fn, args)
+    if key not in self._analyses:
+      self._analyses[key] = fn(self, *args)
+    return self._analyses[key]
 
   def blocks(self, depth: int) -> dict[str, list[int]]:
     """Forward nodes grouped by module path cut after ``depth`` names:
@@ -139,20 +169,30 @@ class Graph:
       >>> g.blocks(2)
       {}
     """
-    key = ("blocks", depth)
-    if key not in self.derived:
-      found: dict[str, list[int]] = {}
-      for node in self.nodes:
-        parts = node.readable.split("/")
-        if not node.backward and node.readable != "<top>" and len(parts) >= depth:
-          found.setdefault("/".join(parts[:depth]), []).append(node.index)
-      self.derived[key] = found
-    return self.derived[key]
+    return self.memo(_blocks, (depth,))
 
-  def __post_init__(self):
-    self.derived: dict = {}  # analyses computed once per graph, by name
-    self._by_value = {r.value: r for r in self.residuals}
-    self.output_ids = {o for o in self.outputs if isinstance(o, int)}
+
+def analysis(fn: Callable) -> Callable:
+  """Memoizes an analysis ``fn(graph, *args)`` on the graph it analyzes.
+
+  The cache lives on the graph (as ``jax``'s weakref caches key theirs on
+  the traced object), so it goes when the graph goes; its results may hold
+  the graph without keeping it alive past its last outside reference.
+  Arguments after the graph must be hashable.
+  """
+  @functools.wraps(fn)
+  def cached(graph: Graph, *args):
+    return graph.memo(fn, args)
+  return cached
+
+
+def _blocks(graph: Graph, depth: int) -> dict[str, list[int]]:
+  found: dict[str, list[int]] = {}
+  for node in graph.nodes:
+    parts = node.readable.split("/")
+    if not node.backward and node.readable != "<top>" and len(parts) >= depth:
+      found.setdefault("/".join(parts[:depth]), []).append(node.index)
+  return found
 
 
 def _source(source_info) -> str:
@@ -172,14 +212,15 @@ class _Builder:
 
   def __init__(self):
     self.nodes: list[Node] = []
-    self.values: dict[int, Value] = {}
+    self.avals: dict[int, Any] = {}
+    self.producers: dict[int, int] = {}
     self.consts: dict[int, Any] = {}
     self._next = 0
 
   def new_value(self, aval) -> int:
     vid = self._next
     self._next += 1
-    self.values[vid] = Value(vid, aval, _cost.aval_bytes(aval))
+    self.avals[vid] = aval
     return vid
 
   def walk(self, jaxpr, env: dict, outer_stack: str, outer_source: str = ""):
@@ -188,23 +229,10 @@ class _Builder:
 
     for eqn in jaxpr.eqns:
       stack = _join(outer_stack, str(eqn.source_info.name_stack))
-      body_key = _INLINE.get(eqn.primitive.name)
+      body_key = _primitives.inlined_body(eqn.primitive.name)
       body = eqn.params.get(body_key) if body_key else None
       if body is not None and not eqn.effects:
-        closed = body if isinstance(body, jex.ClosedJaxpr) else None
-        inner = closed.jaxpr if closed is not None else body
-        inner_env = {}
-        for var, const in zip(inner.constvars, closed.consts if closed else ()):
-          inner_env[var] = self.add_const(var.aval, const)
-        for var, atom in zip(inner.invars, eqn.invars):
-          inner_env[var] = read(atom)
-        self.walk(inner, inner_env, stack, outer_source or _source(eqn.source_info))
-        for var, inner_atom in zip(eqn.outvars, inner.outvars):
-          if isinstance(inner_atom, jex.Literal):
-            inner_atom = self._literal_value(inner_atom)
-          else:
-            inner_atom = inner_env[inner_atom]
-          env[var] = inner_atom
+        self.inline(body, eqn, env, stack, outer_source or _source(eqn.source_info))
         continue
       ins = tuple(read(a) for a in eqn.invars)
       outs = tuple(self.new_value(v.aval) for v in eqn.outvars)
@@ -212,24 +240,48 @@ class _Builder:
         env[var] = vid
       index = len(self.nodes)
       for vid in outs:
-        self.values[vid].producer = index
+        self.producers[vid] = index
       self.nodes.append(Node(
           index=index, prim=eqn.primitive, params=dict(eqn.params), ins=ins,
           outs=outs, name_stack=stack,
           source=outer_source or _source(eqn.source_info),
           backward="transpose(" in stack,
-          flops=_cost.eqn_flops(eqn.primitive.name,
-                                [a.aval for a in eqn.invars],
-                                [v.aval for v in eqn.outvars], eqn.params),
+          flops=_primitives.eqn_flops(eqn.primitive.name,
+                                      [a.aval for a in eqn.invars],
+                                      [v.aval for v in eqn.outvars], eqn.params),
           effects=eqn.effects, source_info=eqn.source_info, ctx=eqn.ctx))
+
+  def inline(self, body, eqn, env: dict, stack: str, source: str) -> None:
+    """Walks a call's body in place of the call, binding its outputs in ``env``."""
+    closed = body if isinstance(body, jex.ClosedJaxpr) else None
+    inner = closed.jaxpr if closed is not None else body
+    inner_env = {}
+    for var, const in zip(inner.constvars, closed.consts if closed else ()):
+      inner_env[var] = self.add_const(var.aval, const)
+    for var, atom in zip(inner.invars, eqn.invars):
+      inner_env[var] = atom if isinstance(atom, jex.Literal) else env[atom]
+    self.walk(inner, inner_env, stack, source)
+    for var, inner_atom in zip(eqn.outvars, inner.outvars):
+      if isinstance(inner_atom, jex.Literal):
+        env[var] = self.add_const(inner_atom.aval, inner_atom.val)
+      else:
+        env[var] = inner_env[inner_atom]
 
   def add_const(self, aval, value) -> int:
     vid = self.new_value(aval)
     self.consts[vid] = value
     return vid
 
-  def _literal_value(self, literal) -> int:
-    return self.add_const(literal.aval, literal.val)
+  def values(self) -> dict[int, Value]:
+    """The values, each with the nodes that read it."""
+    uses: dict[int, list[int]] = {vid: [] for vid in self.avals}
+    for node in self.nodes:
+      for atom in node.ins:
+        if isinstance(atom, int):
+          uses[atom].append(node.index)
+    return {vid: Value(vid, aval, _primitives.aval_bytes(aval), self.producers.get(vid),
+                       tuple(uses[vid]))
+            for vid, aval in self.avals.items()}
 
 
 def build_graph(closed_jaxpr) -> Graph:
@@ -253,41 +305,45 @@ def build_graph(closed_jaxpr) -> Graph:
     env[var] = builder.new_value(var.aval)
     inputs.append(env[var])
   builder.walk(jaxpr, env, "")
-  outputs = [a if isinstance(a, jex.Literal) else env[a] for a in jaxpr.outvars]
-  nodes, values = builder.nodes, builder.values
-  for node in nodes:
-    for atom in node.ins:
-      if isinstance(atom, int):
-        values[atom].uses.append(node.index)
+  outputs = tuple(a if isinstance(a, jex.Literal) else env[a] for a in jaxpr.outvars)
+  nodes = builder.nodes
   backward_start = next((n.index for n in nodes if n.backward), None)
-  residuals = []
   if backward_start is not None:
     # Everything after the first transpose equation is backward (optimizer
     # included), even where a name stack says otherwise.
-    for node in nodes[backward_start:]:
-      node.update = not node.backward  # optimizer / bookkeeping, not AD
-      node.backward = True
-    for node in nodes[:backward_start]:
-      for vid in node.outs:
-        value = values[vid]
-        bwd = [u for u in value.uses if u >= backward_start]
-        if not bwd:
-          continue
-        fwd = [u for u in value.uses if u < backward_start]
-        residuals.append(Residual(
-            value=vid,
-            name=f"{node.readable} {node.prim.name} {node.source}".strip(),
-            shape=tuple(value.aval.shape), dtype=value.aval.dtype,
-            nbytes=value.nbytes, primitive=node.prim.name,
-            produced_at=node.index,
-            last_forward_use=max(fwd, default=node.index),
-            first_backward_use=min(bwd), last_backward_use=max(bwd),
-            recompute_flops=node.flops,
-            needs=tuple(a for a in node.ins if isinstance(a, int)),
-            recomputable=not node.effects))
-  return Graph(nodes=nodes, values=values, inputs=inputs, outputs=outputs,
+    nodes[backward_start:] = [
+        dataclasses.replace(n, backward=True, update=not n.backward)
+        for n in nodes[backward_start:]]
+  values = builder.values()
+  return Graph(nodes=tuple(nodes), values=values, inputs=tuple(inputs), outputs=outputs,
                consts=builder.consts, backward_start=backward_start,
-               residuals=residuals)
+               residuals=_residuals(nodes, values, backward_start))
+
+
+def _residuals(nodes, values, backward_start) -> tuple[Residual, ...]:
+  """The forward values that nodes from ``backward_start`` on read."""
+  if backward_start is None:
+    return ()
+  found = []
+  for node in nodes[:backward_start]:
+    for vid in node.outs:
+      value = values[vid]
+      bwd = [u for u in value.uses if u >= backward_start]
+      if not bwd:
+        continue
+      fwd = [u for u in value.uses if u < backward_start]
+      found.append(Residual(
+          value=vid,
+          name=f"{node.readable} {node.prim.name} {node.source}".strip(),
+          shape=tuple(value.aval.shape), dtype=value.aval.dtype,
+          nbytes=value.nbytes, primitive=node.prim.name,
+          produced_at=node.index,
+          last_forward_use=max(fwd, default=node.index),
+          first_backward_use=min(bwd), last_backward_use=max(bwd),
+          recompute_flops=node.flops,
+          needs=tuple(a for a in node.ins if isinstance(a, int)),
+          recomputable=not node.effects))
+  return tuple(found)
 
 
 def trace(fun, *args, **kwargs):

@@ -20,10 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxmem import _primitives
 from jaxmem._devices import DeviceProfile
-
-FREE = frozenset({"reshape", "squeeze", "expand_dims", "optimization_barrier", "name",
-                  "broadcast_in_dim"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +102,7 @@ def predict(ops: list[OpCost], transfers: list[Transfer],
 
 
 def schedule_costs(schedule) -> list[OpCost]:
-  """The compute-stream costs of a rewritten step's ops (``_rewrite``):
+  """The compute-stream costs of a rewritten step's ops (``_schedule``):
   node FLOPs, and bytes read and written; views and barriers cost nothing."""
   graph = schedule.graph
   costs = []
@@ -118,7 +116,7 @@ def schedule_costs(schedule) -> list[OpCost]:
       costs.append(OpCost("optimization_barrier", 0.0, 0))
       continue
     node = graph.nodes[op.node]
-    if node.prim.name in FREE:
+    if _primitives.is_free(node.prim.name):
       costs.append(OpCost(node.prim.name, 0.0, 0))
       continue
     costs.append(OpCost(node.prim.name, node.flops, moved))

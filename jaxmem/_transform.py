@@ -1,4 +1,5 @@
-"""The public transform: plan, rewrite and compile a training step."""
+"""The public transform: a training step fitted to a memory budget,
+shaped like ``jax.jit``."""
 
 from __future__ import annotations
 
@@ -11,55 +12,40 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem import _flags
-from jaxmem._budget import Budget, BudgetError, format_bytes
+from jaxmem._budget import Budget, format_bytes
+from jaxmem._decisions import Plan
 from jaxmem._emit import emit
+from jaxmem._evaluate import Candidate, evaluate
+from jaxmem._fit import Fitter, xla_footprint
 from jaxmem._graph import Graph, build_graph, trace
-from jaxmem._memory import MemoryProfile
-from jaxmem._plan import Plan
-from jaxmem._devices import get_profile
-from jaxmem._perf import predict_schedule
-from jaxmem._planners import PlanResult, evaluate, get_planner, unplanned
+from jaxmem._memory import Liveness
 from jaxmem._report import residual_table
-
-
-def xla_footprint(compiled) -> int | None:
-  """Device bytes of a compiled step: temp + arguments + outputs - aliases.
-
-  This is how DESIGN.md fact 4 reads ``Compiled.memory_analysis()``; on CPU
-  its ``peak_memory_in_bytes`` leaves temporaries out. Returns None where the
-  backend gives no analysis.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> c = jax.jit(lambda x: x * 2).lower(jnp.ones(256)).compile()
-    >>> xla_footprint(c)
-    2048
-  """
-  stats = compiled.memory_analysis()
-  if stats is None:
-    return None
-  return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
-             + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+from jaxmem.planners import Planner, get_planner
 
 
 @dataclasses.dataclass
-class StepPlan:
+class Fit:
   """Everything jaxmem decided for one argument signature.
 
   Attributes:
     graph: the analyzed joint graph.
-    result: the planner's result (plan, schedule, memory profile).
+    result: the plan taken (with its schedule and memory model).
+    planner: the planner that proposed it.
     budget: the budget in bytes.
     unconstrained: XLA's footprint of the untransformed step.
     unconstrained_model: the memory model's footprint of the untransformed step.
-    footprint: XLA's footprint of the transformed step (None if unavailable).
+    footprint: XLA's footprint of the transformed step (for an offload plan
+      on a backend that ignores host memory, the model's; None if
+      unavailable).
     added_flops: FLOPs the recomputation adds per step.
     base_flops: FLOPs of the untransformed step (jaxmem's rule table).
     attempts: planning rounds (the model target tightens when XLA disagrees).
     seconds: planning time, compilation included.
+    jitted: the ``jax.jit``-wrapped transformed step.
   """
   graph: Graph
-  result: PlanResult
+  result: Candidate
+  planner: Planner
   budget: int
   unconstrained: int
   unconstrained_model: int
@@ -75,12 +61,12 @@ class StepPlan:
     return self.result.plan
 
   @property
-  def profile(self) -> MemoryProfile:
-    return self.result.profile
+  def memory(self) -> Liveness:
+    return self.result.memory
 
   def report(self, top: int | None = 20) -> str:
     """A readable summary of the budget, the plan and the residuals."""
-    p = self.result.profile
+    p = self.memory
     decisions = {vid: d.kind for vid, d in self.plan}
     fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
     saved = self.plan.values_with("save")
@@ -90,6 +76,7 @@ class StepPlan:
         f"unconstrained     {format_bytes(self.unconstrained)} (XLA), "
         f"{format_bytes(self.unconstrained_model)} (model)",
         f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
+        f"planner           {self.planner.describe()}",
         f"peak at           {p.peak_name}",
         f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
         f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
@@ -103,27 +90,13 @@ class StepPlan:
         "",
         residual_table(self.graph, top=top, decisions=decisions),
     ]
-    if hasattr(self.result.details, "table"):  # the LGM planner's swaps
-      lines += ["", "vTensor swaps (layer, its deficit, tensor, chunks swapped/cut, bytes):",
-                self.result.details.table()]
+    if self.result.details is not None:
+      lines += ["", self.result.details.table()]
     return "\n".join(lines)
 
 
 def _as_tuple(value) -> tuple:
   return (value,) if isinstance(value, (int, str)) else tuple(value)
-
-
-def _holds_host_memory(compiled) -> bool:
-  """Whether a compiled program puts anything in host memory."""
-  stats = compiled.memory_analysis()
-  return stats is not None and bool(
-      stats.host_temp_size_in_bytes or stats.host_output_size_in_bytes
-      or stats.host_argument_size_in_bytes)
-
-
-def _measured(result: PlanResult, footprint: int | None) -> int:
-  """XLA's footprint of a planned step, or the model's where XLA gives none."""
-  return result.peak if footprint is None else footprint
 
 
 def _split_static(args, kwargs, static_argnums, static_argnames):
@@ -146,8 +119,9 @@ class Transformed:
   """A training step fitted to a memory budget; made by :func:`transform`.
 
   Call it like the step. ``.lower(*args)`` gives ``jax.jit``'s AOT stages
-  (``.compile().memory_analysis()``), ``.plan(*args)`` the :class:`StepPlan`
-  and ``.report(*args)`` a readable summary, for the given arguments' shapes.
+  (``.compile().memory_analysis()``), ``.fit(*args)`` the :class:`Fit`
+  (what was decided) and ``.report(*args)`` a readable summary, for the
+  given arguments' shapes.
   """
 
   def __init__(self, fun, budget, planner, static_argnums, static_argnames,
@@ -160,7 +134,7 @@ class Transformed:
     self.static_argnames = _as_tuple(static_argnames)
     self.jit_kwargs = jit_kwargs
     self.max_rounds = max_rounds
-    self._plans: dict = {}
+    self._fits: dict = {}
     try:
       self.__wrapped__ = fun
       self.__name__ = getattr(fun, "__name__", "step")
@@ -169,49 +143,50 @@ class Transformed:
       pass
 
   def __call__(self, *args, **kwargs):
-    return self.plan(*args, **kwargs).jitted(*args, **kwargs)
+    return self.fit(*args, **kwargs).jitted(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
     """``jax.jit``'s ``lower`` for the transformed step."""
-    return self.plan(*args, **kwargs).jitted.lower(*args, **kwargs)
+    return self.fit(*args, **kwargs).jitted.lower(*args, **kwargs)
 
   def report(self, *args, **kwargs) -> str:
-    return self.plan(*args, **kwargs).report()
+    return self.fit(*args, **kwargs).report()
 
-  def plan(self, *args, **kwargs) -> StepPlan:
-    """Plans (once per shapes, dtypes and static values) and returns the plan."""
-    return self._cached_plan(args, kwargs, find_smallest=True)
+  def fit(self, *args, **kwargs) -> Fit:
+    """Fits the step (once per shapes, dtypes and static values) and returns
+    what was decided."""
+    return self._cached(args, kwargs, find_smallest=True)
 
-  def fits(self, *args, **kwargs) -> bool:
+  def can_fit(self, *args, **kwargs) -> bool:
     """A quick check that the budget can be met for these arguments
     (shapes suffice, e.g. from ``jax.eval_shape``), for batch-size searches.
 
-    Plans like :meth:`plan` and keeps a plan that fits, but where the
+    Fits like :meth:`fit` and keeps a fit that succeeds, but where the
     planner's search toward the budget fails, and no plan shaped like the
     per-block remat baselines fits either, it answers False instead of
-    looking for the smallest footprint (which :meth:`plan`'s error names,
-    and which can occasionally still fit): True means :meth:`plan`
+    looking for the smallest footprint (which :meth:`fit`'s error names,
+    and which can occasionally still fit): True means :meth:`fit`
     succeeds; False means it most likely raises.
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxmem
       >>> step = lambda w, x: w - jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
-      >>> jaxmem.transform(step, budget="100%").fits(jnp.eye(8), jnp.ones((4, 8)))
+      >>> jaxmem.transform(step, budget="100%").can_fit(jnp.eye(8), jnp.ones((4, 8)))
       True
     """
-    return self._cached_plan(args, kwargs, find_smallest=False) is not None
+    return self._cached(args, kwargs, find_smallest=False) is not None
 
-  def _cached_plan(self, args, kwargs, find_smallest: bool) -> StepPlan | None:
-    """The plan for these arguments' signature, built once (see ``_build``;
+  def _cached(self, args, kwargs, find_smallest: bool) -> Fit | None:
+    """The fit for these arguments' signature, built once (see ``_build``;
     a None is not kept)."""
     key, dyn_args, dyn_kwargs, leaves = _signature(
         args, kwargs, self.static_argnums, self.static_argnames)
-    if key not in self._plans:
-      plan = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves, find_smallest)
-      if plan is None:
+    if key not in self._fits:
+      fit = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves, find_smallest)
+      if fit is None:
         return None
-      self._plans[key] = plan
-    return self._plans[key]
+      self._fits[key] = fit
+    return self._fits[key]
 
   def _bound(self, args, kwargs):
     """The step with its static arguments bound, over dynamic ones only."""
@@ -227,175 +202,40 @@ class Transformed:
     return bound
 
   def _build(self, args, kwargs, dyn_args, dyn_kwargs, leaves,
-             find_smallest: bool = True) -> StepPlan | None:
-    """Plans and compiles; a budget that cannot be met raises
-    :class:`BudgetError` naming the smallest footprint (or, without
-    ``find_smallest``, gives None before searching for it)."""
+             find_smallest: bool = True) -> Fit | None:
+    """Traces, analyzes and runs the fit loop (:class:`~jaxmem._fit.Fitter`)."""
     start = time.perf_counter()
     _flags.enable_cpu_remat()
-    closed, in_tree, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
+    closed, _, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
     graph = build_graph(closed)
     baseline = jax.jit(jex.jaxpr_as_fun(closed)).lower(*leaves).compile()
+    base_memory = evaluate(graph, Plan())[1]
     unconstrained = xla_footprint(baseline)
-    _, base_profile = evaluate(graph, Plan())
     if unconstrained is None:
-      unconstrained = base_profile.peak
-    budget = self.budget.resolve(unconstrained)
-    base_flops = sum(n.flops for n in graph.nodes)
+      unconstrained = base_memory.peak
     if not graph.has_backward:
       warnings.warn(
           "jaxmem: the step has no backward pass (no transposed equations in "
           "its jaxpr), so there are no residuals to recompute or offload; it "
-          "is compiled unchanged.", stacklevel=3)
-    # The model and XLA disagree by a few percent; aim the model at the budget
-    # scaled by their ratio on the untransformed step, and tighten if XLA's
-    # number for the planned step still exceeds the budget. Last resort: the
-    # planner's lowest plan, which is what an infeasible budget's error names.
-    scale = model_scale = base_profile.peak / unconstrained
-    attempts = 0
-    lowest = None
-    previous = None
-    while True:
-      attempts += 1
-      target = int(budget * scale)
-      if graph.has_backward and budget < unconstrained and base_profile.peak > target:
-        result = self.planner.plan(graph, target, start=previous)
-        previous = result.plan
-      else:
-        result = unplanned(graph, target)
-      jitted, footprint = self._compile(result, out_tree, args, kwargs, model_scale)
-      if _measured(result, footprint) <= budget:
-        if find_smallest and len(result.plan):
-          found = self._loosen(graph, out_tree, args, kwargs, (result, jitted, footprint),
-                               budget, model_scale)
-          result, jitted, footprint = self._structured(graph, out_tree, args, kwargs,
-                                                       found, budget, model_scale)
-        break
-      if result.fits and attempts < self.max_rounds:
-        scale *= budget / _measured(result, footprint) * 0.99
-        continue
-      if lowest is None and not find_smallest:
-        # A search toward the budget can fail where a plan shaped like the
-        # per-block baselines fits far under it: those are compiled before
-        # answering no.
-        shaped = self._structured(graph, out_tree, args, kwargs,
-                                  (result, jitted, footprint), budget, model_scale,
-                                  cheaper=False)
-        if _measured(shaped[0], shaped[2]) > budget:
-          return None
-        result, jitted, footprint = shaped
-        break
-      if lowest is None:
-        lowest = self._lowest(graph, out_tree, args, kwargs, (result, jitted, footprint),
-                              model_scale)
-      result, jitted, footprint = lowest
-      smallest = _measured(result, footprint)
-      if smallest <= budget:
-        break
-      raise BudgetError(
-          f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
-          f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
-          f"by planner {self.planner.name!r}: the smallest footprint it reaches "
-          f"for this step is {format_bytes(smallest)} ({smallest} bytes, "
-          f"{smallest / unconstrained:.0%}). Pass budget >= {smallest} bytes, "
-          "or shrink the batch.", smallest=smallest)
-    return StepPlan(graph, result, budget, unconstrained, base_profile.peak,
-                    footprint, result.schedule.recompute_flops, base_flops,
-                    attempts, time.perf_counter() - start, jitted)
+          "is compiled unchanged.", stacklevel=4)
 
-  def _loosen(self, graph, out_tree, args, kwargs, found, budget, model_scale,
-              rounds: int = 2):
-    """A fitting plan well under the budget, where the model rates the
-    plan's savings below what XLA gives them, recomputes more than it needs
-    to: re-planned up to ``rounds`` times for a looser model target
-    (bisecting between the last target that fit and the first that did
-    not), a plan is taken if XLA's footprint still fits and it costs less
-    (predicted time on the planner's device profile, else recomputed
-    FLOPs)."""
-    result, jitted, footprint = found
-    measured = _measured(result, footprint)
-    low, high = result.target / budget, None
-    for _ in range(rounds):
-      if measured >= 0.95 * budget:
-        break
-      scale = (low + high) / 2 if high else low * budget / measured * 0.99
-      trial = self.planner.plan(graph, int(budget * scale))
-      if trial.fits and trial.plan != result.plan:
-        t_jitted, t_footprint = self._compile(trial, out_tree, args, kwargs, model_scale)
-        if (_measured(trial, t_footprint) <= budget
-            and self._cost(trial) < self._cost(result)):
-          result, jitted, footprint = trial, t_jitted, t_footprint
-          measured, low = _measured(trial, t_footprint), scale
-          continue
-      high = scale
-    return result, jitted, footprint
+    def jit(candidate: Candidate):
+      jitted = self._jit(candidate, out_tree)
+      return jitted, jitted.lower(*args, **kwargs).compile()
 
-  def _structured(self, graph, out_tree, args, kwargs, found, budget, model_scale,
-                  cheaper: bool = True):
-    """The planner's plans shaped like the per-block remat baselines
-    (``structured``), cheapest first, where they cost less than the plan
-    found (any cost, without ``cheaper``): the first whose XLA footprint
-    fits the budget replaces it."""
-    if not hasattr(self.planner, "structured"):
-      return found
-    cost = self._cost(found[0]) if cheaper else float("inf")
-    for candidate in self.planner.structured(graph):
-      if self._cost(candidate) >= cost:
-        break
-      candidate = dataclasses.replace(candidate, target=found[0].target, fits=True)
-      jitted, footprint = self._compile(candidate, out_tree, args, kwargs, model_scale)
-      if _measured(candidate, footprint) <= budget:
-        return candidate, jitted, footprint
-    return found
+    fitter = Fitter(graph, self.planner, self.budget.resolve(unconstrained), unconstrained,
+                    base_memory.peak / unconstrained, jit, self.max_rounds)
+    found = fitter.fit(find_smallest)
+    if found is None:
+      return None
+    trial, attempts = found
+    return Fit(graph, trial.candidate, self.planner, fitter.budget, unconstrained,
+               base_memory.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
+               sum(n.flops for n in graph.nodes), attempts, time.perf_counter() - start,
+               trial.jitted)
 
-  def _cost(self, result: PlanResult) -> float:
-    """What a plan costs: predicted seconds on the planner's device profile,
-    or without one the FLOPs it recomputes."""
-    profile = getattr(self.planner, "profile", None)
-    if profile is None:
-      return result.schedule.recompute_flops
-    return predict_schedule(result.schedule, get_profile(profile)).seconds
-
-  def _compile(self, result, out_tree, args, kwargs, model_scale):
-    """Jits ``result``'s schedule; returns it with XLA's footprint (None where
-    the backend gives no memory analysis).
-
-    A backend that ignores host memory (XLA:CPU, DESIGN.md fact 2) keeps
-    offloaded values in device memory: for a plan with offloads there, the
-    footprint is the memory model's device peak, in XLA's scale
-    (``model_scale``: model over XLA on the untransformed step)."""
-    jitted = self._jit(result, out_tree)
-    compiled = jitted.lower(*args, **kwargs).compile()
-    if result.plan.uses_host and not _holds_host_memory(compiled):
-      return jitted, int(result.peak / model_scale)
-    return jitted, xla_footprint(compiled)
-
-  def _lowest(self, graph, out_tree, args, kwargs, tried, model_scale):
-    """The planner's lowest plan, compiled: (result, jitted, footprint).
-
-    ``tried`` is the last plan compiled, (result, jitted, footprint). A
-    planner with a ``lowest(graph)`` method offers several more candidates;
-    each is compiled and the one with the smallest measured footprint wins,
-    so the smallest budget an error names is XLA's, not the model's.
-    """
-    if not graph.has_backward:
-      candidates = [unplanned(graph, 0)]
-    elif hasattr(self.planner, "lowest"):
-      candidates = self.planner.lowest(graph)
-    else:
-      candidates = [self.planner.plan(graph, 0)]
-    best, seen = tried, {tried[0].plan}
-    for result in candidates:
-      if result.plan in seen:
-        continue
-      seen.add(result.plan)
-      compiled = (result, *self._compile(result, out_tree, args, kwargs, model_scale))
-      if _measured(result, compiled[2]) < _measured(best[0], best[2]):
-        best = compiled
-    return best
-
-  def _jit(self, result: PlanResult, out_tree):
-    run_flat = emit(result.schedule)
+  def _jit(self, candidate: Candidate, out_tree):
+    run_flat = emit(candidate.schedule)
     statics, static_names = self.static_argnums, self.static_argnames
 
     def run(*args, **kwargs):
@@ -422,7 +262,7 @@ def transform(fun: Callable, budget, *, planner="recompute",
     fun: the training step.
     budget: bytes (int), a string with a unit (``"3GiB"``, ``"512MB"``) or a
       fraction of the unconstrained footprint (``"60%"``, ``0.6``).
-    planner: a name from ``jaxmem.PLANNERS`` or a planner object.
+    planner: a name from ``jaxmem.PLANNERS`` or a :class:`jaxmem.Planner`.
     static_argnums, static_argnames: as for ``jax.jit``.
     max_rounds: how often to re-plan with a tighter model target when XLA's
       footprint exceeds the budget.
@@ -457,7 +297,7 @@ def transform(fun: Callable, budget, *, planner="recompute",
 class Analysis:
   """What :func:`analyze` finds in a step."""
   graph: Graph
-  profile: MemoryProfile
+  memory: Liveness
 
   @property
   def residuals(self):
@@ -465,11 +305,11 @@ class Analysis:
 
   @property
   def peak(self) -> int:
-    return self.profile.peak
+    return self.memory.peak
 
   def report(self, top: int | None = 30) -> str:
     return (f"predicted footprint {format_bytes(self.peak)} at "
-            f"{self.profile.peak_name}\n" + residual_table(self.graph, top=top))
+            f"{self.memory.peak_name}\n" + residual_table(self.graph, top=top))
 
 
 def analyze(fun: Callable, *args, **kwargs) -> Analysis:

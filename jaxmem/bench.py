@@ -30,6 +30,7 @@ import jaxmem  # sets the XLA:CPU remat flag before JAX starts
 import jax
 
 from jaxmem._benchmark import SERIES, Bench, Method, Row, default_methods
+from jaxmem import _zoo
 from jaxmem._budget import Budget, format_bytes
 from jaxmem._devices import PROFILES
 
@@ -99,7 +100,7 @@ def _parser(models) -> argparse.ArgumentParser:
 
 def run(opts) -> dict:
   """Measures what ``opts`` asks for; returns the JSON-ready result."""
-  import models
+  models = _zoo.models()
   progress = (lambda line: None) if opts.quiet else (
       lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr,
                          flush=True))
@@ -165,7 +166,7 @@ def save(result: dict, opts) -> None:
 
 
 def main(argv=None) -> int:
-  import models
+  models = _zoo.models()
   opts = _parser(models).parse_args(argv)
   result = run(opts)
   rows = result["rows"]

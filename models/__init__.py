@@ -21,7 +21,7 @@ name            model (key options)
 =============== ===========================================================
 
 Example:
-  >>> import models
+  >>> import jaxmem_models as models
   >>> task = models.get("mlp", depth=4, width=32, batch=8)
   >>> state, batch = task.init()
   >>> new_state, loss = task.step(state, batch)
@@ -38,16 +38,16 @@ from typing import Callable
 
 import optax
 
-from models import _gpt2, _legacy, _mobilenet, _resnet, _unet, _vit
-from models._attention import MLP, SelfAttention, TransformerBlock
-from models._gpt2 import GPT2
-from models._legacy import Block, ResidualMLP, SmallCNN, Transformer
-from models._mobilenet import InvertedResidual, MobileNetV2
-from models._remat import REMAT_POLICIES, check_remat, policy, remat_block
-from models._resnet import BasicBlock, Bottleneck, ResNet
-from models._task import Task, classify, image_batch, param_count, token_batch
-from models._unet import ConvBlock, UNet, UpBlock
-from models._vit import ViT
+from jaxmem_models import _gpt2, _legacy, _mobilenet, _resnet, _unet, _vit
+from jaxmem_models._attention import MLP, SelfAttention, TransformerBlock
+from jaxmem_models._gpt2 import GPT2
+from jaxmem_models._legacy import Block, ResidualMLP, SmallCNN, Transformer
+from jaxmem_models._mobilenet import InvertedResidual, MobileNetV2
+from jaxmem_models._remat import REMAT_POLICIES, check_remat, policy, remat_block
+from jaxmem_models._resnet import BasicBlock, Bottleneck, ResNet
+from jaxmem_models._task import Task, classify, image_batch, param_count, token_batch
+from jaxmem_models._unet import ConvBlock, UNet, UpBlock
+from jaxmem_models._vit import ViT
 
 # Factories: ``(**config) -> (module, make_batch, loss)``.
 REGISTRY: dict[str, Callable] = {
@@ -64,7 +64,7 @@ def options(name: str) -> dict:
   """A registered model's options and their defaults.
 
   Example:
-    >>> import models
+    >>> import jaxmem_models as models
     >>> models.options("mlp")["batch"]
     2048
   """
@@ -100,7 +100,7 @@ def get(name: str, *, optimizer: optax.GradientTransformation | None = None,
     TypeError: for an option the factory does not take.
 
   Example:
-    >>> import models
+    >>> import jaxmem_models as models
     >>> task = models.get("gpt2", dim=16, depth=1, heads=2, seq=8, vocab=32, batch=2)
     >>> sorted(task.config)
     ['batch', 'depth', 'dim', 'heads', 'remat', 'seq', 'vocab']

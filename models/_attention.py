@@ -17,8 +17,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models._random import Dropout, dropout, normal
-from models._remat import tag
+from jaxmem_models._random import Dropout, dropout, normal
+from jaxmem_models._remat import tag
 
 
 class SelfAttention(nn.Module):

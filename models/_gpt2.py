@@ -1,7 +1,7 @@
 """Small GPT-2-style causal decoder for next-token prediction.
 
 Example:
-  >>> import models
+  >>> import jaxmem_models as models
   >>> task = models.get("gpt2", dim=16, depth=1, heads=2, seq=8, vocab=32, batch=2)
   >>> state, batch = task.init()
   >>> state, loss = task.step(state, batch)
@@ -14,10 +14,10 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models._attention import TransformerBlock
-from models._random import Dropout
-from models._remat import check_remat, remat_block
-from models._task import classify, token_batch
+from jaxmem_models._attention import TransformerBlock
+from jaxmem_models._random import Dropout
+from jaxmem_models._remat import check_remat, remat_block
+from jaxmem_models._task import classify, token_batch
 
 
 class GPT2(nn.Module):

@@ -4,7 +4,7 @@ Their parameter names, defaults and numbers are relied on by jaxmem's tests
 and benchmark; only ``Transformer`` gained an optional per-block ``remat``.
 
 Example:
-  >>> import models
+  >>> import jaxmem_models as models
   >>> task = models.get("transformer", depth=1, dim=16, heads=2, seq=8, batch=2)
   >>> state, batch = task.init()
 """
@@ -14,8 +14,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from models._remat import remat_block
-from models._task import classify, image_batch, token_batch
+from jaxmem_models._remat import remat_block
+from jaxmem_models._task import classify, image_batch, token_batch
 
 
 class ResidualMLP(nn.Module):

@@ -1,7 +1,7 @@
 """MobileNetV2: inverted residual blocks, BatchNorm and relu6.
 
 Example:
-  >>> import models
+  >>> import jaxmem_models as models
   >>> task = models.get("mobilenetv2", width=0.25, depth=0.3, size=16, batch=2)
   >>> state, batch = task.init()
   >>> state, loss = task.step(state, batch)
@@ -14,9 +14,9 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from models._random import Dropout, lecun_normal
-from models._remat import check_remat, remat_block, tag
-from models._task import classify, image_batch
+from jaxmem_models._random import Dropout, lecun_normal
+from jaxmem_models._remat import check_remat, remat_block, tag
+from jaxmem_models._task import classify, image_batch
 
 # (expansion t, channels c, repeats n, stride s) from the MobileNetV2 paper.
 STAGES = ((1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),

@@ -1,7 +1,7 @@
 """ResNets with BatchNorm: ResNet-18/50 and an ultra-deep CIFAR-style ResNet.
 
 Example:
-  >>> import models
+  >>> import jaxmem_models as models
   >>> task = models.get("resnet18", width=8, stages=(1, 1), size=16, batch=2)
   >>> state, batch = task.init()
   >>> state, loss = task.step(state, batch)
@@ -13,9 +13,9 @@ from typing import Sequence
 
 import flax.linen as nn
 
-from models._random import variance_scaling
-from models._remat import check_remat, remat_block, tag
-from models._task import classify, image_batch
+from jaxmem_models._random import variance_scaling
+from jaxmem_models._remat import check_remat, remat_block, tag
+from jaxmem_models._task import classify, image_batch
 
 
 def _bn(train: bool, name: str):

@@ -1,7 +1,7 @@
 """The :class:`Task` (a model with its train step), losses and synthetic batches.
 
 Example:
-  >>> from models._task import Task, classify, image_batch
+  >>> from jaxmem_models._task import Task, classify, image_batch
   >>> import flax.linen as nn, optax
   >>> class Net(nn.Module):
   ...   @nn.compact
@@ -35,7 +35,7 @@ class Task:
     config: the options the model was built with (``remat`` included).
 
   Example:
-    >>> import models
+    >>> import jaxmem_models as models
     >>> task = models.get("mlp", depth=2, width=16, batch=4)
     >>> state, batch = task.init()
     >>> state, loss = task.step(state, batch)
@@ -142,7 +142,7 @@ def param_count(task: Task) -> int:
   """Number of trainable parameters, from shapes only (nothing is computed).
 
   Example:
-    >>> import models
+    >>> import jaxmem_models as models
     >>> param_count(models.get("mlp", depth=1, width=4, features=2))
     102
   """

@@ -1,7 +1,7 @@
 """U-Net for per-pixel segmentation: conv + norm encoder/decoder with skips.
 
 Example:
-  >>> import models
+  >>> import jaxmem_models as models
   >>> task = models.get("unet", width=8, depth=2, size=16, batch=2)
   >>> state, batch = task.init()
   >>> batch["y"].shape
@@ -15,9 +15,9 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models._random import Dropout, lecun_normal
-from models._remat import check_remat, remat_block, tag
-from models._task import classify, image_batch
+from jaxmem_models._random import Dropout, lecun_normal
+from jaxmem_models._remat import check_remat, remat_block, tag
+from jaxmem_models._task import classify, image_batch
 
 
 def _norm(kind: str, features: int, train: bool, name: str):

@@ -1,7 +1,7 @@
 """ViT-Tiny-style vision transformer (patch embedding, pre-LN blocks).
 
 Example:
-  >>> import models
+  >>> import jaxmem_models as models
   >>> task = models.get("vit", size=16, patch=4, dim=16, depth=1, heads=2, batch=2)
   >>> state, batch = task.init()
   >>> state, loss = task.step(state, batch)
@@ -12,10 +12,10 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from models._attention import TransformerBlock
-from models._random import Dropout, lecun_normal
-from models._remat import check_remat, remat_block
-from models._task import classify, image_batch
+from jaxmem_models._attention import TransformerBlock
+from jaxmem_models._random import Dropout, lecun_normal
+from jaxmem_models._remat import check_remat, remat_block
+from jaxmem_models._task import classify, image_batch
 
 
 class ViT(nn.Module):

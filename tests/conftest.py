@@ -21,9 +21,9 @@ def mlp():
   import jax
   import optax
 
-  import models
+  import jaxmem_models as models
   from jaxmem._graph import build_graph
-  from jaxmem._planners import evaluate
+  from jaxmem._evaluate import evaluate
   task = models.get("mlp", optimizer=optax.adam(1e-3, eps=1e-3), depth=6, width=32,
                     batch=256, features=16)
   args = task.init()

@@ -6,7 +6,7 @@ import pytest
 
 from jaxmem import bench
 from jaxmem._benchmark import Method
-from jaxmem._planners import ABLATIONS, PLANNERS
+from jaxmem.planners import ABLATIONS, PLANNERS
 
 TINY = ["--model", "mlp", "--config", "depth=4", "width=16", "batch=32", "features=8"]
 

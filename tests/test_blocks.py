@@ -14,10 +14,11 @@ import optax
 import pytest
 
 import jaxmem
-import models
+from jaxmem._fit import xla_footprint
+import jaxmem_models as models
 from jaxmem._emit import emit
-from jaxmem._planners import block_plans, evaluate, segments, unplanned
-from jaxmem._rewrite import _scope
+from jaxmem._blocks import block_plans, segments
+from jaxmem._evaluate import Candidate, evaluate, unplanned
 from tests.helpers import assert_trees_close
 
 # Activation-dominated (the residuals outweigh parameters and Adam's state).
@@ -62,7 +63,7 @@ def test_block_plan_recomputes_each_block_once_from_its_boundary(gpt2):
     if op.kind != "recompute" or op.node not in blocks:
       continue
     consumer = next(o for o in ops[pos:] if o.kind == "node")
-    assert blocks[op.node] == _scope(graph.nodes[consumer.node]), (
+    assert blocks[op.node] == graph.nodes[consumer.node].scope(), (
         graph.nodes[op.node].readable, graph.nodes[consumer.node].readable)
 
 
@@ -91,9 +92,9 @@ def test_meets_the_per_block_remat_footprint_with_less_work(gpt2, policy):
   task, args, _ = gpt2
   remat = models.get("gpt2", optimizer=optax.adam(1e-3, eps=1e-3), remat=policy, **GPT2)
   baseline = jax.jit(remat.step).lower(*remat.init()).compile()
-  budget = jaxmem.xla_footprint(baseline)
+  budget = xla_footprint(baseline)
   fitted = jaxmem.transform(task.step, budget=budget)
-  plan = fitted.plan(*args)
+  plan = fitted.fit(*args)
   assert plan.footprint <= budget < plan.unconstrained
   assert flops(fitted.lower(*args).compile()) <= flops(baseline)
   assert_trees_close(fitted(*args), jax.jit(task.step)(*args))
@@ -101,11 +102,11 @@ def test_meets_the_per_block_remat_footprint_with_less_work(gpt2, policy):
 
 def test_refinement_keeps_residuals_again_where_the_budget_allows(gpt2):
   _, _, graph = gpt2
-  planner = jaxmem.RecomputeGreedy()
+  planner = jaxmem.Greedy()
   start = block_plans(graph)[0]
   schedule, profile = evaluate(graph, start)
   loose = int(profile.peak * 1.3)
-  result = jaxmem.PlanResult(start, schedule, profile, loose, True, 0.0, 0)
+  result = Candidate(start, schedule, profile, loose, True)
   refined = planner._refine(graph, result, loose)
   assert refined.peak <= loose
   assert len(refined.plan.values_with("recompute")) < len(start.values_with("recompute"))
@@ -116,9 +117,9 @@ def test_fits_tries_the_block_shaped_plans_before_answering_no(gpt2):
   """``fits`` (the max-batch probe) answers True where the planner's search
   toward the budget fails but a plan shaped like a per-block baseline fits."""
   task, args, _ = gpt2
-  greedy = jaxmem.RecomputeGreedy()
+  greedy = jaxmem.Greedy()
 
-  class KeepsEverything:
+  class KeepsEverything(jaxmem.Planner):
     """A planner whose search never gets under the budget."""
     name = "keeps-everything"
 
@@ -129,10 +130,10 @@ def test_fits_tries_the_block_shaped_plans_before_answering_no(gpt2):
       return greedy.structured(graph)
 
   fitted = jaxmem.transform(task.step, budget="70%", planner=KeepsEverything())
-  assert fitted.fits(*args)
-  plan = fitted.plan(*args)
+  assert fitted.can_fit(*args)
+  plan = fitted.fit(*args)
   assert plan.footprint <= plan.budget and len(plan.plan) > 0
   assert_trees_close(fitted(*args), jax.jit(task.step)(*args))
   # With nothing to fall back on, the probe answers no at once.
   del KeepsEverything.structured
-  assert not jaxmem.transform(task.step, budget="70%", planner=KeepsEverything()).fits(*args)
+  assert not jaxmem.transform(task.step, budget="70%", planner=KeepsEverything()).can_fit(*args)

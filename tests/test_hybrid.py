@@ -7,7 +7,9 @@ import jax
 import pytest
 
 import jaxmem
-from jaxmem._planners import RecomputeGreedy, _prefetch_point, hybrid
+from jaxmem._devices import get_profile
+from jaxmem._evaluate import prefetch_point
+from jaxmem.planners import Greedy, hybrid
 from tests.helpers import assert_trees_close
 
 
@@ -17,7 +19,7 @@ def offloads(result):
 
 def test_planner_choices_follow_the_device(mlp):
   _, _, graph, base = mlp
-  t4 = jaxmem.get_profile("t4")
+  t4 = get_profile("t4")
   fast = dataclasses.replace(t4, name="fast-link", h2d_bandwidth=1e12, d2h_bandwidth=1e12,
                              link_latency=0.0)
   slow = dataclasses.replace(t4, name="slow-link", h2d_bandwidth=1e7, d2h_bandwidth=1e7)
@@ -31,16 +33,16 @@ def test_planner_choices_follow_the_device(mlp):
   unified = dataclasses.replace(fast, name="unified", unified=True)
   assert offloads(hybrid(unified).plan(graph, target)) == 0
   with pytest.raises(ValueError, match="offload needs a device profile"):
-    RecomputeGreedy(offload=True)
+    Greedy(offload=True)
 
 
 def test_hybrid_goes_below_recomputation_alone_and_host_budget_holds(mlp):
   _, _, graph, base = mlp
-  lowest = min(r.peak for r in RecomputeGreedy().lowest(graph))
+  lowest = min(r.peak for r in Greedy().lowest(graph))
   result = hybrid().plan(graph, int(lowest * 0.95))
   assert result.fits and result.peak < lowest and offloads(result) > 0
-  capped = hybrid(host_budget=result.profile.host_peak // 2).plan(graph, int(lowest * 0.95))
-  assert capped.profile.host_peak <= result.profile.host_peak // 2
+  capped = hybrid(host_budget=result.memory.host_peak // 2).plan(graph, int(lowest * 0.95))
+  assert capped.memory.host_peak <= result.memory.host_peak // 2
 
 
 # Offload alone stops higher: each copy comes back before the backward pass
@@ -49,7 +51,7 @@ def test_hybrid_goes_below_recomputation_alone_and_host_budget_holds(mlp):
 def test_offload_plans_give_the_same_numbers(mlp, planner, budget):
   task, args, _, _ = mlp
   fitted = jaxmem.transform(task.step, budget=budget, planner=planner)
-  plan = fitted.plan(*args)
+  plan = fitted.fit(*args)
   assert plan.footprint <= plan.budget
   moved = plan.plan.values_with("offload")
   if planner == "offload":
@@ -71,7 +73,7 @@ def test_copy_back_is_ready_for_the_recomputation_that_reads_it(mlp):
   """A kept residual that a recomputation reads is needed there, before its
   own first backward reader: its copy back is placed ahead of that."""
   _, _, graph, base = mlp
-  result = RecomputeGreedy().plan(graph, int(0.6 * base))
+  result = Greedy().plan(graph, int(0.6 * base))
   schedule, dropped = result.schedule, set(result.plan.values_with("recompute"))
   position = {op.node: i for i, op in enumerate(schedule.ops) if op.kind == "node"}
   rebuilt_from = {}
@@ -83,12 +85,12 @@ def test_copy_back_is_ready_for_the_recomputation_that_reads_it(mlp):
   read = [r for r in graph.residuals if r.value in rebuilt_from and r.value not in dropped
           and rebuilt_from[r.value] < position[r.first_backward_use]]
   assert read, "no kept residual is read by a recomputation in this plan"
-  t4 = jaxmem.get_profile("t4")
+  t4 = get_profile("t4")
   slow = dataclasses.replace(t4, name="slow-link", h2d_bandwidth=1e7)
   for r in read:
     for profile in (t4, slow):
       # The copy back is issued at the start of node ``at``'s turn: no
       # backward node may run between the recomputation and that turn.
-      at = _prefetch_point(schedule, r, profile, late=True)
+      at = prefetch_point(schedule, r, profile, late=True)
       assert not any(op.kind == "node"
                      for op in schedule.ops[rebuilt_from[r.value]:position[at]])

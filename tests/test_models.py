@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import jaxmem
-import models
+from jaxmem._decisions import KEEP
+import jaxmem_models as models
 from tests.helpers import assert_trees_close
 
 TINY = {
@@ -217,7 +218,7 @@ def test_default_configs_build(name):
 def every_residual_chunked(graph):
   """A plan cutting every materialized residual with an axis of 2+ in two
   along it, the second chunk offloaded (vTensors on every residual)."""
-  from jaxmem._memory import fused_values
+  from jaxmem._evaluate import fused_values
   fused = fused_values(graph)
   decisions = {}
   for r in graph.residuals:
@@ -226,7 +227,7 @@ def every_residual_chunked(graph):
       continue
     n = r.shape[axis]
     decisions[r.value] = jaxmem.Chunked(axis, ((0, n // 2), (n // 2, n)),
-                                        (jaxmem.KEEP, jaxmem.Offload()))
+                                        (KEEP, jaxmem.Offload()))
   return jaxmem.Plan.of(decisions)
 
 
@@ -236,7 +237,8 @@ def test_vtensor_and_block_plans_match_on_the_zoo(plain, name):
   block checkpointed from its saved boundary: the untransformed step's
   numbers, on every model of the zoo."""
   from jaxmem._emit import emit
-  from jaxmem._planners import block_plans, evaluate
+  from jaxmem._blocks import block_plans
+  from jaxmem._evaluate import evaluate
   task, args, want = plain(name, sgd=True)
   graph = jaxmem.analyze(task.step, *args).graph
   plans = [every_residual_chunked(graph)] + block_plans(graph)[:1]

@@ -6,12 +6,13 @@ import jax
 import optax
 import pytest
 
-import models
+import jaxmem_models as models
 from jaxmem._emit import emit
 from jaxmem._graph import build_graph
-from jaxmem._memory import fused_values, simulate
-from jaxmem._plan import OFFLOAD, Offload, Plan
-from jaxmem._rewrite import build_schedule
+from jaxmem._evaluate import fused_values
+from jaxmem._memory import simulate
+from jaxmem._decisions import OFFLOAD, Offload, Plan
+from jaxmem._schedule import build_schedule
 from tests.helpers import assert_trees_close
 
 

@@ -7,7 +7,9 @@ import optax
 import pytest
 
 import jaxmem
-import models
+from jaxmem._decisions import RECOMPUTE
+from jaxmem._fit import xla_footprint
+import jaxmem_models as models
 from tests.helpers import assert_trees_close
 
 # Activation-dominated sizes (as a memory budget bites in practice): with
@@ -30,14 +32,14 @@ def run_steps(step, state, batch, n=3):
 def check_fits_and_matches(step, args, budget, steps=3):
   """Transforms ``step`` and checks footprint and numbers; returns the plan."""
   fitted = jaxmem.transform(step, budget=budget)
-  plan = fitted.plan(*args)
+  plan = fitted.fit(*args)
   compiled = fitted.lower(*args).compile()
-  footprint = jaxmem.xla_footprint(compiled)
+  footprint = xla_footprint(compiled)
   assert footprint == plan.footprint
   assert footprint <= plan.budget, (footprint, plan.budget)
   # The memory model predicts the planned step too, not only the original.
-  assert abs(plan.profile.peak - footprint) <= 0.1 * footprint, (
-      plan.profile.peak, footprint)
+  assert abs(plan.memory.peak - footprint) <= 0.1 * footprint, (
+      plan.memory.peak, footprint)
   state, batch = args
   want = run_steps(jax.jit(step), state, batch, steps)
   got = run_steps(fitted, state, batch, steps)
@@ -76,7 +78,7 @@ def test_smallest_feasible_budget_fits_and_matches(task):
   task, args = task
   fitted = jaxmem.transform(task.step, budget=1)
   with pytest.raises(jaxmem.BudgetError, match="smallest footprint it reaches") as info:
-    fitted.plan(*args)
+    fitted.fit(*args)
   smallest = info.value.smallest
   assert f"Pass budget >= {smallest} bytes" in str(info.value)
   plan = check_fits_and_matches(task.step, args, smallest)
@@ -87,7 +89,7 @@ def test_memory_model_tracks_xla_on_the_flax_models(task):
   """Unconstrained: the model's peak within 10% of XLA's footprint."""
   task, args = task
   analysis = jaxmem.analyze(task.step, *args)
-  xla = jaxmem.xla_footprint(jax.jit(task.step).lower(*args).compile())
+  xla = xla_footprint(jax.jit(task.step).lower(*args).compile())
   assert abs(analysis.peak - xla) <= 0.1 * xla, (analysis.peak, xla)
 
 
@@ -110,7 +112,7 @@ def test_memory_model_tracks_xla_on_a_residual_mlp():
   for budget in ["100%", "70%", "60%"]:
     plan = check_fits_and_matches(step, (w, x), budget, steps=1)
     assert abs(plan.unconstrained_model - plan.unconstrained) <= 0.1 * plan.unconstrained
-    assert abs(plan.profile.peak - plan.footprint) <= 0.1 * plan.footprint
+    assert abs(plan.memory.peak - plan.footprint) <= 0.1 * plan.footprint
 
 
 def test_random_ops_recompute_from_the_same_key():
@@ -118,13 +120,13 @@ def test_random_ops_recompute_from_the_same_key():
   every residual recomputed, the rewritten step re-runs random-bit equations
   and still gives the untransformed step's numbers."""
   from jaxmem._emit import emit
-  from jaxmem._planners import recomputable
-  from jaxmem._rewrite import build_schedule
+  from jaxmem._evaluate import recomputable
+  from jaxmem._schedule import build_schedule
 
   task = models.get("transformer", **SMALL["transformer"])
   state, batch = task.init()
   graph = jaxmem.analyze(task.step, state, batch).graph
-  plan = jaxmem.Plan.of({v: jaxmem.RECOMPUTE for v in recomputable(graph)})
+  plan = jaxmem.Plan.of({v: RECOMPUTE for v in recomputable(graph)})
   schedule = build_schedule(graph, plan)
   rerun = {graph.nodes[op.node].prim.name
            for op in schedule.ops if op.kind == "recompute"}
@@ -172,7 +174,7 @@ def test_plain_jax_step_with_static_and_donated_args():
   w, x = jnp.eye(64) * 0.5, jnp.ones((512, 64))
   want = jax.jit(step, static_argnums=2)(w, x, 2.0)
   fitted = jaxmem.transform(step, budget="80%", static_argnums=2, donate_argnums=0)
-  plan = fitted.plan(w, x, 2.0)
+  plan = fitted.fit(w, x, 2.0)
   assert plan.footprint <= plan.budget
   got = fitted(jnp.array(w), x, 2.0)
   assert_trees_close(got, want)

@@ -5,20 +5,20 @@ checked for the copies (the jaxpr, and a CUDA lowering made on this CPU),
 and the device footprint is the memory model's.
 """
 
-import dataclasses
 
 import jax
 import optax
 import pytest
 
 import jaxmem
-import models
+import jaxmem_models as models
+from jaxmem._decisions import KEEP, RECOMPUTE, Chunked, Offload, Plan
+from jaxmem._devices import get_profile
 from jaxmem._emit import emit
-from jaxmem._lgm import LGM, reservation_floor
-from jaxmem._memory import fused_values, simulate
-from jaxmem._plan import KEEP, Chunked, Offload, Plan
-from jaxmem._planners import hybrid
-from jaxmem._rewrite import build_schedule, chunk_bytes
+from jaxmem._evaluate import fused_values
+from jaxmem._memory import simulate
+from jaxmem._schedule import build_schedule
+from jaxmem.planners import LGM, hybrid, reservation_floor
 from tests.helpers import assert_trees_close
 
 def leaves(args):
@@ -45,7 +45,8 @@ def test_chunked_plan_moves_chunks_and_gives_the_same_numbers(mlp):
     if op.kind == "split":
       sizes = [schedule.nbytes(k) for k in op.outs]
       assert sum(sizes) == graph.values[op.ins[0][0]].nbytes
-      assert sizes == chunk_bytes(graph.values[op.ins[0][0]], decisions[op.ins[0][0]])
+      assert sizes == decisions[op.ins[0][0]].chunk_bytes(
+          graph.values[op.ins[0][0]].aval.shape, graph.values[op.ins[0][0]].nbytes)
   run = emit(schedule)
   text = str(jax.make_jaxpr(run)(*leaves(args)))
   assert text.count("devices=(MemorySpace.Host,)") == 2 * len(chosen)
@@ -78,7 +79,7 @@ def test_lgm_covers_each_deficit_with_little_excess(mlp):
     assert swapped - deficit < last.nbytes // last.chunks + 1
   # The plan swaps fewer bytes than whole tensors would.
   whole = LGM("t4", min_chunk=4096, whole=True).plan(graph, int(0.8 * base))
-  assert result.profile.host_peak < whole.profile.host_peak
+  assert result.memory.host_peak < whole.memory.host_peak
 
 
 def test_chunks_respect_the_reservation_floor(mlp):
@@ -87,11 +88,11 @@ def test_chunks_respect_the_reservation_floor(mlp):
   for planner, allowed in ((LGM("t4", min_chunk=floor), floor), (LGM("t4", min_chunk=0), 0)):
     result = planner.plan(graph, int(0.8 * base))
     sizes = [size for vid, d in result.plan.with_kind("chunked").items()
-             for size in chunk_bytes(graph.values[vid], d)]
+             for size in d.chunk_bytes(graph.values[vid].aval.shape, graph.values[vid].nbytes)]
     assert sizes and min(sizes) >= allowed
   assert min(sizes) < floor  # without the floor, smaller chunks are chosen
   # The default floor comes from the link: 80% efficiency on a T4.
-  t4 = jaxmem.get_profile("t4")
+  t4 = get_profile("t4")
   assert LGM("t4").floor == reservation_floor(t4, 0.8)
   assert t4.efficiency(reservation_floor(t4, 0.8), "h2d") >= 0.8 - 1e-6
   # Reserved headroom: the plan aims below the target.
@@ -107,7 +108,7 @@ def test_bad_options_are_refused():
   with pytest.raises(ValueError, match="one decision per chunk"):
     Chunked(0, ((0, 2),), (KEEP, KEEP))
   with pytest.raises(ValueError, match="kept or offloaded"):
-    Chunked(0, ((0, 2),), (jaxmem.RECOMPUTE,))
+    Chunked(0, ((0, 2),), (RECOMPUTE,))
 
 
 def test_unified_memory_never_swaps(mlp):
@@ -122,7 +123,7 @@ def test_lgm_transform_gives_the_same_numbers(name):
   task = models.get(name, optimizer=optax.adam(1e-3, eps=1e-3), **SMALL[name])
   args = task.init()
   fitted = jaxmem.transform(task.step, budget="85%", planner=LGM("t4", min_chunk=8192))
-  plan = fitted.plan(*args)
+  plan = fitted.fit(*args)
   assert plan.plan.uses_host and plan.footprint <= plan.budget
   want = jax.jit(task.step)(*args)
   assert_trees_close(fitted(*args), want)
@@ -131,10 +132,10 @@ def test_lgm_transform_gives_the_same_numbers(name):
 def test_hybrid_with_lgm_as_its_swap_step(mlp):
   _, _, graph, base = mlp
   planner = hybrid("t4", swap="lgm")
-  recompute_only = jaxmem.RecomputeGreedy(profile="t4")
+  recompute_only = jaxmem.Greedy(device="t4")
   lowest = min(r.peak for r in recompute_only.lowest(graph))
   result = planner.plan(graph, int(lowest * 0.97))
   assert result.fits and result.plan.uses_host
   assert result.plan.values_with("recompute")
   with pytest.raises(ValueError, match="swap must be"):
-    dataclasses.replace(planner, swap="nope")
+    hybrid("t4", swap="nope")

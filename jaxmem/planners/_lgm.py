@@ -3,7 +3,7 @@
 Whole-tensor swapping moves more bytes than a peak needs: to free 1.2 MiB it
 may move two 1 MiB tensors. The vTensor seed virtualizes tensors into
 smaller *vTensors* (``split`` / ``salloc`` / ``merge``, see
-:class:`~jaxmem._plan.Chunked` and ``_rewrite``) and plans their swapping on
+:class:`~jaxmem._decisions.Chunked` and ``_schedule``) and plans their swapping on
 a Layered Graph Model:
 
 * **Layers.** The step is cut into layers: module blocks (the module path cut
@@ -38,9 +38,9 @@ a Layered Graph Model:
   tensors only (the ablation the seed compares against).
 
 Example:
-  >>> import jax, models
+  >>> import jax, jaxmem_models as models
   >>> from jaxmem._graph import build_graph
-  >>> from jaxmem._planners import evaluate
+  >>> from jaxmem._evaluate import evaluate
   >>> task = models.get("mlp", depth=6, width=32, batch=256, features=16)
   >>> g = build_graph(jax.make_jaxpr(task.step)(*task.init()))
   >>> base = evaluate(g, Plan())[1].peak
@@ -55,13 +55,16 @@ import dataclasses
 import math
 import time
 
-from jaxmem._devices import get_profile
+from jaxmem._budget import format_bytes
+from jaxmem._decisions import KEEP, RECOMPUTE, Chunked, Offload, Plan
+from jaxmem._devices import DeviceProfile, get_profile
+from jaxmem._evaluate import (Candidate, Details, evaluate, fused_values, paused_gc,
+                              prefetch_point, recomputable)
 from jaxmem._graph import Graph
+from jaxmem._memory import Liveness
 from jaxmem._perf import schedule_costs
-from jaxmem._plan import KEEP, RECOMPUTE, Chunked, Offload, Plan
-from jaxmem._planners import (PlanResult, _paused_gc, _prefetch_point, evaluate,
-                              fused_values, recomputable)
-from jaxmem._rewrite import _scope, chunk_bytes
+from jaxmem._schedule import Schedule
+from jaxmem.planners._base import Planner, with_device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +96,7 @@ class SwapRecord:
 
 
 @dataclasses.dataclass
-class LayerReport:
+class LayerReport(Details):
   """The Layered Graph Model of a plan: layers with their demand and
   deficit before and after, and the swaps that cover them."""
   layers: list[str]
@@ -116,10 +119,13 @@ class LayerReport:
         out[r.layer] = out.get(r.layer, 0) + r.swapped_bytes
     return out
 
+  def rows(self) -> list[dict]:
+    return [dataclasses.asdict(r) for r in self.records]
+
   def table(self) -> str:
     """The swaps as a readable table."""
-    from jaxmem._budget import format_bytes
-    lines = [f"{'layer':<28} {'deficit':>10} {'tensor':>10} {'chunks':>7} "
+    lines = [f"vTensor swaps (layer, its deficit, tensor, chunks swapped/cut, bytes):",
+             f"{'layer':<28} {'deficit':>10} {'tensor':>10} {'chunks':>7} "
              f"{'swapped':>10}  name", "-" * 90]
     for r in self.records:
       lines.append(f"{r.layer[:28]:<28} {format_bytes(r.deficit):>10} "
@@ -128,19 +134,19 @@ class LayerReport:
     return "\n".join(lines)
 
 
-def reservation_floor(profile, efficiency: float = 0.8) -> int:
+def reservation_floor(device, efficiency: float = 0.8) -> int:
   """The smallest copy that reaches ``efficiency`` of the host link's
-  bandwidth on ``profile`` (each copy pays the link's latency once).
+  bandwidth on ``device`` (each copy pays the link's latency once).
 
   Example:
     >>> reservation_floor("t4")  # 10 us latency, 12 GB/s: 4 x 120 KB
     480000
   """
-  profile = get_profile(profile)
+  device = get_profile(device)
   if not 0 <= efficiency < 1:
     raise ValueError(f"efficiency must be in [0, 1), got {efficiency!r}")
-  wire = efficiency / (1 - efficiency) * profile.link_latency
-  return int(round(wire * min(profile.h2d_bandwidth, profile.d2h_bandwidth)))
+  wire = efficiency / (1 - efficiency) * device.link_latency
+  return int(round(wire * min(device.h2d_bandwidth, device.d2h_bandwidth)))
 
 
 def op_layers(schedule, runs: int = 8) -> list[str]:
@@ -153,7 +159,7 @@ def op_layers(schedule, runs: int = 8) -> list[str]:
   following = None
   for pos in range(len(ops) - 1, -1, -1):
     if ops[pos].kind == "node":
-      following = _scope(graph.nodes[ops[pos].node])
+      following = graph.nodes[ops[pos].node].scope()
     names[pos] = following or "<end>"
   if len(set(names)) < 2:
     size = math.ceil(len(ops) / runs) or 1
@@ -162,32 +168,65 @@ def op_layers(schedule, runs: int = 8) -> list[str]:
   return names
 
 
-def demand(profile, names: list[str]) -> dict:
+def demand(memory: Liveness, names: list[str]) -> dict:
   """Per layer, the most device bytes the step holds while it runs."""
   out: dict = {}
-  for name, live in zip(names, profile.timeline):
+  for name, live in zip(names, memory.timeline):
     out[name] = max(out.get(name, 0), live)
   return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Peak:
+  """The peak a step of the LGM covers.
+
+  Attributes:
+    schedule, memory: the plan so far and its memory model.
+    at: the schedule position of the peak.
+    deficit: the bytes above the aim there.
+    layer: the layer that holds it.
+    device: the device profile.
+    costs: the compute cost of each op (``_perf.schedule_costs``).
+  """
+  schedule: Schedule
+  memory: Liveness
+  at: int
+  deficit: int
+  layer: str
+  device: DeviceProfile
+  costs: list
+
+  def record(self, r, chunks: int, swapped: int, freed: int,
+             delayed: bool = False) -> SwapRecord:
+    """A :class:`SwapRecord` of residual ``r`` swapped for this peak."""
+    return SwapRecord(self.layer, self.deficit, r.value, r.name, r.nbytes, chunks,
+                      swapped, freed, delayed=delayed)
+
+  def copy_back(self, r, nbytes: int | None = None) -> int | None:
+    """Where a copy back of ``r`` (``nbytes`` of it queued) is issued: after
+    this peak, as late as the compute before its reader hides it."""
+    return prefetch_point(self.schedule, r, self.device, nbytes, self.costs, self.at)
+
+
 @dataclasses.dataclass
-class LGM:
+class LGM(Planner):
   """The vTensor planner: swap (chunks of) residuals to cover each layer's
   deficit, planned on the Layered Graph Model (see the module docstring).
 
   Attributes:
-    profile: the device (a name in ``jaxmem.PROFILES`` or a
-      ``DeviceProfile``): link speed for the chunk floor and prefetch points;
-      a unified-memory device never swaps.
+    device: the device (a name in ``jaxmem.PROFILES`` or a
+      ``DeviceProfile``; None assumes ``"t4"`` and reports say so): link
+      speed for the chunk floor and prefetch points; a unified-memory device
+      never swaps.
     min_chunk: the smallest chunk in bytes; None derives it from the
-      profile (:func:`reservation_floor` at ``efficiency``); 0 allows any.
+      device (:func:`reservation_floor` at ``efficiency``); 0 allows any.
     efficiency: the share of link bandwidth a chunk must reach.
     reserve: share of the target held back as headroom.
     max_chunks: the most chunks one tensor is cut into.
     whole: swap whole tensors only (no vTensors; the ablation).
     host_budget: cap on pinned host bytes (None: no cap).
   """
-  profile: object = "t4"
+  device: object = None
   min_chunk: int | None = None
   efficiency: float = 0.8
   reserve: float = 0.02
@@ -195,9 +234,12 @@ class LGM:
   whole: bool = False
   host_budget: int | None = None
   name: str = "lgm"
+  assumed_device: bool = False
 
   def __post_init__(self):
-    get_profile(self.profile)  # an unknown name fails here, with the choices
+    if self.device is None:
+      self.device, self.assumed_device = with_device(None)
+    get_profile(self.device)  # an unknown name fails here, with the choices
     if not 0 <= self.reserve < 1:
       raise ValueError(f"LGM: reserve is a share of the target in [0, 1), got "
                        f"{self.reserve!r}")
@@ -211,106 +253,74 @@ class LGM:
     """The chunk floor in bytes (memory reservation)."""
     if self.min_chunk is not None:
       return self.min_chunk
-    return reservation_floor(self.profile, self.efficiency)
+    return reservation_floor(self.device, self.efficiency)
 
-  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> PlanResult:
+  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
     """Swaps toward ``target`` bytes on top of ``start`` (e.g. a
     recomputation plan, when LGM is the hybrid's swap step)."""
     began = time.perf_counter()
-    with _paused_gc():
+    with paused_gc():
       result = self._plan(graph, target, start or Plan())
     result.seconds = time.perf_counter() - began
     return result
 
-  def lowest(self, graph: Graph) -> list[PlanResult]:
-    """The candidate for the smallest footprint: every deficit covered as
-    far as swapping can (the host budget permitting)."""
-    return [self.plan(graph, 0)]
-
-  def _plan(self, graph, target, plan) -> PlanResult:
-    device = get_profile(self.profile)
+  def _plan(self, graph, target, plan) -> Candidate:
+    device = self.device_profile
     aim = int(target * (1 - self.reserve))
-    rebuildable = recomputable(graph)
-    riders: dict = {}
-    for vid, bufs in fused_values(graph).items():
-      if vid in rebuildable:
-        for buf in bufs:
-          riders.setdefault(buf, []).append(vid)
-    schedule, profile = evaluate(graph, plan)
+    riders = _riders(graph)
+    schedule, memory = evaluate(graph, plan)
     names = op_layers(schedule)
-    report = LayerReport(list(dict.fromkeys(names)), demand(profile, names), {}, aim, [],
+    report = LayerReport(list(dict.fromkeys(names)), demand(memory, names), {}, aim, [],
                          self.floor)
     steps = 0
-    while profile.peak > aim and not device.unified:
+    while memory.peak > aim and not device.unified:
       # The layer with the largest demand holds the step's peak.
-      peak_at = profile.peak_op
-      layer = op_layers(schedule)[peak_at]
-      deficit = profile.peak - aim
-      # vTensors first; where their merges make a new peak as high (a merge
-      # holds the chunks and the joined copy at once), whole tensors.
-      for whole in (self.whole, True):
-        moves = self._cover(graph, plan, schedule, profile, peak_at, deficit, layer,
-                            device, whole)
-        trial = _applied(plan, moves)
-        for vid, _, _ in moves:
-          # Residuals XLA computes from this buffer inside their readers
-          # would keep it on the device: they are rebuilt from its copy.
-          for rider in riders.get(vid, ()):
-            if trial[rider].kind == "keep":
-              trial = trial.with_decision(rider, RECOMPUTE)
-        t_schedule, t_profile = evaluate(graph, trial)
-        if moves and t_profile.peak < profile.peak and (
-            self.host_budget is None or t_profile.host_peak <= self.host_budget):
-          break
-        moves = []
-        if whole:
-          break
-      if not moves:
+      peak = _Peak(schedule, memory, memory.peak_op, memory.peak - aim,
+                   op_layers(schedule)[memory.peak_op], device, schedule_costs(schedule))
+      found = self._step(graph, plan, peak, riders)
+      if found is None:
         break  # nothing lowers the peak: it is not one swapping can lower
-      plan, schedule, profile = trial, t_schedule, t_profile
+      (plan, schedule, memory), moves = found
       report.records.extend(dataclasses.replace(record, peak=steps)
                             for _, _, record in moves)
       steps += 1
-    report.demand_after = demand(profile, op_layers(schedule))
-    return PlanResult(plan, schedule, profile, target, profile.peak <= target, 0.0, steps,
-                      report)
+    report.demand_after = demand(memory, op_layers(schedule))
+    return Candidate(plan, schedule, memory, target, memory.peak <= target, 0.0, steps,
+                     report)
 
-  def _cover(self, graph, plan, schedule, profile, peak_at, deficit, layer, device,
-             whole):
-    """The swaps that cover ``deficit`` at op ``peak_at``: a list of (value
-    id, decision, :class:`SwapRecord`).
+  def _step(self, graph, plan, peak: _Peak, riders: dict):
+    """Covers one peak: ``((plan, schedule, memory), moves)`` with the moves
+    taken, or None where no swap lowers it. vTensors first; where their
+    merges make a new peak as high (a merge holds the chunks and the joined
+    copy at once), whole tensors."""
+    for whole in dict.fromkeys((self.whole, True)):
+      moves = self._cover(graph, plan, peak, whole)
+      trial = _applied(plan, moves)
+      for vid, _, _ in moves:
+        # Residuals XLA computes from this buffer inside their readers
+        # would keep it on the device: they are rebuilt from its copy.
+        for rider in riders.get(vid, ()):
+          if trial[rider].kind == "keep":
+            trial = trial.with_decision(rider, RECOMPUTE)
+      t_schedule, t_memory = evaluate(graph, trial)
+      if moves and t_memory.peak < peak.memory.peak and (
+          self.host_budget is None or t_memory.host_peak <= self.host_budget):
+        return (trial, t_schedule, t_memory), moves
+    return None
+
+  def _cover(self, graph, plan, peak: _Peak, whole: bool) -> list:
+    """The swaps that cover ``peak``: a list of (value id, decision,
+    :class:`SwapRecord`).
 
     Two passes over the candidates, the most room first: the first swaps
     only the chunks whose copies back the compute before their reader hides
     (a tensor gives as many chunks as its window carries; whole, only a
     tensor whose whole copy hides), the second whatever is still needed.
     """
-    costs = schedule_costs(schedule)
-    elapsed = [0.0]
-    for c in costs:
-      elapsed.append(elapsed[-1] + device.op_seconds(c.flops, c.nbytes))
-    moves, left = self._delay(graph, plan, schedule, profile, peak_at, deficit, layer,
-                              device, costs)
+    moves, left = self._delay(graph, plan, peak)
     plan = _applied(plan, moves)
-    found = self._candidates(graph, plan, profile, peak_at, elapsed)
-    units: dict = {}  # vid -> [(chunk index or None for whole, bytes)] not swapped yet
-    cuts: dict = {}  # vid -> (axis, bounds) of a vTensor
-    for vid, _ in found:
-      current = plan[vid]
-      if isinstance(current, Chunked):
-        cuts[vid] = (current.axis, current.bounds)
-        sizes = chunk_bytes(graph.values[vid], current)
-        units[vid] = [(i, sizes[i]) for i, d in enumerate(current.chunks)
-                      if d.kind == "keep"]
-        continue
-      n, axis = (1, 0) if whole else self._split(graph, vid)
-      if n == 1:
-        units[vid] = [(None, graph.values[vid].nbytes)]
-        continue
-      length = graph.values[vid].aval.shape[axis]
-      cuts[vid] = (axis, tuple((length * i // n, length * (i + 1) // n) for i in range(n)))
-      sizes = chunk_bytes(graph.values[vid], Chunked(axis, cuts[vid][1], (KEEP,) * n))
-      units[vid] = list(enumerate(sizes))
+    found = self._candidates(graph, plan, peak)
+    units, cuts = self._units(graph, plan, found, whole)
     picked: dict = {}  # vid -> [(chunk index or None, bytes)], in pick order
     order: dict = {}  # vid -> when it was last picked from
     count = 0
@@ -319,9 +329,10 @@ class LGM:
         window = room
         while left > 0 and units[vid]:
           index, nbytes = units[vid][0]
-          if hidden and device.transfer_seconds(nbytes, "h2d") > window:
+          seconds = peak.device.transfer_seconds(nbytes, "h2d")
+          if hidden and seconds > window:
             break
-          window -= device.transfer_seconds(nbytes, "h2d")
+          window -= seconds
           units[vid].pop(0)
           picked.setdefault(vid, []).append((index, nbytes))
           order[vid] = count = count + 1
@@ -334,35 +345,58 @@ class LGM:
       freed = sum(nbytes for _, nbytes in chunks)
       fresh = not isinstance(plan[vid], Chunked)
       if chunks[0][0] is None or (fresh and not units[vid]):  # all of it: whole
-        at = _prefetch_point(schedule, r, device, costs=costs, after=peak_at)
-        moves.append((vid, Offload(at=at),
-                      SwapRecord(layer, deficit, vid, r.name, r.nbytes, 1, 1, freed)))
+        moves.append((vid, Offload(at=peak.copy_back(r)), peak.record(r, 1, 1, freed)))
         continue
       axis, bounds = cuts[vid]
       swapped = {i for i, _ in chunks} | set(() if fresh else plan[vid].offloaded)
-      decision = self._chunked(schedule, r, axis, bounds, swapped, device, costs, peak_at,
+      decision = self._chunked(peak, r, axis, bounds, swapped,
                                None if fresh else plan[vid])
-      moves.append((vid, decision, SwapRecord(layer, deficit, vid, r.name, r.nbytes,
-                                              len(bounds), len(chunks), freed)))
+      moves.append((vid, decision, peak.record(r, len(bounds), len(chunks), freed)))
     return moves
 
-  def _delay(self, graph, plan, schedule, profile, peak_at, deficit, layer, device,
-             costs):
+  def _units(self, graph, plan, found, whole: bool) -> tuple[dict, dict]:
+    """What each candidate can still swap: value id -> [(chunk index, or
+    None for the whole tensor, bytes)] not swapped yet, and value id ->
+    (axis, bounds) of the vTensors among them."""
+    units: dict = {}
+    cuts: dict = {}
+    for vid, _ in found:
+      value = graph.values[vid]
+      current = plan[vid]
+      if isinstance(current, Chunked):
+        cuts[vid] = (current.axis, current.bounds)
+        sizes = current.chunk_bytes(value.aval.shape, value.nbytes)
+        units[vid] = [(i, sizes[i]) for i, d in enumerate(current.chunks)
+                      if d.kind == "keep"]
+        continue
+      n, axis = (1, 0) if whole else self._split(graph, vid)
+      if n == 1:
+        units[vid] = [(None, value.nbytes)]
+        continue
+      length = value.aval.shape[axis]
+      cuts[vid] = (axis, tuple((length * i // n, length * (i + 1) // n) for i in range(n)))
+      sizes = Chunked(axis, cuts[vid][1], (KEEP,) * n).chunk_bytes(value.aval.shape,
+                                                                 value.nbytes)
+      units[vid] = list(enumerate(sizes))
+    return units, cuts
+
+  def _delay(self, graph, plan, peak: _Peak) -> tuple[list, int]:
     """Copies back issued before the peak whose reader comes after it: each
     is issued again after the peak (the prefetch order follows the peaks),
     which frees its bytes there without moving anything more. Returns the
     moves and the deficit left."""
-    moves, left = [], deficit
+    schedule = peak.schedule
+    moves, left = [], peak.deficit
     first_read = schedule.first_reads()
     made = {op.outs[0]: pos for pos, op in enumerate(schedule.ops) if op.kind == "prefetch"}
-    for key in profile.live_at_peak:
+    for key in peak.memory.live_at_peak:
       unit = schedule.fetched.get(key)
-      if unit is None or left <= 0 or made[key] > peak_at or \
-          first_read.get(key, peak_at) <= peak_at:
+      if unit is None or left <= 0 or made[key] > peak.at or \
+          first_read.get(key, peak.at) <= peak.at:
         continue
       vid = unit if isinstance(unit, int) else unit[0]
       r, nbytes = graph.residual(vid), schedule.nbytes(key)
-      at = _prefetch_point(schedule, r, device, costs=costs, after=peak_at)
+      at = peak.copy_back(r)
       current = plan[vid]
       if isinstance(unit, int):
         decision = Offload(at=at)
@@ -371,19 +405,20 @@ class LGM:
         chunks[unit[1]] = Offload(at=at)
         decision = dataclasses.replace(current, chunks=tuple(chunks))
       plan = plan.with_decision(vid, decision)
-      moves.append((vid, decision, SwapRecord(layer, deficit, vid, r.name, r.nbytes,
-                                              1 if isinstance(unit, int) else
-                                              len(current.bounds), 0, nbytes,
-                                              delayed=True)))
+      cut = 1 if isinstance(unit, int) else len(current.bounds)
+      moves.append((vid, decision, peak.record(r, cut, 0, nbytes, delayed=True)))
       left -= nbytes
     return moves, left
 
-  def _candidates(self, graph, plan, profile, peak_at, elapsed):
+  def _candidates(self, graph, plan, peak: _Peak) -> list[tuple[int, float]]:
     """Residuals whose buffers (a vTensor: its kept chunks) are live and idle
-    at the peak (op ``peak_at``), with the predicted compute seconds between
-    the peak and their first backward reader; the most room first."""
+    at the peak, with the predicted compute seconds between the peak and
+    their first backward reader; the most room first."""
+    elapsed = [0.0]
+    for c in peak.costs:
+      elapsed.append(elapsed[-1] + peak.device.op_seconds(c.flops, c.nbytes))
     fused = fused_values(graph)
-    ops = profile.schedule.ops
+    ops = peak.schedule.ops
     position, chunk_of = {}, {}
     for pos, op in enumerate(ops):
       if op.kind == "node":
@@ -391,23 +426,23 @@ class LGM:
       elif op.kind == "split":
         chunk_of.update((key, op.ins[0]) for key in op.outs)
     found = {}
-    for key in profile.live_at_peak:
+    for key in peak.memory.live_at_peak:
       key = chunk_of.get(key, key)  # a kept chunk stands for its vTensor
       vid = key[0]
-      if key[1] != 0 or vid not in graph._by_value or vid in fused or \
+      if key[1] != 0 or not graph.is_residual(vid) or vid in fused or \
           vid in graph.output_ids or vid in found:
         continue
       if plan[vid].kind not in ("keep", "chunked"):
         continue
       r = graph.residual(vid)
-      reads = profile.reads.get(key, [])
-      if any(p > peak_at and not graph.nodes[ops[p].node].backward
+      reads = peak.memory.reads.get(key, [])
+      if any(p > peak.at and not graph.nodes[ops[p].node].backward
              for p in reads if ops[p].kind == "node"):
         continue  # the forward pass still reads it after the peak
       first = position.get(r.first_backward_use)
-      if first is None or first <= peak_at:
+      if first is None or first <= peak.at:
         continue
-      found[vid] = elapsed[first] - elapsed[peak_at + 1]
+      found[vid] = elapsed[first] - elapsed[peak.at + 1]
     return sorted(found.items(), key=lambda item: (-item[1], item[0]))
 
   def _split(self, graph, vid) -> tuple[int, int]:
@@ -422,13 +457,13 @@ class LGM:
         return n, axis
     return 1, 0
 
-  def _chunked(self, schedule, residual, axis, bounds, offloaded, device, costs,
-               peak_at, decided=None):
+  def _chunked(self, peak: _Peak, residual, axis, bounds, offloaded,
+               decided=None) -> Chunked:
     """The :class:`Chunked` decision with chunks ``offloaded`` swapped, each
     copied back at its own point (later chunks of the queue earlier), none
-    before the peak they cover (op ``peak_at``); chunks already swapped in
-    ``decided`` keep their points."""
-    row = residual.nbytes // schedule.graph.values[residual.value].aval.shape[axis]
+    before the peak they cover; chunks already swapped in ``decided`` keep
+    their points."""
+    row = residual.nbytes // peak.schedule.graph.values[residual.value].aval.shape[axis]
     chunks, queued = [], 0
     for i in range(len(bounds)):
       if i in offloaded:
@@ -436,12 +471,22 @@ class LGM:
         if decided is not None and decided.chunks[i].kind == "offload":
           chunks.append(decided.chunks[i])
         else:
-          chunks.append(Offload(at=_prefetch_point(schedule, residual, device, queued,
-                                                   costs, peak_at)))
+          chunks.append(Offload(at=peak.copy_back(residual, queued)))
       else:
         chunks.append(KEEP)
     return Chunked(axis, tuple(bounds), tuple(chunks))
 
+
+def _riders(graph: Graph) -> dict:
+  """Buffer id -> the rebuildable residuals XLA computes from it inside
+  their readers."""
+  rebuildable = recomputable(graph)
+  riders: dict = {}
+  for vid, bufs in fused_values(graph).items():
+    if vid in rebuildable:
+      for buf in bufs:
+        riders.setdefault(buf, []).append(vid)
+  return riders
 
 
 def _applied(plan: Plan, moves) -> Plan:

@@ -1,4 +1,4 @@
-"""Plan -> schedule: the step's equations in order, with the plan applied.
+"""The schedule builder: a plan applied to the step's equations, in order.
 
 A schedule is the rewritten program as data: a list of :class:`Op`, each
 reading and writing *keys* ``(value id, version)``. Version 0 is the value as
@@ -6,10 +6,10 @@ the original step makes it; recomputed copies get new versions. The memory
 model (``_memory``) simulates a schedule and the emitter (``_emit``) runs it,
 so what is predicted is exactly what is compiled.
 
-Recomputation (:class:`~jaxmem._plan.Recompute`): before a backward equation
+Recomputation (:class:`~jaxmem._decisions.Recompute`): before a backward equation
 that reads a dropped residual, the forward equations that rebuild it are
 re-run from *kept* values only (step inputs, constants, kept residuals,
-forward values the plan saves as block boundaries (:class:`~jaxmem._plan.Save`),
+forward values the plan saves as block boundaries (:class:`~jaxmem._decisions.Save`),
 and copies recomputed earlier and still in use), never from a forward value
 that happens to be at hand (that would keep it alive and save nothing).
 Intermediates rebuilt for one block's backward pass are reused by its later
@@ -17,16 +17,16 @@ recomputations (as ``jax.checkpoint`` rebuilds a block once) and dropped when
 the backward pass moves to another block. The kept
 values enter the recomputation through one ``optimization_barrier`` together
 with an anchor, the latest backward value emitted that is read again (see
-``_Rewriter.anchor``), so XLA can neither merge the copy with the forward
+``_Builder.anchor``), so XLA can neither merge the copy with the forward
 value (CSE) nor hoist it to the start of the backward pass. A dropped
 residual rebuilt on the way is kept for its own later backward uses; other
 forward intermediates die inside their group. The same barrier-with-anchor
-(``_Rewriter.pin``) keeps XLA from transposing a kernel-gradient
+(``_Builder.pin``) keeps XLA from transposing a kernel-gradient
 convolution's inputs before the convolution runs, and, in a plan that
 changes anything, separates backward reads that XLA would otherwise share
-with the forward pass (``_Rewriter.separate``).
+with the forward pass (``_Builder.separate``).
 
-Optimizer updates move up to just after their gradient (``_Rewriter.order``).
+Optimizer updates move up to just after their gradient (:func:`emission_order`).
 """
 
 from __future__ import annotations
@@ -36,8 +36,9 @@ import itertools
 
 from jax.extend import core as jex
 
-from jaxmem._graph import Graph
-from jaxmem._plan import Plan
+from jaxmem._decisions import Plan
+from jaxmem._graph import Graph, analysis
+from jaxmem._xla_cpu_fusion import separated_reads
 
 Key = tuple  # (value id, version)
 
@@ -95,7 +96,7 @@ class Schedule:
     return self.graph.nodes
 
 
-class _Rewriter:
+class _Builder:
   """Walks the graph once, emitting ops; the env maps value id -> live key."""
 
   def __init__(self, graph: Graph, plan: Plan, fused: dict, separating: bool):
@@ -108,7 +109,7 @@ class _Rewriter:
     # Buffers that kept fused residuals are computed from stay alive for
     # their backward reads, so recomputation may read them too.
     self.held = {b for vid, bufs in fused.items()
-                 if vid in graph._by_value and vid not in self.dropped for b in bufs}
+                 if graph.is_residual(vid) and vid not in self.dropped for b in bufs}
     self.ops: list[Op] = []
     self.cache: dict[int, Key] = {}  # dropped residual -> recomputed key
     # Other recomputed values, reused by later recomputations while the
@@ -124,8 +125,9 @@ class _Rewriter:
     # Value whose backward reads are separated -> its barrier copy.
     self.separated: dict[int, Key] = {}
     # Backward node -> operands read through a separated copy / rebuilt
-    # from such copies (see shared_reads).
-    self.to_separate, self.to_rebuild = self.shared_reads()
+    # from such copies (``_xla_cpu_fusion.separated_reads``).
+    self.to_separate, self.to_rebuild = separated_reads(
+        graph, frozenset(fused.items()))
     # What goes to host memory is a *unit*: an offloaded residual's id, or
     # (id, chunk index) for a chunk of a vTensor. Unit -> its host copy /
     # its copy back; backward node -> the units copied back before it.
@@ -158,41 +160,12 @@ class _Rewriter:
     # buffer of its own: reading a pure forward intermediate, or a residual
     # XLA computes inside its readers, would give it a buffer kept alive
     # until here, and save nothing.
-    return vid in self.held or vid in self.saved or (vid in self.graph._by_value
-                                and vid not in self.dropped and vid not in self.fused)
-
-  def order(self) -> list:
-    """Graph nodes in emission order: optimizer-update nodes move up to just
-    after their last input is made, so each gradient is consumed (and freed)
-    as soon as it exists instead of waiting for the whole backward pass."""
-    graph = self.graph
-    if "order" in graph.derived:
-      return graph.derived["order"]
-    slot: dict[int, int] = {}
-    # Update nodes that read only step inputs and constants (Adam's step
-    # count and bias corrections): placed later, just before their first
-    # reader, so they do not hold the updates that read them back.
-    floating: set[int] = set()
-    for node in graph.nodes:
-      if not node.update:
-        slot[node.index] = node.index
-        continue
-      producers = [graph.values[a].producer for a in node.ins
-                   if isinstance(a, int) and graph.values[a].producer is not None]
-      placed = [slot[p] for p in producers if p not in floating]
-      if placed:
-        slot[node.index] = max(placed)
-      else:
-        floating.add(node.index)
-    for index in sorted(floating, reverse=True):
-      readers = [u for v in graph.nodes[index].outs for u in graph.values[v].uses]
-      slot[index] = min((slot[u] for u in readers), default=index)
-    graph.derived["order"] = sorted(graph.nodes, key=lambda n: (slot[n.index], n.index))
-    return graph.derived["order"]
+    return vid in self.held or vid in self.saved or (
+        self.graph.is_residual(vid) and vid not in self.dropped and vid not in self.fused)
 
   def run(self) -> Schedule:
     graph = self.graph
-    for node in self.order():
+    for node in emission_order(graph):
       if node.backward:
         self.prefetch(self.fetch_at.get(node.index, ()), node)
         self.prefetch([a for a in node.ins if isinstance(a, int) and a in self.offloaded],
@@ -239,48 +212,13 @@ class _Rewriter:
       return self.cache[atom]
     return self.routed.get(atom) or self.key(atom)
 
-  def shared_reads(self) -> tuple[dict, dict]:
-    """Backward node -> the operands whose reads ``separate`` routes
-    through a barrier copy, and backward node -> the operands rebuilt from
-    such copies; the same for every plan, so computed once per graph.
-
-    Rebuilt are forward values XLA computes inside their readers from a bias
-    add (GELU's ``x**2`` from ``x = dot + bias``): XLA would compute the add
-    inside the backward reader too (its ``EffectivelyAtMostUnary`` rule),
-    reading the dot output, which then stays alive beside the add's own
-    buffer until the backward pass.
-    """
-    graph = self.graph
-    cache_key = ("shared_reads", frozenset(self.fused.items()))
-    if cache_key in graph.derived:
-      return graph.derived[cache_key]
-    with_broadcast = lambda v: (graph.is_forward_value(v) and v not in self.fused
-                                and self.computed_with_broadcast(v))
-    separated, rebuilt = {}, {}
-    for node in graph.nodes:
-      if not node.backward:
-        continue
-      shape = graph.values[node.outs[0]].aval.shape if node.outs else ()
-      atoms = [a for a in dict.fromkeys(a for a in node.ins if isinstance(a, int))
-               if a not in graph.consts and not graph.is_backward_value(a)]
-      found = tuple(a for a in atoms if _broadcasts(graph.values[a].aval.shape, shape)
-                    or with_broadcast(a))
-      rebuild = tuple(a for a in atoms if graph.is_forward_value(a) and a in self.fused
-                      and any(with_broadcast(b) for b in self.fused[a]))
-      if found:
-        separated[node.index] = found
-      if rebuild:
-        rebuilt[node.index] = rebuild
-    graph.derived[cache_key] = (separated, rebuilt)
-    return separated, rebuilt
-
   def recompute(self, missing: list[int], consumer, separated: bool = False) -> None:
     """Re-runs the forward equations that rebuild ``missing`` before
     ``consumer``; with ``separated``, from the separated copies of the kept
     values it starts from (see ``separate``), and ``missing`` are kept for
     later backward reads."""
     graph = self.graph
-    scope = _scope(consumer)
+    scope = consumer.scope()
     if scope != self.scope:
       self.scope, self.scratch = scope, {}
     to_run: set[int] = set()
@@ -362,7 +300,8 @@ class _Rewriter:
     after its last forward use."""
     decision = self.chunked[vid]
     keys = tuple(self.fresh(vid) for _ in decision.bounds)
-    for key, nbytes in zip(keys, chunk_bytes(self.graph.values[vid], decision)):
+    for key, nbytes in zip(keys, decision.chunk_bytes(
+        self.graph.values[vid].aval.shape, self.graph.values[vid].nbytes)):
       self.sizes[key] = nbytes
     self.ops.append(Op("split", None, (self.key(vid),), keys,
                        (decision.axis, decision.bounds)))
@@ -393,19 +332,8 @@ class _Rewriter:
 
   def separate(self, node, ins: tuple) -> tuple:
     """Backward reads that XLA would otherwise share with the forward pass go
-    through a barrier copy, one per value: values made before the backward
-    pass that ``node`` broadcasts (a LayerNorm's scale or 1/std), and kept
-    residuals computed with a broadcast (a Dense layer's bias add).
-
-    XLA materializes a broadcast that a reduction reads and merges equal
-    broadcasts (CSE): without the copy, the forward and the backward
-    broadcast of one value become one full-size buffer that lives from the
-    forward use to the backward one. And XLA computes an elementwise op
-    whose other operands are broadcasts inside each of its readers (its
-    ``EffectivelyAtMostUnary`` rule), so a backward reader of a bias add
-    would read (and keep alive) the matmul output beside the add's own
-    buffer.
-    """
+    through a barrier copy, one per value (which reads, and why:
+    ``_xla_cpu_fusion.separated_reads``)."""
     read_as = {a: k for a, k in zip(node.ins, ins) if isinstance(a, int)}
     missing = sorted(a for a in self.to_separate.get(node.index, ())
                      if read_as[a] == self.key(a) and a not in self.separated)
@@ -415,14 +343,6 @@ class _Rewriter:
       self.separated.update(zip(missing, copies))
     return tuple(self.separated.get(a, k) if isinstance(a, int) and k == self.key(a)
                  else k for a, k in zip(node.ins, ins))
-
-  def computed_with_broadcast(self, vid: int) -> bool:
-    graph = self.graph
-    node = graph.nodes[graph.values[vid].producer]
-    shape = graph.values[vid].aval.shape
-    return len(node.ins) > 1 and any(
-        isinstance(a, int) and _broadcasts(graph.values[a].aval.shape, shape)
-        for a in node.ins)
 
   def pin(self, keys: tuple, consumer, size: int) -> tuple:
     """Passes non-literal ``keys`` through one barrier with an anchor (see
@@ -460,7 +380,7 @@ class _Rewriter:
     step.
     """
     graph = self.graph
-    position = self.position()
+    position = emission_position(graph)
     now = position[consumer.index]
     for vid in reversed(self.made[-64:]):
       if vid in self.fused and graph.values[vid].nbytes * 16 > size:
@@ -470,42 +390,38 @@ class _Rewriter:
         return vid
     return None
 
-  def position(self) -> dict[int, int]:
-    """Node index -> its place in emission order."""
-    if "position" not in self.graph.derived:
-      self.graph.derived["position"] = {
-          n.index: i for i, n in enumerate(self.order())}
-    return self.graph.derived["position"]
+
+@analysis
+def emission_order(graph: Graph) -> tuple:
+  """Graph nodes in emission order: optimizer-update nodes move up to just
+  after their last input is made, so each gradient is consumed (and freed)
+  as soon as it exists instead of waiting for the whole backward pass."""
+  slot: dict[int, int] = {}
+  # Update nodes that read only step inputs and constants (Adam's step
+  # count and bias corrections): placed later, just before their first
+  # reader, so they do not hold the updates that read them back.
+  floating: set[int] = set()
+  for node in graph.nodes:
+    if not node.update:
+      slot[node.index] = node.index
+      continue
+    producers = [graph.values[a].producer for a in node.ins
+                 if isinstance(a, int) and graph.values[a].producer is not None]
+    placed = [slot[p] for p in producers if p not in floating]
+    if placed:
+      slot[node.index] = max(placed)
+    else:
+      floating.add(node.index)
+  for index in sorted(floating, reverse=True):
+    readers = [u for v in graph.nodes[index].outs for u in graph.values[v].uses]
+    slot[index] = min((slot[u] for u in readers), default=index)
+  return tuple(sorted(graph.nodes, key=lambda n: (slot[n.index], n.index)))
 
 
-def chunk_bytes(value, decision) -> list[int]:
-  """Bytes of each chunk of ``value`` cut as ``decision`` says; they add up
-  to the value's bytes exactly.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jaxmem._graph import Value
-    >>> from jaxmem._plan import KEEP, Chunked
-    >>> v = Value(0, jax.core.ShapedArray((5, 4), jnp.float32), 80)
-    >>> chunk_bytes(v, Chunked(0, ((0, 2), (2, 5)), (KEEP, KEEP)))
-    [32, 48]
-  """
-  shape = value.aval.shape
-  row = value.nbytes // max(shape[decision.axis], 1)
-  return [(stop - start) * row for start, stop in decision.bounds]
-
-
-def _scope(node) -> str:
-  """The block a backward node works on: its module path cut after two
-  names (``GPT2/block0``), as ``Graph.blocks`` groups forward nodes."""
-  return "/".join(node.readable.split("/")[:2])
-
-
-def _broadcasts(own: tuple, shape: tuple) -> bool:
-  """Whether an operand of shape ``own`` is broadcast to ``shape`` (size-1
-  axes stretched, as jaxpr's elementwise ops do implicitly)."""
-  return (len(own) == len(shape) and own != shape and any(d > 1 for d in own)
-          and all(o in (1, d) for o, d in zip(own, shape)))
+@analysis
+def emission_position(graph: Graph) -> dict[int, int]:
+  """Node index -> its place in emission order."""
+  return {n.index: i for i, n in enumerate(emission_order(graph))}
 
 
 def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
@@ -517,20 +433,20 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
     plan: decisions per residual.
     fused: forward values that XLA computes inside their readers rather than
       in a buffer of their own, each with the buffers it is computed from
-      (see ``_memory.fused_values``); recomputation reads those buffers
+      (see ``_evaluate.fused_values``); recomputation reads those buffers
       instead of the value.
     separate: whether backward reads that XLA would share with the forward
-      pass are separated from it (``_Rewriter.separate``); off, a plan that
+      pass are separated from it (``_Builder.separate``); off, a plan that
       keeps everything gives back the step as it was.
 
   Example:
     >>> import jax, jax.numpy as jnp
     >>> from jaxmem._graph import build_graph
-    >>> from jaxmem._plan import Plan, RECOMPUTE
+    >>> from jaxmem._decisions import Plan, RECOMPUTE
     >>> step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
     >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
     >>> s = build_schedule(g, Plan().with_decision(g.residuals[0].value, RECOMPUTE))
     >>> [op.kind for op in s.ops].count("recompute")
     2
   """
-  return _Rewriter(graph, plan, fused or {}, separate).run()
+  return _Builder(graph, plan, fused or {}, separate).run()

@@ -1,4 +1,4 @@
-"""Plans: one decision per residual.
+"""Decisions and plans: what happens to each residual.
 
 A decision is a small frozen dataclass, in the manner of
 ``jax.ad_checkpoint``'s policies. Residuals a plan does not mention are kept
@@ -11,6 +11,7 @@ with a decision each (:class:`Chunked`, the vTensor seed's vTensors).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Iterator, Mapping
 
 
@@ -92,6 +93,17 @@ class Chunked(Decision):
     """Indices of the chunks that go to host memory."""
     return tuple(i for i, d in enumerate(self.chunks) if d.kind == "offload")
 
+  def chunk_bytes(self, shape: tuple, nbytes: int) -> list[int]:
+    """Bytes of each chunk of an array of ``shape`` and ``nbytes`` cut as
+    this decision says; they add up to ``nbytes`` exactly.
+
+    Example:
+      >>> Chunked(0, ((0, 2), (2, 5)), (KEEP, KEEP)).chunk_bytes((5, 4), 80)
+      [32, 48]
+    """
+    row = nbytes // max(shape[self.axis], 1)
+    return [(stop - start) * row for start, stop in self.bounds]
+
 
 KEEP = Keep()
 SAVE = Save()
@@ -120,8 +132,12 @@ class Plan:
   def as_dict(self) -> dict[int, Decision]:
     return dict(self.items)
 
+  @functools.cached_property
+  def _lookup(self) -> dict[int, Decision]:
+    return dict(self.items)
+
   def __getitem__(self, vid: int) -> Decision:
-    return self.as_dict().get(vid, KEEP)
+    return self._lookup.get(vid, KEEP)
 
   def __iter__(self) -> Iterator[tuple[int, Decision]]:
     return iter(self.items)

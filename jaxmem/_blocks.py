@@ -1,0 +1,129 @@
+"""Module blocks: the unit per-block ``jax.checkpoint`` works on.
+
+A *segment* is a module block (its module path cut at depth 2 or 3,
+``GPT2/block0``) with the residuals made and used inside it and the values it
+reads from outside it. Checkpointing a segment drops the first and saves
+the second, so recomputation starts at the block's boundary instead of
+running back through earlier blocks (DESIGN.md fact 12). The greedy's block
+moves and the plans shaped like the per-block remat baselines are built
+from these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmem import _primitives
+from jaxmem._decisions import KEEP, RECOMPUTE, SAVE, Plan
+from jaxmem._evaluate import Candidate, candidate, recomputable
+from jaxmem._graph import Graph, analysis
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+  """A module block that a planner can checkpoint in one move.
+
+  Attributes:
+    name: the block's module path (``GPT2/block0``).
+    drops: recomputable residuals made in the block and read by no forward
+      equation outside it.
+    saves: forward values made outside the block that it reads: where its
+      recomputation starts.
+    flops: FLOPs of the block's forward equations.
+  """
+  name: str
+  drops: tuple
+  saves: tuple
+  flops: float
+
+
+@analysis
+def segments(graph: Graph, depths: tuple = (2, 3)) -> list[Segment]:
+  """The blocks of ``graph`` at module depths ``depths`` that hold residuals
+  to drop (duplicates of a shallower block left out); computed once per
+  graph.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return x + nn.Dense(8)(jnp.tanh(nn.Dense(8)(x)))
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     h = Block()(x)
+    ...     return jnp.sum(Block()(h) ** 2)
+    >>> from jaxmem._graph import build_graph
+    >>> net, x = Net(), jnp.ones((4, 8))
+    >>> p = net.init(jax.random.key(0), x)
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(p))
+    >>> [(s.name, len(s.drops), len(s.saves)) for s in segments(g)]
+    [('Net/Block_0', 2, 0), ('Net/Block_1', 2, 1)]
+  """
+  candidates = recomputable(graph)
+  found, seen = [], set()
+  for depth in depths:
+    for name, nodes in graph.blocks(depth).items():
+      inside = set(nodes)
+      drops = tuple(r.value for r in graph.residuals
+                    if r.produced_at in inside and r.value in candidates
+                    and all(u in inside for u in graph.values[r.value].uses
+                            if not graph.nodes[u].backward))
+      saves = tuple(sorted({a for i in nodes for a in graph.nodes[i].ins
+                            if isinstance(a, int) and graph.is_forward_value(a)
+                            and graph.values[a].producer not in inside}))
+      if drops and (drops, saves) not in seen:
+        seen.add((drops, saves))
+        found.append(Segment(name, drops, saves,
+                             sum(graph.nodes[i].flops for i in nodes)))
+  return found
+
+
+def checkpoint_moves(graph: Graph, seg: Segment, decisions: dict) -> list[tuple]:
+  """The decisions that checkpoint ``seg`` on top of ``decisions``: its
+  residuals recomputed, its boundary saved (a dropped residual there kept
+  again)."""
+  move = [(v, RECOMPUTE) for v in seg.drops if v not in decisions]
+  for v in seg.saves:
+    if not graph.is_residual(v):
+      if v not in decisions:
+        move.append((v, SAVE))
+    elif decisions.get(v, KEEP).kind == "recompute":
+      move.append((v, KEEP))
+  return move
+
+
+@analysis
+def block_plans(graph: Graph, keep_matmuls: bool = False) -> list[Plan]:
+  """Every block checkpointed, at module depth 2 and at depth 3: the plans
+  per-block ``jax.checkpoint`` with ``nothing_saveable`` would give (with
+  ``keep_matmuls``, ``dots_saveable``'s: matmul and convolution outputs
+  kept), as starting points and as candidates for the lowest footprint
+  (XLA follows them closely: recomputation starts at saved block
+  boundaries)."""
+  plans = []
+  for depth in (2, 3):
+    decisions: dict = {}
+    for seg in segments(graph, (depth,)):
+      decisions.update(checkpoint_moves(graph, seg, decisions))
+      for index in graph.blocks(depth)[seg.name]:
+        node = graph.nodes[index]
+        if keep_matmuls and _primitives.is_matmul(node.prim.name):
+          for vid in node.outs:  # kept: a residual, or saved for rebuilding
+            if graph.is_residual(vid):
+              decisions.pop(vid, None)
+            else:
+              decisions[vid] = SAVE
+    if any(d.kind == "recompute" for d in decisions.values()) and \
+        Plan.of(decisions) not in plans:
+      plans.append(Plan.of(decisions))
+  return plans
+
+
+@analysis
+def block_candidates(graph: Graph) -> list[Candidate]:
+  """The plans of :func:`block_plans` (everything recomputed, then matmul
+  outputs kept), evaluated once per graph."""
+  return [candidate(graph, plan)
+          for plan in block_plans(graph) + block_plans(graph, True)]

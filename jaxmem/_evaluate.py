@@ -1,0 +1,227 @@
+"""Evaluation: what a plan does to a step, in memory and in time.
+
+Everything a planner, the fit loop and the report need to judge a plan
+stands here, below the planners: :func:`evaluate` (plan -> schedule and
+memory model), :class:`Candidate` (a plan with what it does), the
+untransformed step, the analyses every planner reads (rebuildable
+residuals, values XLA fuses) and the timing of copies back
+(:func:`prefetch_point`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+
+from jaxmem._decisions import Keep, Plan
+from jaxmem._devices import DeviceProfile
+from jaxmem._graph import Graph, Residual, analysis
+from jaxmem._memory import Liveness, simulate
+from jaxmem._perf import schedule_costs
+from jaxmem._schedule import Schedule, build_schedule
+
+
+class Details:
+  """What a planner reports beyond its plan (the LGM planner: its layers,
+  peaks and the vTensors that cover them)."""
+
+  def table(self) -> str:
+    """A readable table for :meth:`jaxmem.Fit.report`."""
+    raise NotImplementedError
+
+  def rows(self) -> list[dict]:
+    """The same as plain records, for JSON."""
+    raise NotImplementedError
+
+
+@dataclasses.dataclass
+class Candidate:
+  """A plan with the schedule and memory model it produces.
+
+  Attributes:
+    plan: the decisions.
+    schedule: the rewritten step.
+    memory: the memory model's prediction for ``schedule``.
+    target: the peak the planner aimed at, in model bytes.
+    fits: whether ``memory.peak <= target``.
+    seconds: planning time.
+    steps: number of greedy choices made.
+    details: what the planner reports beyond the plan, or None.
+  """
+  plan: Plan
+  schedule: Schedule
+  memory: Liveness
+  target: int
+  fits: bool
+  seconds: float = 0.0
+  steps: int = 0
+  details: Details | None = None
+
+  @property
+  def peak(self) -> int:
+    return self.memory.peak
+
+  def aimed(self, target: int) -> "Candidate":
+    """This candidate judged against ``target``."""
+    return dataclasses.replace(self, target=target, fits=self.peak <= target)
+
+
+def evaluate(graph: Graph, plan: Plan) -> tuple[Schedule, Liveness]:
+  """Builds and simulates the schedule of ``plan``."""
+  if all(isinstance(d, Keep) for _, d in plan):
+    memory = unplanned_liveness(graph)  # the untransformed step, cached
+    return memory.schedule, memory
+  schedule = build_schedule(graph, plan, fused_values(graph))
+  return schedule, simulate(schedule)
+
+
+def candidate(graph: Graph, plan: Plan, target: int = 0) -> Candidate:
+  """``plan`` evaluated and judged against ``target``."""
+  schedule, memory = evaluate(graph, plan)
+  return Candidate(plan, schedule, memory, target, memory.peak <= target)
+
+
+def unplanned(graph: Graph, target: int) -> Candidate:
+  """The untransformed step as a :class:`Candidate` (every residual kept,
+  no backward read separated: the step as written)."""
+  schedule = build_schedule(graph, Plan(), fused_values(graph), separate=False)
+  memory = simulate(schedule)
+  return Candidate(Plan(), schedule, memory, target, memory.peak <= target)
+
+
+@analysis
+def unplanned_liveness(graph: Graph) -> Liveness:
+  """The memory model of the plan that keeps every residual: the planners'
+  starting point (backward reads separated as in every planned step;
+  :func:`unplanned` gives the step as written)."""
+  return simulate(build_schedule(graph, Plan()))
+
+
+@analysis
+def fused_values(graph: Graph) -> dict:
+  """Values XLA computes inside their readers in the untransformed step:
+  value id -> ids of the buffers it is computed from.
+
+  Recomputation must not read the forward ones (that would give one a
+  buffer of its own); it reads the buffers they are computed from instead.
+  The schedule builder does not anchor barriers on the backward ones, for
+  the same reason.
+  """
+  memory = unplanned_liveness(graph)
+  return {k[0]: tuple(b[0] for b in memory.fused_reads.get(k, ()))
+          for k in memory.fused if k[1] == 0}
+
+
+@analysis
+def recomputable(graph: Graph) -> dict[int, Residual]:
+  """Residuals whose whole rebuild chain is pure and that are not outputs.
+
+  The chain of a residual runs back through forward intermediates to other
+  residuals and step inputs; any equation with effects on it rules it out.
+  """
+  ok = {}
+  for r in graph.residuals:
+    if r.value in graph.output_ids or not r.recomputable:
+      continue
+    stack, seen, pure = list(r.needs), set(), True
+    while stack and pure:
+      vid = stack.pop()
+      if vid in seen or not graph.is_forward_value(vid):
+        continue
+      seen.add(vid)
+      if graph.is_residual(vid):
+        continue  # another residual: its own entry decides
+      node = graph.producer(vid)
+      pure = not node.effects
+      stack.extend(a for a in node.ins if isinstance(a, int))
+    if pure:
+      ok[r.value] = r
+  return ok
+
+
+def chain_flops(graph: Graph, vid: int, dropped) -> float:
+  """FLOPs to rebuild ``vid`` from kept values (rough; for ranking only)."""
+  total, stack, seen = 0.0, [vid], set()
+  while stack:
+    v = stack.pop()
+    if v in seen or not graph.is_forward_value(v):
+      continue
+    seen.add(v)
+    if v != vid and graph.is_residual(v) and v not in dropped:
+      continue  # a kept residual
+    node = graph.producer(v)
+    total += node.flops
+    stack.extend(a for a in node.ins if isinstance(a, int))
+  return total
+
+
+def prefetch_point(schedule: Schedule, residual: Residual, device: DeviceProfile,
+                   nbytes: int | None = None, costs: list | None = None,
+                   after: int = -1, late: bool = False, queue: bool = False) -> int | None:
+  """The latest backward node before ``residual`` is first needed in the
+  backward pass (:func:`first_backward_need`: its reader, or a
+  recomputation that reads it) such that the predicted compute in between
+  covers the copy back of ``nbytes`` (the residual's by default; a
+  vTensor's chunks queue on one link, so a later chunk passes the bytes of
+  those before it too): the copy is then ready when needed.
+
+  With ``queue``, copies back already issued in between are ahead of it on
+  the link, so the compute must cover theirs too (an earlier point: the
+  copy is ready, but it holds device memory longer). If no node covers it,
+  the earliest backward node, or with ``late`` the node where it is needed
+  (the copy stalls the step but holds the device buffer for the least
+  time). With ``after``, no node at or before that schedule position: a
+  copy that frees memory at a peak must not come back before it.
+  """
+  graph = schedule.graph
+  need = device.transfer_seconds(residual.nbytes if nbytes is None else nbytes, "h2d")
+  costs = schedule_costs(schedule) if costs is None else costs
+  ops = schedule.ops
+  first = first_backward_need(schedule, residual.value)
+  if first is None:
+    return None
+  # The backward node whose turn emits the op at ``first``.
+  reader = next(op.node for op in ops[first:] if op.kind == "node")
+  covered, at = 0.0, reader
+  for pos in range(first - 1, after, -1):
+    op = ops[pos]
+    if op.kind == "node" and not graph.nodes[op.node].backward:
+      break
+    covered += device.op_seconds(costs[pos].flops, costs[pos].nbytes)
+    if queue and op.kind == "prefetch":  # issued in between: ahead on the link
+      need += device.transfer_seconds(schedule.nbytes(op.outs[0]), "h2d")
+    if op.kind == "node":
+      at = op.node
+      if covered >= need:
+        return at
+  return reader if late else at
+
+
+def first_backward_need(schedule: Schedule, vid: int) -> int | None:
+  """The schedule position of the first backward op that needs ``vid``: a
+  backward equation reading it, a recomputation reading it (a dropped value
+  rebuilt from it, which comes before the residual's own first backward
+  reader) or making it, or the merge of its chunks."""
+  graph = schedule.graph
+  for pos, op in enumerate(schedule.ops):
+    if op.kind == "node" and not graph.nodes[op.node].backward:
+      continue
+    if op.kind in ("node", "recompute", "merge") and any(
+        isinstance(k, tuple) and k[0] == vid for k in op.ins + op.outs):
+      return pos
+  return None
+
+
+@contextlib.contextmanager
+def paused_gc():
+  """Pauses Python's cyclic garbage collector: a planner's search allocates
+  many short-lived schedules, none in cycles, and collections scanning the
+  step's traced jaxpr took up to half of a run's time."""
+  enabled = gc.isenabled()
+  gc.disable()
+  try:
+    yield
+  finally:
+    if enabled:
+      gc.enable()

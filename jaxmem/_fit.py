@@ -1,0 +1,223 @@
+"""The fit loop: plan, compile, and keep what XLA says fits the budget.
+
+The memory model and XLA disagree by a few percent, so a planned step is
+judged by its compiled footprint (DESIGN.md fact 4; on a backend that
+ignores host memory, an offload plan's device footprint is the model's,
+fact 2). :class:`Fitter` runs the loop for one graph:
+
+1. *Tighten*: plan toward the budget scaled by model/XLA on the
+   untransformed step; while XLA is over the budget, aim the model lower.
+2. *Loosen*: a plan far under the budget recomputes more than it needs to;
+   plan again for a looser aim and keep it where XLA still fits and it
+   costs less.
+3. *Structured*: plans shaped like per-block remat, which XLA follows
+   closely, replace the plan where they cost less and fit.
+4. *Lowest*: where nothing fits, every candidate for the smallest footprint
+   is compiled, and the error names the smallest XLA gives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any, Callable
+
+from jaxmem._budget import BudgetError, format_bytes
+from jaxmem._evaluate import Candidate, unplanned, unplanned_liveness
+from jaxmem._graph import Graph
+from jaxmem.planners import Planner
+
+
+def xla_footprint(compiled) -> int | None:
+  """Device bytes of a compiled step: temp + arguments + outputs - aliases.
+
+  This is how DESIGN.md fact 4 reads ``Compiled.memory_analysis()``; on CPU
+  its ``peak_memory_in_bytes`` leaves temporaries out. Returns None where the
+  backend gives no analysis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> c = jax.jit(lambda x: x * 2).lower(jnp.ones(256)).compile()
+    >>> xla_footprint(c)
+    2048
+  """
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
+             + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def holds_host_memory(compiled) -> bool:
+  """Whether a compiled program puts anything in host memory."""
+  stats = compiled.memory_analysis()
+  return stats is not None and bool(
+      stats.host_temp_size_in_bytes or stats.host_output_size_in_bytes
+      or stats.host_argument_size_in_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+  """A candidate compiled.
+
+  Attributes:
+    candidate: the plan with its schedule and memory model.
+    jitted: the ``jax.jit``-wrapped step that runs it.
+    footprint: XLA's footprint, or for a plan with offloads on a backend
+      that ignores host memory the model's device peak in XLA's scale;
+      None where the backend gives no analysis.
+  """
+  candidate: Candidate
+  jitted: Any
+  footprint: int | None
+
+  @property
+  def measured(self) -> int:
+    """The footprint the budget is judged by (the model's where XLA gives
+    none)."""
+    return self.candidate.peak if self.footprint is None else self.footprint
+
+
+@dataclasses.dataclass
+class Fitter:
+  """The fit loop for one graph (see the module docstring).
+
+  Attributes:
+    graph: the step's joint graph.
+    planner: proposes the candidates.
+    budget: the budget in bytes.
+    unconstrained: XLA's footprint of the untransformed step.
+    model_scale: the memory model's footprint of the untransformed step
+      over XLA's.
+    jit: makes the ``jax.jit``-wrapped step of a candidate and compiles it:
+      ``candidate -> (jitted, compiled)``.
+    max_rounds: planning rounds while XLA is over the budget.
+  """
+  graph: Graph
+  planner: Planner
+  budget: int
+  unconstrained: int
+  model_scale: float
+  jit: Callable[[Candidate], tuple]
+  max_rounds: int = 4
+
+  def fit(self, find_smallest: bool = True) -> tuple[Trial, int] | None:
+    """The trial that fits and the planning rounds it took. Where none fits,
+    :class:`BudgetError` names the smallest footprint reached, or without
+    ``find_smallest`` the answer is None before searching for it (after the
+    structured plans, which can fit where a search toward the budget
+    fails)."""
+    trial, rounds = self.tighten()
+    if trial.measured <= self.budget:
+      if find_smallest and len(trial.candidate.plan):
+        trial = self.structured(self.loosen(trial))
+      return trial, rounds
+    if not find_smallest:
+      shaped = self.structured(trial, cheaper=False)
+      return (shaped, rounds) if shaped.measured <= self.budget else None
+    lowest = self.lowest(trial)
+    if lowest.measured <= self.budget:
+      return lowest, rounds
+    raise self.error(lowest.measured)
+
+  def compile(self, candidate: Candidate) -> Trial:
+    """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
+    jitted, compiled = self.jit(candidate)
+    if candidate.plan.uses_host and not holds_host_memory(compiled):
+      return Trial(candidate, jitted, int(candidate.peak / self.model_scale))
+    return Trial(candidate, jitted, xla_footprint(compiled))
+
+  def cost(self, trial: Trial | Candidate) -> float:
+    candidate = trial.candidate if isinstance(trial, Trial) else trial
+    return self.planner.cost(candidate.schedule)
+
+  def tighten(self) -> tuple[Trial, int]:
+    """Plans toward the budget in the model's scale; while XLA's footprint
+    is over it and the plan met its aim, aims lower. The step as written
+    where it is already within the aim."""
+    graph, scale, previous = self.graph, self.model_scale, None
+    for rounds in itertools.count(1):
+      target = int(self.budget * scale)
+      if self.needs_plan(target):
+        candidate = self.planner.plan(graph, target, start=previous)
+        previous = candidate.plan
+      else:
+        candidate = unplanned(graph, target)
+      trial = self.compile(candidate)
+      if (trial.measured <= self.budget or not candidate.fits
+          or rounds >= self.max_rounds):
+        return trial, rounds
+      scale *= self.budget / trial.measured * 0.99
+
+  def needs_plan(self, target: int) -> bool:
+    """Whether the step must be planned: it has a backward pass, the budget
+    is under its footprint and the planners' starting point is over
+    ``target``."""
+    return (self.graph.has_backward and self.budget < self.unconstrained
+            and unplanned_liveness(self.graph).peak > target)
+
+  def loosen(self, found: Trial, rounds: int = 2) -> Trial:
+    """A fitting plan well under the budget, where the model rates the
+    plan's savings below what XLA gives them, recomputes more than it needs
+    to: re-planned up to ``rounds`` times for a looser model target
+    (bisecting between the last target that fit and the first that did
+    not), a plan is taken if XLA's footprint still fits and it costs less
+    (:meth:`Planner.cost`)."""
+    low, high = found.candidate.target / self.budget, None
+    for _ in range(rounds):
+      if found.measured >= 0.95 * self.budget:
+        break
+      scale = (low + high) / 2 if high else low * self.budget / found.measured * 0.99
+      candidate = self.planner.plan(self.graph, int(self.budget * scale))
+      if candidate.fits and candidate.plan != found.candidate.plan:
+        trial = self.compile(candidate)
+        if trial.measured <= self.budget and self.cost(trial) < self.cost(found):
+          found, low = trial, scale
+          continue
+      high = scale
+    return found
+
+  def structured(self, found: Trial, cheaper: bool = True) -> Trial:
+    """The planner's plans shaped like the per-block remat baselines
+    (:meth:`Planner.structured`), cheapest first, where they cost less than
+    the plan found (any cost, without ``cheaper``): the first whose XLA
+    footprint fits the budget replaces it."""
+    limit = self.cost(found) if cheaper else float("inf")
+    for candidate in self.planner.structured(self.graph):
+      if self.cost(candidate) >= limit:
+        break
+      candidate = dataclasses.replace(candidate, target=found.candidate.target, fits=True)
+      trial = self.compile(candidate)
+      if trial.measured <= self.budget:
+        return trial
+    return found
+
+  def lowest(self, tried: Trial) -> Trial:
+    """The planner's candidates for the smallest footprint
+    (:meth:`Planner.lowest`), each compiled: the one with the smallest
+    measured footprint, ``tried`` (the last plan compiled) included, so the
+    smallest budget an error names is XLA's, not the model's."""
+    if not self.graph.has_backward:
+      candidates = [unplanned(self.graph, 0)]
+    else:
+      candidates = self.planner.lowest(self.graph)
+    best, seen = tried, {tried.candidate.plan}
+    for candidate in candidates:
+      if candidate.plan in seen:
+        continue
+      seen.add(candidate.plan)
+      trial = self.compile(candidate)
+      if trial.measured < best.measured:
+        best = trial
+    return best
+
+  def error(self, smallest: int) -> BudgetError:
+    """The error for a budget under ``smallest``, the least reached."""
+    budget, unconstrained = self.budget, self.unconstrained
+    return BudgetError(
+        f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
+        f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
+        f"by planner {self.planner.name!r}: the smallest footprint it reaches "
+        f"for this step is {format_bytes(smallest)} ({smallest} bytes, "
+        f"{smallest / unconstrained:.0%}). Pass budget >= {smallest} bytes, "
+        "or shrink the batch.", smallest=smallest)

@@ -1,0 +1,243 @@
+"""XLA:CPU's fusion habits, emulated: which values get no buffer of their own.
+
+The memory model (``_memory``) counts buffers; XLA:CPU computes many
+elementwise values inside their readers instead of giving them one
+(DESIGN.md fact 11). :class:`Fusion` decides that per value of a schedule
+the way XLA's instruction fusion does:
+
+* an elementwise value fuses into elementwise readers, and into a reduction
+  over the minor-most axis;
+* an expensive op (``_primitives.is_expensive``) is fused only into a sole
+  reader; a cheap one into every reader that can take it, unless it reads
+  more than one operand and more elements than it writes and some path from
+  it to a reader runs through an op that cannot fuse (XLA's
+  ``ComputeGloballyUnfusible``).
+
+:func:`separated_reads` finds the backward reads the schedule builder routes
+through barrier copies because XLA would otherwise share them with the
+forward pass (merged broadcasts, bias adds duplicated into readers).
+"""
+
+from __future__ import annotations
+
+from jax.extend import core as jex
+
+from jaxmem import _primitives
+from jaxmem._graph import Graph, analysis
+
+
+class Fusion:
+  """Fusion decisions over the ops of one schedule.
+
+  Args:
+    schedule: the schedule (ops over keys; see ``_schedule``).
+    names: the primitive name of each op (rewrite ops named by what they
+      lower to).
+    backward: whether each op belongs to the backward pass.
+
+  Attributes:
+    producer_of: key -> position of the op that makes it.
+    readers: key -> positions of the ops that read it.
+    outputs: the step's output keys.
+  """
+
+  def __init__(self, schedule, names: list[str], backward: list[bool]):
+    self.graph = schedule.graph
+    self.ops = schedule.ops
+    self.nbytes = schedule.nbytes
+    self.names = names
+    self.backward = backward
+    self.producer_of: dict = {}
+    self.readers: dict = {}
+    for pos, op in enumerate(self.ops):
+      for key in op.outs:
+        self.producer_of[key] = pos
+      for key in self.operands(pos):
+        self.readers.setdefault(key, []).append(pos)
+    self.outputs = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
+    self._decided: dict = {}
+    self._unfusible: dict = {}
+    self._paths: dict = {}
+    self._through: dict = {}
+
+  def operands(self, pos: int) -> list:
+    return [k for k in self.ops[pos].ins if not isinstance(k, jex.Literal)]
+
+  def fuses(self, reader: int, key) -> bool:
+    """Whether XLA:CPU can fuse ``key``'s producer into op ``reader``."""
+    name = self.names[reader]
+    if _primitives.fuses_elementwise(name):
+      return True
+    if not _primitives.is_reduction(name):
+      return False
+    # XLA:CPU fuses into a reduction only over the minor-most dimension.
+    ndim = len(self.graph.values[key[0]].aval.shape)
+    axes = self.graph.nodes[self.ops[reader].node].params.get("axes", ())
+    return ndim == 0 or ndim - 1 in axes
+
+  def fused_into(self, key, reader: int) -> bool:
+    """Whether XLA computes ``key`` inside ``reader`` (no buffer there)."""
+    if not self.fuses(reader, key):
+      return False
+    if key not in self._decided:
+      self._decided[key] = self.duplicable(key)
+    return self._decided[key]
+
+  def duplicable(self, key) -> bool:
+    """Whether XLA fuses ``key`` into every reader that can fuse it, after
+    XLA's instruction fusion: a sole reader always; otherwise an expensive
+    producer never, a cheap unary one (other operands literals) always, and
+    any other cheap one that reads more elements than it writes only if it
+    can be fused into every reader on all paths."""
+    pos = self.producer_of.get(key)
+    if (pos is None or key in self.outputs
+        or not _primitives.fuses_elementwise(self.names[pos])):
+      return False
+    if len(self.readers[key]) == 1:
+      return True
+    if _primitives.is_expensive(self.names[pos]):
+      return False
+    return not self.globally_unfusible(key)
+
+  def globally_unfusible(self, key) -> bool:
+    """XLA's ``do_not_duplicate`` set: an elementwise op reading more than
+    one operand and more elements than it writes, unless every path from it
+    to each of its readers runs through fusible ops only."""
+    if key not in self._unfusible:
+      pos = self.producer_of[key]
+      ins = list(dict.fromkeys(self.operands(pos)))
+      if len(ins) <= 1 or sum(self.nbytes(k) for k in ins) <= self.nbytes(key):
+        self._unfusible[key] = False
+      elif not self.backward[pos] and any(self.backward[u] for u in self.readers[key]):
+        # A forward value read by the backward pass: the path through the
+        # loss and its cotangent crosses dots and convolutions.
+        self._unfusible[key] = True
+      else:
+        reach = self.reachable_from(key)
+        self._unfusible[key] = not all(
+            self.on_all_paths(key, u, reach) for u in self.readers[key])
+    return self._unfusible[key]
+
+  def reachable_from(self, key) -> set:
+    """Keys computed from ``key`` up to its last reader."""
+    last = max(self.readers[key])
+    reach, stack = {key}, [key]
+    while stack:
+      for r in self.readers.get(stack.pop(), ()):
+        if r <= last:
+          for out in self.ops[r].outs:
+            if out not in reach:
+              reach.add(out)
+              stack.append(out)
+    return reach
+
+  def on_all_paths(self, key, reader: int, reach: set) -> bool:
+    """XLA's ``CanFuseOnAllPaths``: every operand of ``reader`` computed
+    from ``key`` fuses into it, and so on back to ``key``."""
+    if (key, reader) not in self._paths:
+      self._paths[key, reader] = self._all_fuse(key, reader, reach)
+    return self._paths[key, reader]
+
+  def _all_fuse(self, key, reader: int, reach: set) -> bool:
+    for k in self.operands(reader):
+      if k not in reach:
+        continue
+      if not self.fuses(reader, k):
+        return False
+      if k == key:
+        continue
+      pos = self.producer_of.get(k)
+      if (pos is None or not _primitives.fuses_elementwise(self.names[pos])
+          or k in self.outputs or self.globally_unfusible(k)
+          or not self.on_all_paths(key, pos, reach)):
+        return False
+    return True
+
+  def reads_through(self, key, root: dict) -> list:
+    """The buffers a fused ``key`` is computed from where it is read (a
+    fused operand of its producer read through in turn)."""
+    if key not in self._through:
+      pos = self.producer_of[key]
+      self._through[key] = list(dict.fromkeys(
+          b for k in self.operands(pos)
+          for b in (self.reads_through(k, root) if self.fused_into(k, pos)
+                    else [root.get(k, k)])))
+    return self._through[key]
+
+  def buffer_reads(self, root: dict) -> tuple[dict, frozenset, dict]:
+    """Buffer -> positions of the ops that read it (a fused key read as
+    the buffers it is computed from), the keys that never get a buffer, and
+    fused key -> the buffers it reads where it is consumed."""
+    reads: dict = {}
+    materialized: set = set()
+    for pos in range(len(self.ops)):
+      for key in self.operands(pos):
+        if self.fused_into(key, pos):
+          bufs = self.reads_through(key, root)
+        else:
+          bufs = [root.get(key, key)]
+          materialized.add(key)
+        for buf in bufs:
+          reads.setdefault(buf, []).append(pos)
+    # Values nobody reads still get a buffer at their producer; values read
+    # only through fusion get none.
+    fused = frozenset(k for k in self.readers if k not in materialized)
+    return reads, fused, {k: self.reads_through(k, root) for k in self._through}
+
+
+def broadcasts(own: tuple, shape: tuple) -> bool:
+  """Whether an operand of shape ``own`` is broadcast to ``shape`` (size-1
+  axes stretched, as jaxpr's elementwise ops do implicitly)."""
+  return (len(own) == len(shape) and own != shape and any(d > 1 for d in own)
+          and all(o in (1, d) for o, d in zip(own, shape)))
+
+
+def computed_with_broadcast(graph: Graph, vid: int) -> bool:
+  """Whether forward value ``vid`` is an op reading a broadcast operand (a
+  Dense layer's bias add)."""
+  node = graph.producer(vid)
+  shape = graph.values[vid].aval.shape
+  return len(node.ins) > 1 and any(
+      isinstance(a, int) and broadcasts(graph.values[a].aval.shape, shape)
+      for a in node.ins)
+
+
+@analysis
+def separated_reads(graph: Graph, fused_items: frozenset) -> tuple[dict, dict]:
+  """Backward node -> the operands whose reads the schedule builder routes
+  through a barrier copy, and backward node -> the operands rebuilt from
+  such copies; ``fused_items`` are the items of the fused-values map the
+  schedule is built with (``_evaluate.fused_values``).
+
+  Separated are values made before the backward pass that a backward node
+  broadcasts (a LayerNorm's scale or 1/std), and kept residuals computed
+  with a broadcast (a bias add): XLA materializes a broadcast that a
+  reduction reads and merges equal broadcasts (CSE), so without the copy the
+  forward and the backward broadcast of one value become one full-size
+  buffer living from the forward use to the backward one.
+
+  Rebuilt are forward values XLA computes inside their readers from a bias
+  add (GELU's ``x**2`` from ``x = dot + bias``): XLA would compute the add
+  inside the backward reader too (its ``EffectivelyAtMostUnary`` rule),
+  reading the dot output, which then stays alive beside the add's own
+  buffer until the backward pass.
+  """
+  fused = dict(fused_items)
+  with_broadcast = lambda v: (graph.is_forward_value(v) and v not in fused
+                              and computed_with_broadcast(graph, v))
+  separated, rebuilt = {}, {}
+  for node in graph.nodes:
+    if not node.backward:
+      continue
+    shape = graph.values[node.outs[0]].aval.shape if node.outs else ()
+    atoms = [a for a in dict.fromkeys(a for a in node.ins if isinstance(a, int))
+             if a not in graph.consts and not graph.is_backward_value(a)]
+    found = tuple(a for a in atoms if broadcasts(graph.values[a].aval.shape, shape)
+                  or with_broadcast(a))
+    rebuild = tuple(a for a in atoms if graph.is_forward_value(a) and a in fused
+                    and any(with_broadcast(b) for b in fused[a]))
+    if found:
+      separated[node.index] = found
+    if rebuild:
+      rebuilt[node.index] = rebuild
+  return separated, rebuilt

@@ -1,0 +1,107 @@
+"""Planners: choose a decision per residual so the predicted peak fits.
+
+Every planner is a :class:`Planner` (``plan``, ``lowest``, ``structured``,
+``cost``) and is registered by name in :data:`PLANNERS`, so
+:func:`jaxmem.transform` and ``jaxmem-bench`` can select it:
+
+* ``recompute``: :class:`Greedy`, recompute only (Libra's greedy);
+* ``hybrid``: :class:`Hybrid` (Libra), recompute first, then offload where
+  that does not fit, then recomputations switched to offloads that pay;
+* ``offload``: :class:`Greedy` with offload moves only;
+* ``lgm``: :class:`LGM` (vTensor), chunks swapped to cover each peak;
+* ablations ``lgm-whole`` and ``lgm-unreserved``.
+
+Example:
+  >>> sorted(PLANNERS)[:3]
+  ['hybrid', 'lgm', 'lgm-unreserved']
+  >>> get_planner("hybrid").describe()[:16]
+  'hybrid on t4 (as'
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from jaxmem.planners._base import DEFAULT_DEVICE, Planner, with_device
+from jaxmem.planners._greedy import Greedy
+from jaxmem.planners._hybrid import Hybrid
+from jaxmem.planners._lgm import LGM, LayerReport, SwapRecord, reservation_floor
+
+
+def recompute(device=None, **options) -> Greedy:
+  """The recompute-only greedy; with ``device``, plans are costed by
+  predicted time on it instead of recomputed FLOPs."""
+  return Greedy(device=device, **options)
+
+
+def hybrid(device=None, swap: str = "greedy", host_budget: int | None = None,
+           swaps: int = 32) -> Hybrid:
+  """Libra's hybrid for ``device`` (None assumes ``"t4"``, and reports say
+  so): the recompute-only greedy, then a greedy with offload moves, or with
+  ``swap="lgm"`` the vTensor planner, for what it leaves (see
+  :class:`Hybrid`)."""
+  if swap not in ("greedy", "lgm"):
+    raise ValueError(f"hybrid: swap must be 'greedy' or 'lgm', got {swap!r}")
+  device, assumed = with_device(device)
+  if swap == "lgm":
+    then = LGM(device, host_budget=host_budget, name="hybrid")
+  else:
+    then = Greedy(name="hybrid", offload=True, device=device, host_budget=host_budget)
+  return Hybrid(Greedy(device=device), then, device=device, swaps=swaps,
+                host_budget=host_budget, assumed_device=assumed)
+
+
+def offload_only(device=None, **options) -> Greedy:
+  """The greedy with offload moves only (no recomputation) for ``device``
+  (None assumes ``"t4"``)."""
+  device, assumed = with_device(device)
+  return Greedy(name="offload", offload=True, recompute=False, device=device,
+                assumed_device=assumed, **options)
+
+
+def lgm(device=None, **options) -> LGM:
+  """The vTensor planner (:class:`LGM`) for ``device`` (None assumes
+  ``"t4"``)."""
+  return LGM(device=device, **options)
+
+
+def lgm_whole(device=None, **options) -> LGM:
+  """Ablation: the LGM planner swapping whole tensors only (no vTensors)."""
+  return lgm(device, whole=True, name="lgm-whole", **options)
+
+
+def lgm_unreserved(device=None, **options) -> LGM:
+  """Ablation: the LGM planner with memory reservation off (no chunk floor,
+  no headroom)."""
+  return lgm(device, min_chunk=0, reserve=0.0, name="lgm-unreserved", **options)
+
+
+# Name -> factory taking an optional device profile.
+PLANNERS: dict[str, Callable[..., Planner]] = {
+    "recompute": recompute, "hybrid": hybrid, "offload": offload_only,
+    "lgm": lgm, "lgm-whole": lgm_whole, "lgm-unreserved": lgm_unreserved}
+# Planners that exist to be compared against (left out of default runs).
+ABLATIONS = frozenset({"lgm-whole", "lgm-unreserved"})
+
+
+def get_planner(planner) -> Planner:
+  """A planner from a name in :data:`PLANNERS` or a :class:`Planner`."""
+  if isinstance(planner, str):
+    if planner not in PLANNERS:
+      raise ValueError(
+          f"jaxmem: unknown planner {planner!r}; expected one of {sorted(PLANNERS)} "
+          "or a jaxmem.Planner instance.")
+    return PLANNERS[planner]()
+  if not isinstance(planner, Planner):
+    raise TypeError(
+        f"jaxmem: planner must be a name in {sorted(PLANNERS)} or a jaxmem.Planner "
+        f"(subclass it and implement plan(graph, target, start=None)); got "
+        f"{type(planner).__name__}.")
+  return planner
+
+
+__all__ = [
+    "ABLATIONS", "DEFAULT_DEVICE", "Greedy", "Hybrid", "LGM", "LayerReport", "PLANNERS",
+    "Planner", "SwapRecord", "get_planner", "hybrid", "lgm", "lgm_unreserved",
+    "lgm_whole", "offload_only", "recompute", "reservation_floor",
+]

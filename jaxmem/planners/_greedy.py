@@ -1,0 +1,393 @@
+"""The greedy planner: Libra's memory-reduction estimation and refinement."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+from jaxmem._blocks import block_candidates, block_plans, checkpoint_moves, segments
+from jaxmem._decisions import KEEP, RECOMPUTE, Offload, Plan
+from jaxmem._devices import PROFILES, get_profile
+from jaxmem._evaluate import (Candidate, candidate, chain_flops, evaluate, fused_values,
+                              paused_gc, prefetch_point, recomputable)
+from jaxmem._graph import Graph, Residual
+from jaxmem.planners._base import Planner
+
+# Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
+_log = logging.getLogger("jaxmem")
+
+
+@dataclasses.dataclass
+class Greedy(Planner):
+  """The greedy planner (Libra's memory-reduction estimation).
+
+  Recompute-only by default (``offload=True`` adds offload moves,
+  ``recompute=False`` leaves only those). Each step looks at the current
+  peak, takes the kept residuals that are live there and not read again
+  until the backward pass, ranks them by bytes per
+  FLOP of their rebuild chain, simulates the best ``evaluations`` of them
+  exactly (a chain can add a new peak in the backward pass; the peak can
+  move), and drops the one that lowers the peak most per added FLOP. When a
+  recompute segment has itself become the peak, keeping one of its residuals
+  again is tried as well (Libra's greedy refinement). It stops
+  when the peak fits ``target`` or nothing lowers it further; the result is
+  then the lowest peak reached.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem._graph import build_graph
+    >>> def step(w, x):
+    ...   def f(w):
+    ...     h = x
+    ...     for _ in range(8):
+    ...       h = h + jnp.tanh(h @ w)
+    ...     return jnp.sum(h)
+    ...   return jax.grad(f)(w)
+    >>> g = build_graph(jax.make_jaxpr(step)(jnp.eye(64), jnp.ones((256, 64))))
+    >>> result = Greedy().plan(g, target=0)
+    >>> result.peak < evaluate(g, Plan())[1].peak
+    True
+  """
+  name: str = "recompute"
+  evaluations: int = 4
+  batches: int = 3
+
+  # Greedy choices depend on the aim (the plateau objective is the time spent
+  # above it), and a run aimed at the target can stall just above it while
+  # one aimed lower passes it: after the target, aim at these fractions of
+  # the unconstrained peak, then at 0, until a plan fits. Asked for the
+  # lowest peak (target 0), every aim is tried.
+  aims: tuple = (0.85, 0.7, 0.5, 0.3)
+  # Bulk moves (``_bulk``): shares of the bytes above the aim to drop at once.
+  bulk: tuple = (0.25, 0.5)
+  bulk_above: float = 0.5
+  # Evaluations the refinement of a fitting plan may spend (``_refine``).
+  refine: int = 24
+  # Which moves a step may take, and what a plan costs (``Planner.cost``):
+  # without a device, recomputed FLOPs; with one (a name in jaxmem.PROFILES
+  # or a DeviceProfile), the predicted step time. Offload needs a device (it
+  # is never chosen on a unified-memory one); host_budget caps pinned host
+  # bytes.
+  recompute: bool = True
+  offload: bool = False
+  device: object = None
+  host_budget: int | None = None
+  assumed_device: bool = False
+  # The ladder's runs for the graph last planned (search state: see _ladder).
+  _runs: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
+                                   compare=False)
+
+  def __post_init__(self):
+    if self.offload and self.device is None:
+      raise ValueError(f"planner {self.name!r}: offload needs a device profile to time "
+                       f"copies; got device=None, expected a name in {sorted(PROFILES)} "
+                       "or a DeviceProfile (jaxmem.calibrate())")
+    if self.device is not None:
+      get_profile(self.device)  # an unknown name fails here, with the choices
+    if not (self.offload or self.recompute):
+      raise ValueError(f"planner {self.name!r}: expected recompute or offload moves, "
+                       "got neither")
+
+  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
+    """Plans ``graph`` toward ``target`` bytes, from ``start`` if given (a
+    plan for a looser target: tightening it is cheaper than starting over)."""
+    began = time.perf_counter()
+    candidates = recomputable(graph)
+    best = None
+    if target > 0:
+      best = self._greedy(graph, target, target, candidates, start or Plan())
+    if best is None or not best.fits:
+      # Every block checkpointed costs one evaluation: where that fits, the
+      # refinement below gives back the recomputation the target does not
+      # need, and the ladder is not climbed.
+      fitting = [r for r in self._block_results(graph) if r.peak <= target]
+      if fitting:
+        best = min(fitting, key=lambda r: self.cost(r.schedule)).aimed(target)
+    if best is None or not best.fits:
+      # The ladder, always the same aims: when nothing fits, its best is
+      # the lowest plan of this graph whatever the target, so the smallest
+      # footprint named in an error is met when asked for.
+      best = None
+      for result in self._ladder(graph, target, candidates):
+        if best is None or result.peak < best.peak:
+          best = result
+        if best.fits:
+          break
+    if best.fits and self.recompute:
+      with paused_gc():
+        best = self._refine(graph, best, target)
+    best.seconds = time.perf_counter() - began
+    return best
+
+  def _refine(self, graph, result: Candidate, target: int) -> Candidate:
+    """Libra's greedy refinement of a plan that fits: recomputed residuals
+    are kept again wherever the peak stays within ``target``, whole blocks
+    first, then one by one, the costliest rebuilds per byte first (matmul
+    and convolution outputs before elementwise ones), within ``refine``
+    evaluations. A plan that overshot (a ladder or block plan taken for a
+    looser target) gives back the recomputation it does not need."""
+    plan, schedule, memory = result.plan, result.schedule, result.memory
+    dropped = plan.values_with("recompute")
+    blocks = [[v for v in seg.drops if v in dropped] for seg in segments(graph)]
+    costly = sorted(dropped, key=lambda v: (-graph.producer(v).flops
+                                             / max(graph.values[v].nbytes, 1), v))
+    tries = 0
+    for group in [b for b in blocks if b] + [[v] for v in costly]:
+      if tries >= self.refine:
+        break
+      group = [v for v in group if plan[v].kind == "recompute"]
+      if not group:
+        continue
+      tries += 1
+      trial = plan
+      for vid in group:
+        trial = trial.with_decision(vid, KEEP)
+      t_schedule, t_memory = evaluate(graph, trial)
+      if t_memory.peak <= target:
+        plan, schedule, memory = trial, t_schedule, t_memory
+    return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory)
+
+  def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
+    """The ladder's plans, lowest predicted peak first: the candidates for
+    the smallest footprint (the model ranks them only within a few percent,
+    so the caller may measure each). The ladder has its own starting points:
+    ``start`` is not used."""
+    began = time.perf_counter()
+    results = sorted(self._ladder(graph, 0, recomputable(graph)),
+                     key=lambda r: r.peak)
+    for result in results:
+      result.seconds = time.perf_counter() - began
+    return results
+
+  def _ladder(self, graph, target, candidates):
+    """Greedy runs toward each aim of ``aims``, then 0, each from the plan
+    the one before reached (the first from an empty plan), so the ladder
+    costs about one descent to the lowest peak; each run is kept with the
+    planner for the graph last planned (it does not depend on ``target``), so
+    :meth:`lowest` after a failed :meth:`plan` costs nothing more."""
+    base = evaluate(graph, Plan())[1].peak
+    if self._runs[0] is not graph:
+      self._runs = (graph, {})
+    runs = self._runs[1]
+    plan = Plan()
+    for fraction in (*self.aims, 0):
+      if fraction not in runs:
+        runs[fraction] = self._greedy(graph, 0, int(base * fraction), candidates, plan)
+      result = runs[fraction]
+      plan = result.plan
+      yield result.aimed(target)
+    # Then every block checkpointed (the plan XLA follows best), and the
+    # greedy's descent from there (run only when asked for; not from the
+    # plans that keep matmul outputs, which start higher).
+    descend = len(block_plans(graph))
+    for i, result in enumerate(self._block_results(graph)):
+      yield result.aimed(target)
+      if i >= descend:
+        continue
+      if ("blocks", i, 0) not in runs:
+        runs["blocks", i, 0] = self._greedy(graph, 0, 0, candidates, result.plan)
+      result = runs["blocks", i, 0]
+      yield result.aimed(target)
+
+  def _block_results(self, graph) -> list[Candidate]:
+    """The every-block-checkpointed plans (:func:`block_candidates`); none
+    for a planner that may not recompute."""
+    return block_candidates(graph) if self.recompute else []
+
+  def structured(self, graph: Graph) -> list[Candidate]:
+    """Plans shaped like the per-block remat baselines (every block
+    checkpointed; matmul outputs kept or not), cheapest first: XLA follows
+    them closely, so the fit loop measures them against the plan it has."""
+    return sorted(self._block_results(graph), key=lambda r: self.cost(r.schedule))
+
+  def _greedy(self, graph, target, aim, candidates, plan) -> Candidate:
+    """One greedy run from ``plan`` toward ``aim``; fits is judged against
+    ``target``."""
+    with paused_gc():
+      current = candidate(graph, plan)
+      best, steps = current, 0
+      while current.peak > aim:
+        found = self._step(graph, current, aim, candidates)
+        if found is None:
+          break
+        current = found
+        _log.debug("greedy step %d: peak %d (aim %d), %d decisions, %d saves, peak at %s",
+                   steps, current.peak, aim, len(current.plan),
+                   len(current.plan.values_with("save")), current.memory.peak_name)
+        steps += 1
+        if current.peak < best.peak:
+          best = current
+    return dataclasses.replace(best.aimed(target), steps=steps)
+
+  def _step(self, graph, current: Candidate, aim: int, candidates) -> Candidate | None:
+    """One greedy step from ``current``: of the first batch of moves with
+    one that helps, the move that lowers the peak most per added cost (at a
+    plateau, the time spent above ``aim``); None if no move helps."""
+    ranked = self._rank(graph, current, candidates)
+    base = (current.peak, current.memory.excess(aim), self.cost(current.schedule))
+    choice = None
+    for moves in self._batches(graph, current, ranked, aim, candidates):
+      for move in moves:
+        trial = current.plan
+        for vid, decision in move:
+          trial = trial.with_decision(vid, decision)
+        found = candidate(graph, trial)
+        if self.host_budget is not None and found.memory.host_peak > self.host_budget:
+          continue
+        gain_peak = base[0] - found.peak
+        gain_excess = base[1] - found.memory.excess(aim)
+        cost = max(self.cost(found.schedule) - base[2], 0.0) + 1.0
+        # Lower peak first; at a plateau, less time above the target.
+        score = (gain_peak / cost if gain_peak > 0 else 0.0,
+                 gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
+        if score > (0.0, 0.0) and (choice is None or score > choice[0]):
+          choice = (score, found)
+      if choice is not None:
+        break
+    return None if choice is None else choice[1]
+
+  def _batches(self, graph, current: Candidate, ranked, aim: int, candidates):
+    """The moves of one greedy step, in batches tried until one helps:
+    the best-ranked candidates with the undo and bulk moves, then the next
+    ranked ones (the cheapest rebuilds can be the ones that make a new
+    peak), and last the block moves (``_segment_moves``), for where single
+    drops no longer lower the peak: a block checkpointed at its boundary
+    stops recomputation from running back through earlier blocks."""
+    schedule = current.schedule
+    undo = [[(r.value, KEEP)] for r in self._undo(graph, current)]
+    bulk = [move for group in self._bulk(ranked, current.peak - aim, current.peak)
+            if (move := self._bulk_move(graph, schedule, group))]
+    groups = [group for group, _ in ranked]
+    for batch in range(self.batches):
+      moves = [move for group in groups[batch * self.evaluations:
+                                         (batch + 1) * self.evaluations]
+               for move in self._moves(graph, schedule, group)]
+      if batch == 0:
+        moves += undo + bulk
+      if not moves:
+        break
+      yield moves
+    if self.recompute:
+      yield self._segment_moves(graph, current)
+
+  def _bulk_move(self, graph, schedule, residuals) -> list[tuple]:
+    """One move taking many residuals off: rebuilt where the planner may
+    recompute, else each one that may be offloaded."""
+    if self.recompute:
+      return [(r.value, RECOMPUTE) for r in residuals]
+    return [move[0] for r in residuals for move in self._moves(graph, schedule, [r])]
+
+  def _moves(self, graph, schedule, group) -> list[list[tuple]]:
+    """The ways to take ``group`` off the device at the peak: rebuild it
+    (``recompute``), or copy it to the host (``offload``, a lone residual
+    with a buffer of its own, on a device whose memory is not the host's),
+    copied back early enough to hide the copy under compute."""
+    moves = []
+    if self.recompute:
+      moves.append([(r.value, RECOMPUTE) for r in group])
+    if self.offload and len(group) == 1 and group[0].value not in fused_values(graph):
+      device = self.device_profile
+      if not device.unified:
+        r = group[0]
+        moves.append([(r.value, Offload(at=prefetch_point(schedule, r, device)))])
+    return moves
+
+  def _bulk(self, ranked, deficit: int, peak: int) -> list[list[Residual]]:
+    """Moves that drop several ranked groups at once, far from the aim (more
+    than ``bulk_above`` of the peak above it): the best-ranked groups
+    covering a share (``bulk``) of the bytes still above it. They are scored
+    like single drops, so one is taken only where it lowers the peak as much
+    per added FLOP; it saves the steps a long descent would take one group at
+    a time. (Nearer the aim they cost quality: on a residual MLP at 60%, bulk
+    moves all the way end at 62% where single drops reach 58%.)"""
+    moves = []
+    if deficit <= self.bulk_above * peak:
+      return moves
+    for share in self.bulk:
+      move, covered = [], 0
+      for group, nbytes in ranked:
+        if covered + nbytes > deficit * share:
+          break
+        move += group
+        covered += nbytes
+      if len(move) > 1 and (not moves or len(move) > len(moves[-1])):
+        moves.append(move)
+    return moves
+
+  def _segment_moves(self, graph, current: Candidate) -> list[list[tuple]]:
+    """Block moves: checkpoint a whole module block at once (see
+    :func:`segments`), for the ``evaluations`` blocks whose residuals free
+    the most bytes at the peak per FLOP of the block.
+
+    The move saves the values the block reads from outside it (its
+    boundary; a dropped residual there is kept again) and drops the
+    residuals made and used inside it, as per-block ``jax.checkpoint``
+    does: recomputation then starts at the boundary instead of running
+    back through earlier blocks.
+    """
+    decisions = current.plan.as_dict()
+    live_at_peak = current.memory.live_at_peak
+    live = {k[0] for k in live_at_peak if k[1] == 0}
+    # Rebuilt copies at the peak: a recomputation running back through
+    # earlier blocks (their boundaries not saved) may be what peaks.
+    rebuilt = sum(graph.values[k[0]].nbytes for k in live_at_peak if k[1] > 0)
+    ranked = []
+    for seg in segments(graph):
+      todo = [v for v in seg.drops if v not in decisions]
+      move = checkpoint_moves(graph, seg, decisions)
+      freed = sum(graph.values[v].nbytes for v in todo if v in live)
+      if len(move) > len(todo) and len(todo) < len(seg.drops):
+        freed += rebuilt  # some dropped already: saving the boundary may cut a chain
+      if freed:
+        ranked.append((freed / (seg.flops + 1.0), move))
+    ranked.sort(key=lambda item: -item[0])
+    return [move for _, move in ranked[:self.evaluations]]
+
+  def _undo(self, graph, current: Candidate) -> list[Residual]:
+    """Dropped residuals whose rebuilt copy is live at the peak.
+
+    Keeping one again splits a recompute segment that became the peak.
+    """
+    plan = current.plan
+    dropped = plan.values_with("recompute") | plan.values_with("offload")
+    live = [k for k in current.memory.live_at_peak if k[1] > 0 and k[0] in dropped]
+    live.sort(key=lambda k: -graph.values[k[0]].nbytes)
+    return [graph.residual(k[0]) for k in live[:max(1, self.evaluations // 2)]]
+
+  @staticmethod
+  def _rank(graph, current: Candidate, candidates) -> list[tuple[list[Residual], int]]:
+    """Candidate groups with the bytes they free, best bytes-per-FLOP first.
+
+    A group is a residual plus the kept residuals fused onto its buffer
+    (``1 - tanh(x)**2`` read in the backward pass keeps ``tanh(x)`` alive
+    there): dropping one without the others frees nothing.
+    """
+    plan, memory = current.plan, current.memory
+    dropped = plan.values_with("recompute")
+    moved = dropped | plan.values_with("offload")
+    live = set(memory.live_at_peak)
+    riders: dict = {}
+    # The schedule reads a kept fused residual's buffers for it (directly, or
+    # through a copy it rebuilds in the backward pass), so those stay.
+    for vid, bufs in fused_values(graph).items():
+      if vid in candidates and vid not in moved:
+        for buf in bufs:
+          riders.setdefault((buf, 0), []).append(candidates[vid])
+    ops = memory.schedule.ops
+    ranked = []
+    for buf in live:
+      own = [candidates[buf[0]]] if (
+          buf[1] == 0 and buf[0] in candidates and buf[0] not in moved) else []
+      group = own + riders.get(buf, [])
+      if not group:
+        continue
+      later = [p for p in memory.reads.get(buf, []) if p > memory.peak_op]
+      if any(ops[p].kind == "node" and not graph.nodes[ops[p].node].backward
+             for p in later):
+        continue  # still read by the forward pass after the peak
+      flops = sum(chain_flops(graph, g.value, dropped) for g in group)
+      nbytes = graph.values[buf[0]].nbytes
+      ranked.append((nbytes / (flops + 1.0), group, nbytes))
+    ranked.sort(key=lambda item: -item[0])
+    return [(group, nbytes) for _, group, nbytes in ranked]

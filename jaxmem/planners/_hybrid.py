@@ -1,0 +1,99 @@
+"""Libra's hybrid planner, as a combinator over two planners."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+from jaxmem._decisions import Offload, Plan
+from jaxmem._evaluate import Candidate, evaluate, fused_values, paused_gc, prefetch_point
+from jaxmem._graph import Graph
+from jaxmem.planners._base import Planner
+
+
+@dataclasses.dataclass
+class Hybrid(Planner):
+  """Recompute first, swap where it pays: ``first`` then ``then``, the way
+  optax's ``chain`` composes transforms.
+
+  1. ``first`` (a recompute-only planner) plans toward the target.
+  2. Where its plan does not fit, ``then`` (a planner that swaps: a greedy
+     with offload moves, or the vTensor planner) goes on from it.
+  3. Refinement: each recomputed residual, largest first (up to
+     ``swaps``), is switched to an offload copied back early enough to hide
+     the copy (behind the copies already queued on the link, and ahead of
+     any recomputation that reads it), where that lowers the predicted time
+     on ``device`` and the plan still fits.
+
+  A unified-memory device never offloads (it frees nothing there);
+  ``host_budget`` caps pinned host bytes. :func:`jaxmem.planners.hybrid`
+  builds the usual pair for a device.
+
+  Example:
+    >>> from jaxmem.planners import Greedy
+    >>> h = Hybrid(Greedy(device="rtx3060"),
+    ...            Greedy(offload=True, device="rtx3060"), device="rtx3060")
+    >>> h.describe()
+    'hybrid on rtx3060'
+  """
+  first: Planner
+  then: Planner
+  device: object = None
+  swaps: int = 32
+  host_budget: int | None = None
+  name: str = "hybrid"
+  assumed_device: bool = False
+
+  def __post_init__(self):
+    if self.device is None:
+      raise ValueError("Hybrid: the swap refinement times copies on a device; got "
+                       "device=None, expected a name in jaxmem.PROFILES or a "
+                       "DeviceProfile (jaxmem.calibrate())")
+
+  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
+    """Plans toward ``target`` bytes, from ``start`` if given (its
+    recomputation and saved boundaries)."""
+    began = time.perf_counter()
+    kept = None if start is None else Plan.of(
+        {**start.with_kind("recompute"), **start.with_kind("save")})
+    found = self.first.plan(graph, target, start=kept)
+    results = [found]
+    if not found.fits:
+      results.append(self.then.plan(graph, target, start=found.plan))
+    with paused_gc():
+      results = [self._swap(graph, r, target) for r in results]
+    best = min(results, key=lambda r: (not r.fits, self.cost(r.schedule)
+                                       if r.fits else r.peak))
+    best.seconds = time.perf_counter() - began
+    return best
+
+  def lowest(self, graph: Graph) -> list[Candidate]:
+    """The candidates for the smallest footprint: both planners' lowest,
+    ``then``'s from ``first``'s lowest plan."""
+    first = self.first.lowest(graph)
+    then = self.then.lowest(graph, start=first[0].plan)
+    return sorted(first + then, key=lambda r: r.peak)
+
+  def _swap(self, graph, result: Candidate, target: int) -> Candidate:
+    """Refinement 3: recomputed residuals switched to offloads that pay."""
+    device = self.device_profile
+    if device.unified:
+      return result
+    limit = max(target, result.peak)
+    plan, schedule, memory = result.plan, result.schedule, result.memory
+    cost = self.cost(schedule)
+    fused = fused_values(graph)
+    chosen = sorted((graph.residual(v) for v in plan.values_with("recompute")
+                     if v not in fused), key=lambda r: -r.nbytes)[:self.swaps]
+    for r in chosen:
+      at = prefetch_point(schedule, r, device, queue=True)
+      trial = plan.with_decision(r.value, Offload(at=at))
+      t_schedule, t_memory = evaluate(graph, trial)
+      if t_memory.peak > limit or (self.host_budget is not None
+                                   and t_memory.host_peak > self.host_budget):
+        continue
+      t_cost = self.cost(t_schedule)
+      if t_cost < cost:
+        plan, schedule, memory, cost = trial, t_schedule, t_memory, t_cost
+    return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory,
+                               fits=memory.peak <= target)

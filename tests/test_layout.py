@@ -1,0 +1,139 @@
+"""The package's shape, checked from its source with ``ast``: imports run
+one way down the layers below (no cycle, no upward import, lazy imports
+included), no private name crosses modules, and modules and functions stay
+small enough to read."""
+
+import ast
+import pathlib
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
+
+# Lowest first: a module imports only from layers below its own.
+LAYERS = [
+    {"_flags", "_budget", "_primitives", "_devices", "_decisions"},
+    {"_graph", "_calibrate"},
+    {"_xla_cpu_fusion"},
+    {"_schedule"},
+    {"_memory", "_perf", "_emit"},
+    {"_evaluate"},
+    {"_blocks"},
+    {"planners._base"},
+    {"planners._greedy", "planners._hybrid", "planners._lgm"},
+    {"planners"},
+    {"_report", "_fit"},
+    {"_transform"},
+    {""},  # the package itself: the public face
+    {"_zoo", "_plots"},
+    {"_benchmark"},
+    {"bench"},
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _name(path: pathlib.Path) -> str:
+  """``jaxmem/planners/_lgm.py`` -> ``planners._lgm``; ``__init__`` -> its package."""
+  parts = list(path.relative_to(PACKAGE).with_suffix("").parts)
+  if parts[-1] == "__init__":
+    parts.pop()
+  return ".".join(parts)
+
+
+def _modules() -> dict[str, pathlib.Path]:
+  return {_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _is_module(name: str) -> bool:
+  return name in _modules()
+
+
+def _imports(path: pathlib.Path) -> list[tuple[str, str | None, int]]:
+  """(jaxmem module imported, name taken from it or None, line) for every
+  import in the file, at any depth (lazy imports count)."""
+  found = []
+  for node in ast.walk(ast.parse(path.read_text())):
+    if isinstance(node, ast.Import):
+      for alias in node.names:
+        if alias.name == "jaxmem" or alias.name.startswith("jaxmem."):
+          found.append((alias.name[len("jaxmem."):] if "." in alias.name else "",
+                        None, node.lineno))
+    elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
+        node.module == "jaxmem" or node.module.startswith("jaxmem.")):
+      source = node.module[len("jaxmem."):] if "." in node.module else ""
+      for alias in node.names:
+        sub = f"{source}.{alias.name}" if source else alias.name
+        if _is_module(sub):  # ``from jaxmem import _flags``: a module
+          found.append((sub, None, node.lineno))
+        else:
+          found.append((source, alias.name, node.lineno))
+  return found
+
+
+def test_every_module_has_a_layer():
+  missing = sorted(set(_modules()) - set(RANK))
+  assert not missing, f"add these modules to LAYERS in {__file__}: {missing}"
+
+
+def test_imports_run_down_the_layers_only():
+  bad = []
+  for name, path in _modules().items():
+    for target, _, line in _imports(path):
+      if target != name and RANK.get(target, -1) >= RANK[name]:
+        bad.append(f"{path.name}:{line} ({name}, layer {RANK[name]}) imports "
+                   f"{target or 'jaxmem'} (layer {RANK.get(target)})")
+  assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+  edges = {name: {t for t, _, _ in _imports(path) if t != name}
+           for name, path in _modules().items()}
+  state: dict = {}
+
+  def visit(node, trail):
+    state[node] = "open"
+    for nxt in sorted(edges.get(node, ())):
+      if state.get(nxt) == "open":
+        pytest.fail("import cycle: " + " -> ".join(trail + [node, nxt]))
+      if nxt not in state:
+        visit(nxt, trail + [node])
+    state[node] = "done"
+
+  for name in sorted(edges):
+    if name not in state:
+      visit(name, [])
+
+
+def test_no_private_name_crosses_modules():
+  bad = [f"{path.relative_to(PACKAGE)}:{line} takes {taken!r} from jaxmem.{source}"
+         for name, path in _modules().items()
+         for source, taken, line in _imports(path)
+         if taken is not None and taken.startswith("_") and source != name]
+  assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_modules_and_functions_stay_small():
+  bad = []
+  for path in _modules().values():
+    text = path.read_text()
+    if len(text.splitlines()) > MAX_MODULE_LINES:
+      bad.append(f"{path.relative_to(PACKAGE)}: {len(text.splitlines())} lines")
+    for node in ast.walk(ast.parse(text)):
+      if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        length = node.end_lineno - node.lineno + 1
+        if length > MAX_FUNCTION_LINES:
+          bad.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: "
+                     f"{length} lines")
+  assert not bad, "too long to read at once:\n" + "\n".join(bad)
+
+
+def test_the_checks_can_fail(tmp_path):
+  """The import reader sees what the checks judge: a lazy import, a private
+  name and a module import."""
+  source = tmp_path / "probe.py"
+  source.write_text("def f():\n  from jaxmem._evaluate import _hidden\n"
+                    "from jaxmem import _flags\nimport jaxmem.planners\n")
+  assert sorted(_imports(source)) == [("_evaluate", "_hidden", 2), ("_flags", None, 3),
+                                      ("planners", None, 4)]
