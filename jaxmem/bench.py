@@ -33,6 +33,7 @@ from jaxmem._benchmark import SERIES, Bench, Method, Row, default_methods
 from jaxmem import _zoo
 from jaxmem._budget import Budget, format_bytes
 from jaxmem._devices import PROFILES
+from jaxmem.planners import DEFAULT_DEVICE
 
 
 def _parse_config(items) -> dict:
@@ -182,6 +183,10 @@ def main(argv=None) -> int:
         "step time the device profile predicts, over its prediction for the "
         "unconstrained step"
         + (" (CPU time on CPU)." if result["machine"]["backend"] == "cpu" else "."))
+  if result["device_profile"] is None:
+    print(f"No --device given: jaxmem planners that time copies (hybrid, offload, lgm) "
+          f"plan for the {DEFAULT_DEVICE} profile; pass --device PROFILE "
+          f"({', '.join(sorted(PROFILES))}) or --device calibrate.")
   save(result, opts)
   return 0
 
