@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from jaxmem._budget import format_bytes
 from jaxmem._graph import Graph
+from jaxmem._loops import stacked_residuals
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:
@@ -14,15 +15,22 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
 
 def residual_table(graph: Graph, top: int | None = 30, decisions=None) -> str:
   """Residuals sorted by size, like ``jax.ad_checkpoint.print_saved_residuals``
-  but with bytes, lifetimes (forward position -> backward uses) and layers."""
+  but with bytes, lifetimes (forward position -> backward uses) and layers.
+  A residual a scan stacks over its iterations reads ``per layer x L``."""
+  stacked = stacked_residuals(graph)
   residuals = sorted(graph.residuals, key=lambda r: -r.nbytes)
   total = sum(r.nbytes for r in residuals)
   shown = residuals if top is None else residuals[:top]
   rows = []
   for r in shown:
-    row = [format_bytes(r.nbytes), f"{r.dtype}{list(r.shape)}",
+    size, name = format_bytes(r.nbytes), r.name
+    if r.value in stacked:
+      s = stacked[r.value]
+      size = f"{format_bytes(s.per_iteration)} x {s.length}"
+      name = name.replace(" scan", f" scan[{s.slice_of}]", 1)
+    row = [size, f"{r.dtype}{list(r.shape)}",
            f"{r.produced_at}->{r.first_backward_use}..{r.last_backward_use}",
-           f"{r.recompute_flops:.3g}", r.name[:70]]
+           f"{r.recompute_flops:.3g}", name[:70]]
     if decisions is not None:
       row.insert(0, decisions.get(r.value, "keep"))
     rows.append(row)

@@ -14,7 +14,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 LAYERS = [
     {"_flags", "_budget", "_primitives", "_devices", "_decisions"},
     {"_graph", "_calibrate"},
-    {"_xla_cpu_fusion"},
+    {"_xla_cpu_fusion", "_loops"},
     {"_schedule"},
     {"_memory", "_perf", "_emit"},
     {"_evaluate"},
