@@ -175,9 +175,10 @@ class Graph:
 def analysis(fn: Callable) -> Callable:
   """Memoizes an analysis ``fn(graph, *args)`` on the graph it analyzes.
 
-  The cache lives on the graph (as ``jax``'s weakref caches key theirs on
-  the traced object), so it goes when the graph goes; its results may hold
-  the graph without keeping it alive past its last outside reference.
+  The cache lives on the graph, so it goes when the graph goes: results
+  that refer back to the graph form a cycle with it, which Python's cycle
+  collector frees once nothing outside holds the graph (a cache keyed
+  weakly on the graph would keep such results, and so the graph, alive).
   Arguments after the graph must be hashable.
   """
   @functools.wraps(fn)
@@ -189,9 +190,9 @@ def analysis(fn: Callable) -> Callable:
 def _blocks(graph: Graph, depth: int) -> dict[str, list[int]]:
   found: dict[str, list[int]] = {}
   for node in graph.nodes:
-    parts = node.readable.split("/")
-    if not node.backward and node.readable != "<top>" and len(parts) >= depth:
-      found.setdefault("/".join(parts[:depth]), []).append(node.index)
+    path = node.readable
+    if not node.backward and path != "<top>" and path.count("/") + 1 >= depth:
+      found.setdefault(node.scope(depth), []).append(node.index)
   return found
 
 

@@ -89,7 +89,7 @@ class Liveness:
     return f"{node.readable} {node.prim.name} ({op.kind}, op {self.peak_op})"
 
 
-def simulate(schedule) -> Liveness:
+def simulate(schedule: Schedule) -> Liveness:
   """Predicts the device footprint of ``schedule`` (see the module docstring).
 
   Example:

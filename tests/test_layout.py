@@ -4,9 +4,8 @@ included), no private name crosses modules, and modules and functions stay
 small enough to read."""
 
 import ast
+import functools
 import pathlib
-
-import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 
@@ -42,6 +41,7 @@ def _name(path: pathlib.Path) -> str:
   return ".".join(parts)
 
 
+@functools.cache
 def _modules() -> dict[str, pathlib.Path]:
   return {_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
@@ -77,33 +77,49 @@ def test_every_module_has_a_layer():
   assert not missing, f"add these modules to LAYERS in {__file__}: {missing}"
 
 
-def test_imports_run_down_the_layers_only():
-  bad = []
-  for name, path in _modules().items():
-    for target, _, line in _imports(path):
-      if target != name and RANK.get(target, -1) >= RANK[name]:
-        bad.append(f"{path.name}:{line} ({name}, layer {RANK[name]}) imports "
-                   f"{target or 'jaxmem'} (layer {RANK.get(target)})")
-  assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+def _upward(name: str, targets) -> list[str]:
+  """The jaxmem modules among ``targets`` that ``name`` may not import."""
+  return [t for t in targets if t != name and RANK.get(t, -1) >= RANK[name]]
 
 
-def test_no_import_cycle():
-  edges = {name: {t for t, _, _ in _imports(path) if t != name}
-           for name, path in _modules().items()}
+def _cycle(edges: dict) -> list[str] | None:
+  """One import cycle of the graph ``edges`` (module -> modules it
+  imports), as a path, or None."""
   state: dict = {}
 
   def visit(node, trail):
     state[node] = "open"
     for nxt in sorted(edges.get(node, ())):
       if state.get(nxt) == "open":
-        pytest.fail("import cycle: " + " -> ".join(trail + [node, nxt]))
+        return trail + [node, nxt]
       if nxt not in state:
-        visit(nxt, trail + [node])
+        found = visit(nxt, trail + [node])
+        if found:
+          return found
     state[node] = "done"
+    return None
 
   for name in sorted(edges):
     if name not in state:
-      visit(name, [])
+      found = visit(name, [])
+      if found:
+        return found
+  return None
+
+
+def test_imports_run_down_the_layers_only():
+  bad = [f"{path.name}:{line} ({name}, layer {RANK[name]}) imports "
+         f"{target or 'jaxmem'} (layer {RANK.get(target)})"
+         for name, path in _modules().items()
+         for target, _, line in _imports(path) if _upward(name, [target])]
+  assert not bad, "upward or sideways imports:\n" + "\n".join(bad)
+
+
+def test_no_import_cycle():
+  edges = {name: {t for t, _, _ in _imports(path) if t != name}
+           for name, path in _modules().items()}
+  found = _cycle(edges)
+  assert found is None, "import cycle: " + " -> ".join(found)
 
 
 def test_no_private_name_crosses_modules():
@@ -130,10 +146,15 @@ def test_modules_and_functions_stay_small():
 
 
 def test_the_checks_can_fail(tmp_path):
-  """The import reader sees what the checks judge: a lazy import, a private
-  name and a module import."""
+  """The import reader sees what the checks judge (a lazy import, a private
+  name, a module import), and the judges catch an upward import and a
+  cycle."""
   source = tmp_path / "probe.py"
   source.write_text("def f():\n  from jaxmem._evaluate import _hidden\n"
                     "from jaxmem import _flags\nimport jaxmem.planners\n")
   assert sorted(_imports(source)) == [("_evaluate", "_hidden", 2), ("_flags", None, 3),
                                       ("planners", None, 4)]
+  assert _upward("_evaluate", ["planners", "_graph"]) == ["planners"]
+  assert _upward("_graph", ["_graph", "_primitives"]) == []
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+  assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

@@ -237,9 +237,8 @@ class LGM(Planner):
   assumed_device: bool = False
 
   def __post_init__(self):
-    if self.device is None:
-      self.device, self.assumed_device = with_device(None)
-    get_profile(self.device)  # an unknown name fails here, with the choices
+    self.device, assumed = with_device(self.device)  # checks the name
+    self.assumed_device = self.assumed_device or assumed
     if not 0 <= self.reserve < 1:
       raise ValueError(f"LGM: reserve is a share of the target in [0, 1), got "
                        f"{self.reserve!r}")
