@@ -1,0 +1,320 @@
+"""One command that checks jaxmem's plans on a real GPU.
+
+For the zoo's edge-size configurations x budgets (70%, 50%, 33% of the
+unmodified step's compiled footprint on this device) x methods (the
+unmodified step; per-block ``nn.remat`` policies, the ``offload_*`` ones
+included; jaxmem's recompute, hybrid and lgm planners; XLA's own
+rematerialization given the same limit), it records:
+
+* the compiled footprint and host bytes (``memory_analysis()``) and how many
+  buffers the HLO puts in host memory (``S(5)``);
+* the allocator's measured peak (``memory_stats()["peak_bytes_in_use"]``,
+  no preallocation, each configuration in a process of its own) against the
+  budget: a larger peak is a reported violation, an out-of-memory error a
+  reported failure, neither stops the run;
+* the median step time, as a ratio to the unmodified step, beside the
+  performance model's prediction on a profile calibrated on this device
+  (``jaxmem.calibrate()``, run first) and on the nearest preset (``h100``);
+* (full run) the largest batch two models reach under a fixed budget.
+
+The budget emulates an edge card's memory on a large GPU: the process may
+use more, and the measured peak says whether it did.
+
+It runs from the source tree as it is, installing nothing, on the JAX that
+is there (``PYTHONPATH=. python benchmarks/gpu.py``). ``--dry-run`` walks
+the same configurations through lowering and planning only, on any backend
+(CI runs ``--dry-run --quick`` on CPU), so the script is known to work before
+it meets a GPU.
+
+Results: ``results.json`` and ``results.md`` under ``--out`` (default
+``benchmarks/results/<date>-<device>/``), with the command, the commit and
+whether the tree was dirty (``JAXMEM_COMMIT`` / ``JAXMEM_DIRTY`` name them
+where the tree has no ``.git``).
+
+Examples:
+  PYTHONPATH=. python benchmarks/gpu.py --quick          # <= 5 minutes on one GPU
+  PYTHONPATH=. python benchmarks/gpu.py                  # <= 20 minutes
+  python benchmarks/gpu.py --dry-run --quick --out /tmp/gpu-dry
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+WORKER = os.path.join(HERE, "gpu_worker.py")
+MEM_FRACTION = 0.9  # the allocator's limit as a share of device memory
+
+# Edge-size configurations: the unmodified step takes about 4-7 GiB
+# (an 8 GiB card); activations dominate it.
+CONFIGS = {
+    "gpt2": dict(dim=512, depth=6, heads=8, seq=512, vocab=8192, batch=16),
+    "vit": dict(dim=384, depth=6, heads=6, patch=8, size=128, batch=64),
+    "resnet18": dict(width=64, size=224, batch=64),
+    "mobilenetv2": dict(width=1.0, size=224, batch=64),
+    "unet": dict(width=32, depth=4, size=256, batch=16),
+}
+BUDGETS = ("70%", "50%", "33%")
+REMAT = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
+         "offload_dot_with_no_batch_dims", "save_and_offload_only_these_names")
+PLANNERS = ("recompute", "hybrid", "lgm")
+MAX_BATCH = ("gpt2", "resnet18")  # models whose max batch the full run finds
+
+QUICK = dict(models=("gpt2", "resnet18"), budgets=("50%",),
+             remat=("dots_saveable", "offload_dot_with_no_batch_dims"),
+             planners=("recompute", "hybrid", "lgm"), max_batch=())
+
+
+def _provenance(argv) -> dict:
+  """The command, the commit and whether the tree was dirty."""
+  def git(*args):
+    try:
+      return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=30).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+      return None
+  commit = os.environ.get("JAXMEM_COMMIT") or git("rev-parse", "HEAD")
+  dirty = os.environ.get("JAXMEM_DIRTY")
+  if dirty is None:
+    status = git("status", "--porcelain", "--untracked-files=no")
+    dirty = None if commit is None else bool(status)
+  else:
+    dirty = dirty.lower() in ("1", "true", "yes")
+  return {"command": "python benchmarks/gpu.py " + " ".join(argv), "commit": commit,
+          "dirty": dirty, "date": datetime.date.today().isoformat()}
+
+
+class Runner:
+  """Launches worker processes (see ``gpu_worker.py``)."""
+
+  def __init__(self, dry_run: bool, repeats: int, timeout: float, lock: str | None,
+               log=print):
+    self.dry_run, self.repeats, self.timeout, self.lock = dry_run, repeats, timeout, lock
+    self.log = log
+    self.partial = None  # a JSON-lines file each record is appended to as it comes
+    self.env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
+                    XLA_PYTHON_CLIENT_MEM_FRACTION=str(MEM_FRACTION),
+                    PYTHONPATH=os.pathsep.join(
+                        p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+
+  def __call__(self, job: dict) -> dict:
+    job = dict(job, dry_run=self.dry_run, repeats=self.repeats, lock=self.lock)
+    label = " ".join(str(job[k]) for k in ("model", "method", "budget") if k in job)
+    start = time.perf_counter()
+    try:
+      done = subprocess.run([sys.executable, WORKER], input=json.dumps(job), text=True,
+                            capture_output=True, timeout=self.timeout, env=self.env)
+      marker = done.stdout.rfind("@@RESULT@@")
+      if marker < 0:
+        record = {"status": "crashed", "error": (done.stderr or "")[-2000:],
+                  "returncode": done.returncode}
+      else:
+        record = json.loads(done.stdout[marker + len("@@RESULT@@"):])
+    except subprocess.TimeoutExpired:
+      record = {"status": "timeout", "error": f"over {self.timeout:.0f} s"}
+    record["wall_s"] = time.perf_counter() - start
+    row = {**{k: v for k, v in job.items() if k not in ("profile", "lock")}, **record}
+    if self.partial:
+      with open(self.partial, "a") as handle:
+        handle.write(json.dumps(row, default=str) + "\n")
+    self.log(f"  {label or job['kind']}: {record['status']} ({record['wall_s']:.0f} s)"
+             + (f" {record.get('error', '')[:160]}" if record["status"] not in ("ok", "no-fit")
+                else ""))
+    return row
+
+
+def _budget_bytes(label: str, unconstrained: int) -> int:
+  return int(unconstrained * float(label.rstrip("%")) / 100)
+
+
+def _slop(budget: int, device_memory: int | None) -> int:
+  """XLA:GPU's memory-limit percentage nearest under ``budget``: its limit
+  is about 80% of device memory times the percentage."""
+  if not device_memory:
+    return 1
+  return max(1, math.floor(budget / (0.8 * device_memory) * 100))
+
+
+def plan_jobs(plan: dict, baselines: dict, device_memory: int | None, profile) -> list:
+  """Every measurement after the unmodified steps, longest first."""
+  jobs = []
+  for model in plan["models"]:
+    base = baselines[model]
+    common = dict(kind="measure", model=model, config=CONFIGS[model], profile=profile)
+    if not base.get("footprint"):
+      continue
+    for policy in plan["remat"]:
+      jobs.append(dict(common, method=f"remat:{policy}", budget="-", budget_bytes=None))
+    for label in plan["budgets"]:
+      budget = _budget_bytes(label, base["footprint"])
+      at = dict(common, budget=label, budget_bytes=budget)
+      jobs += [dict(at, method=f"jaxmem:{p}") for p in plan["planners"]]
+      jobs.append(dict(at, method="xla:remat", slop=_slop(budget, device_memory)))
+  for model in plan["max_batch"]:
+    base = baselines.get(model, {})
+    if not base.get("footprint"):
+      continue
+    batch = CONFIGS[model]["batch"]
+    for method in ("unconstrained", "jaxmem:hybrid"):
+      jobs.insert(0, dict(kind="maxbatch", model=model, config=CONFIGS[model],
+                          method=method, budget="100%", budget_bytes=base["footprint"],
+                          step=max(batch // 4, 1), limit=4 * batch, profile=profile))
+  return jobs
+
+
+def run(plan: dict, runner: Runner, workers: int, out: str | None) -> dict:
+  """Environment, calibration, unmodified steps, then everything else; each
+  record is also appended to ``rows.jsonl`` in the results folder as it
+  comes (a run cut short keeps what it measured)."""
+  env = runner({"kind": "env"})
+  out = out or _default_out(env)
+  os.makedirs(out, exist_ok=True)
+  runner.partial = os.path.join(out, "rows.jsonl")
+  profile = None
+  if not runner.dry_run and env.get("backend") not in (None, "cpu"):
+    profile = runner({"kind": "calibrate"}).get("profile")
+  device_memory = (env.get("bytes_limit") or 0) / MEM_FRACTION or None
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    first = [dict(kind="measure", model=m, config=CONFIGS[m], method="unconstrained",
+                  budget="-", budget_bytes=None, profile=profile) for m in plan["models"]]
+    baselines = {r["model"]: r for r in pool.map(runner, first)}
+    rows = list(pool.map(runner, plan_jobs(plan, baselines, device_memory, profile)))
+  rows = list(baselines.values()) + rows
+  for row in rows:
+    base = baselines.get(row.get("model"), {})
+    if row.get("step_ms") and base.get("step_ms"):
+      row["time_ratio"] = row["step_ms"] / base["step_ms"]
+  return {"environment": env, "profile": profile, "rows": rows, "out": out}
+
+
+def _default_out(env: dict) -> str:
+  device = str(env.get("device_kind") or "unknown").lower().replace(" ", "-")
+  return os.path.join(HERE, "results", f"{datetime.date.today().isoformat()}-{device}")
+
+
+def _gib(value) -> str:
+  return "-" if value is None else f"{value / 2**30:.2f}"
+
+
+def markdown(result: dict) -> str:
+  """Tables: every measurement; violations and offloads without S(5)."""
+  env, prov = result["environment"], result["provenance"]
+  lines = [f"# jaxmem on {env.get('device_kind')} ({env.get('backend')})", "",
+           f"Command: `{prov['command']}`; commit {prov['commit']} "
+           f"(dirty: {prov['dirty']}); {prov['date']}; JAX {env.get('jax')}.", "",
+           "| model | method | budget (GiB) | status | compiled (GiB) | measured peak (GiB) "
+           "| within budget | host (GiB) | S(5) | step ms | x unmodified | predicted x "
+           "(calibrated / h100) | planning s |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+  for r in result["rows"]:
+    if r["kind"] != "measure":
+      continue
+    budget = r.get("budget_bytes")
+    within = r.get("fits_measured", r.get("fits_compiled"))
+    predicted = " / ".join(f"{r[k]:.2f}" if r.get(k) is not None else "-"
+                           for k in ("predicted_ratio_calibrated", "predicted_ratio_preset"))
+    lines.append(
+        f"| {r['model']} | {r['method']} | {r['budget']} {_gib(budget)} | {r['status']} "
+        f"| {_gib(r.get('footprint') or r.get('smallest'))} | {_gib(r.get('peak_bytes'))} "
+        f"| {'-' if within is None or not budget else ('yes' if within else '**no**')} "
+        f"| {_gib(r.get('host_bytes'))} | {r.get('hlo_host_annotations', '-')} "
+        f"| {r['step_ms']:.1f} | {r.get('time_ratio', 0):.2f} | {predicted} "
+        f"| {r.get('planning_s', 0):.0f} |".replace("| None |", "| - |")
+        if r.get("step_ms") else
+        f"| {r['model']} | {r['method']} | {r['budget']} {_gib(budget)} | {r['status']} "
+        f"| {_gib(r.get('footprint') or r.get('smallest'))} | - | "
+        f"{'-' if r.get('fits_compiled') is None else r['fits_compiled']} "
+        f"| {_gib(r.get('host_bytes'))} | {r.get('hlo_host_annotations', '-')} | - | - "
+        f"| {predicted} | {r.get('planning_s', 0):.0f} |")
+  batches = [r for r in result["rows"] if r["kind"] == "maxbatch"]
+  if batches:
+    lines += ["", "Max batch under the unmodified step's footprint at the configured batch:",
+              "", "| model | method | budget (GiB) | max batch | measured peak (GiB) | status |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['method']} | {_gib(r['budget_bytes'])} "
+              f"| {r.get('max_batch', '-')} | {_gib(r.get('peak_bytes'))} | {r['status']} |"
+              for r in batches]
+  lines += ["", "Problems:", ""] + (problems(result) or ["none"])
+  return "\n".join(lines) + "\n"
+
+
+def problems(result: dict) -> list[str]:
+  """Budget violations, offload plans without host buffers, failures."""
+  found = []
+  for r in result["rows"]:
+    name = f"{r.get('model', '')} {r.get('method', r['kind'])} {r.get('budget', '')}".strip()
+    if r["status"] not in ("ok", "no-fit"):
+      found.append(f"- {name}: {r['status']}: {r.get('error', '')[:300]}")
+    if r.get("fits_measured") is False and r.get("method", "").startswith("jaxmem"):
+      found.append(f"- {name}: measured peak {_gib(r['peak_bytes'])} GiB over the "
+                   f"budget {_gib(r['budget_bytes'])} GiB")
+    offloads = r.get("plan_offloads") or "offload" in r.get("method", "")
+    if r["status"] == "ok" and offloads and r.get("hlo_host_annotations") == 0 \
+        and result["environment"].get("backend") != "cpu":
+      found.append(f"- {name}: an offload plan with no S(5) buffer in its HLO")
+  return found
+
+
+def parse(argv):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true",
+                      help="two models, one budget, fewer methods (<= 5 minutes on a GPU)")
+  parser.add_argument("--dry-run", action="store_true",
+                      help="lower and plan only; nothing runs (works on CPU)")
+  parser.add_argument("--models", nargs="+", choices=sorted(CONFIGS))
+  parser.add_argument("--budgets", nargs="+")
+  parser.add_argument("--out", help="results folder")
+  parser.add_argument("--workers", type=int,
+                      help="processes planning and compiling at once (default: cores / 2)")
+  parser.add_argument("--repeats", type=int, default=10, help="timed steps (median)")
+  parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
+  return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  args = parse(argv)
+  plan = dict(QUICK) if args.quick else dict(
+      models=tuple(CONFIGS), budgets=BUDGETS, remat=REMAT, planners=PLANNERS,
+      max_batch=MAX_BATCH)
+  if args.models:
+    plan["models"] = tuple(args.models)
+    plan["max_batch"] = tuple(m for m in plan["max_batch"] if m in args.models)
+  if args.budgets:
+    plan["budgets"] = tuple(args.budgets)
+  workers = args.workers or max(1, (os.cpu_count() or 2) // 2)
+  start = time.perf_counter()
+  with tempfile.TemporaryDirectory() as scratch:
+    runner = Runner(args.dry_run, args.repeats, args.timeout,
+                    None if args.dry_run else os.path.join(scratch, "gpu.lock"))
+    result = run(plan, runner, workers, args.out)
+  result["provenance"] = _provenance(argv)
+  result["plan"] = plan
+  result["seconds"] = time.perf_counter() - start
+  out = result.pop("out")
+  with open(os.path.join(out, "results.json"), "w") as handle:
+    json.dump(result, handle, indent=1, default=str)
+  text = markdown(result)
+  with open(os.path.join(out, "results.md"), "w") as handle:
+    handle.write(text)
+  print(text)
+  print(f"{len(result['rows'])} configurations in {result['seconds']:.0f} s; "
+        f"results in {out}")
+  failed = [r for r in result["rows"] if r["status"] not in ("ok", "no-fit")]
+  # A dry run checks the script itself: any failure is one. On a device,
+  # failures are results (reported above), not a failed run.
+  return 1 if args.dry_run and failed else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,294 @@
+"""One measurement of ``benchmarks/gpu.py``, in a process of its own.
+
+A process's allocator keeps one peak (``memory_stats()["peak_bytes_in_use"]``)
+that nothing resets, so every configuration runs in a fresh process: the
+peak it reads is that configuration's. The process reads a JSON job on
+stdin and writes one JSON record on stdout; whatever goes wrong (a
+``BudgetError``, an out-of-memory error, a JAX incompatibility) becomes the
+record's ``status`` and ``error``, never a crash of the whole run.
+
+Jobs (``job["kind"]``):
+  env        what the machine is: JAX version, backend, device kind, memory.
+  calibrate  ``jaxmem.calibrate()`` on the device, as a profile dict.
+  measure    one model x method x budget: compile (footprints, host bytes,
+             ``S(5)`` in the HLO), plan (jaxmem), run (peak, step time).
+  maxbatch   the largest batch of one method under a fixed budget, from
+             compiled footprints, then that batch run once for its peak.
+
+Several workers plan and compile at once; only one runs on the GPU at a
+time (a file lock around warm-up, peak reading and timing), so step times
+are not measured against each other's kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import traceback
+
+# Before JAX starts: allocate on demand (no preallocation), so the
+# allocator's peak is what the step needed.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+
+import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
+from jaxmem._devices import DeviceProfile, get_profile  # noqa: E402
+from jaxmem._evaluate import unplanned  # noqa: E402
+from jaxmem._fit import xla_footprint  # noqa: E402
+from jaxmem._perf import predict_schedule  # noqa: E402
+from jaxmem._zoo import models as _models  # noqa: E402
+from jaxmem.planners import PLANNERS  # noqa: E402
+
+PRESET = "h100"  # the preset nearest an H100/H200-class GPU
+HOST_SPACE = "S(5)"  # XLA's memory-space annotation of pinned host buffers
+
+
+def _analysis(compiled) -> dict:
+  """The compiled program's memory figures and host annotations."""
+  stats = compiled.memory_analysis()
+  fields = ("temp", "argument", "output", "alias", "host_temp", "host_argument",
+            "host_output")
+  record = {f"{f}_bytes": None if stats is None else int(getattr(stats, f"{f}_size_in_bytes", 0))
+            for f in fields}
+  record["footprint"] = xla_footprint(compiled)
+  record["host_bytes"] = sum(record[f"host_{f}_bytes"] or 0
+                             for f in ("temp", "argument", "output"))
+  try:
+    record["hlo_host_annotations"] = compiled.as_text().count(HOST_SPACE)
+  except Exception:  # noqa: BLE001 - some backends give no text
+    record["hlo_host_annotations"] = None
+  return record
+
+
+@contextlib.contextmanager
+def _gpu_lock(path: str | None):
+  """Holds ``path``'s lock (one process on the GPU at a time)."""
+  if not path:
+    yield
+    return
+  with open(path, "a") as handle:
+    fcntl.flock(handle, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _peak() -> int | None:
+  stats = jax.devices()[0].memory_stats() or {}
+  return stats.get("peak_bytes_in_use")
+
+
+def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
+  """Runs a compiled step: the allocator's peak after warm-up steps and the
+  median step time. The peak before the first run (compilation's autotuning
+  allocates too) is recorded; where the step did not raise it, the step's
+  own peak is hidden under it (``peak_masked``)."""
+  with _gpu_lock(lock):
+    before = _peak()
+    out = None
+    for _ in range(2):
+      out = jax.block_until_ready(compiled(*args))
+    peak = _peak()
+    times = []
+    for _ in range(max(repeats, 1)):
+      start = time.perf_counter()
+      out = jax.block_until_ready(compiled(*args))
+      times.append(time.perf_counter() - start)
+  loss = jax.tree_util.tree_leaves(out[1])[0] if isinstance(out, tuple) else None
+  return {"peak_bytes": peak, "peak_before_run": before,
+          "peak_masked": peak is not None and before is not None and peak <= before,
+          "step_ms": statistics.median(times) * 1e3,
+          "loss_finite": None if loss is None else bool(math.isfinite(float(loss)))}
+
+
+def _profile(job) -> DeviceProfile:
+  found = job.get("profile")
+  return DeviceProfile(**found) if found else get_profile(PRESET)
+
+
+def _task(job, batch: int | None = None):
+  method = job["method"]
+  remat = method.split(":", 1)[1] if method.startswith("remat:") else None
+  config = dict(job["config"], **({} if batch is None else {"batch": batch}))
+  return _models().get(job["model"], remat=remat, **config)
+
+
+def _arguments(task, dry_run: bool):
+  """Real arrays on the device, or shapes only for a dry run."""
+  return jax.eval_shape(task.init) if dry_run else task.init()
+
+
+def _predictions(schedule, graph, profile) -> dict:
+  """Predicted step time of a schedule on the calibrated profile and the
+  preset, with the untransformed step's beside them."""
+  record = {}
+  for label, device in (("calibrated", profile), ("preset", get_profile(PRESET))):
+    seconds = predict_schedule(schedule, device).seconds
+    base = predict_schedule(unplanned(graph, 0).schedule, device).seconds
+    record[f"predicted_ms_{label}"] = seconds * 1e3
+    record[f"predicted_ratio_{label}"] = seconds / base if base else None
+  return record
+
+
+def _compile_jaxmem(job, step, args, record) -> object | None:
+  """Plans and compiles a jaxmem method; None where the budget cannot be
+  met (``record`` says why)."""
+  planner = PLANNERS[job["method"].split(":", 1)[1]](device=_profile(job))
+  fitted = jaxmem.transform(step, budget=job["budget_bytes"], planner=planner)
+  start = time.perf_counter()
+  try:
+    fit = fitted.fit(*args)
+  except jaxmem.BudgetError as err:
+    record.update(status="no-fit", smallest=err.smallest,
+                  planning_s=time.perf_counter() - start)
+    return None
+  record.update(planning_s=time.perf_counter() - start, model_peak=fit.memory.peak,
+                plan_offloads=fit.result.plan.uses_host,
+                plan_size=len(fit.result.plan), added_flops=fit.added_flops,
+                base_flops=fit.base_flops)
+  record.update(_predictions(fit.memory.schedule, fit.graph, _profile(job)))
+  return fitted.lower(*args).compile()
+
+
+def _compile(job, step, args, record):
+  method = job["method"]
+  if method.startswith("jaxmem:"):
+    return _compile_jaxmem(job, step, args, record)
+  lowered = jax.jit(step).lower(*args)
+  if method == "xla:remat":
+    # XLA:GPU's own rematerialization, its limit scaled to the budget as
+    # closely as the integer percentage flag allows.
+    return _xla_remat(lowered, job["slop"], job["budget_bytes"], record)
+  compiled = lowered.compile()
+  if method == "unconstrained":
+    analysis = jaxmem.analyze(step, *args)
+    record.update(_predictions(analysis.memory.schedule, analysis.graph, _profile(job)))
+  return compiled
+
+
+def _xla_remat(lowered, slop: int, budget: int, record, tries: int = 3):
+  """XLA:GPU's own rematerialization at the largest memory-limit percentage
+  (``xla_gpu_memory_limit_slop_factor``) near ``slop`` whose compiled
+  footprint is within ``budget``; the smallest tried where none is."""
+  compile_at = lambda s: lowered.compile(
+      compiler_options={"xla_gpu_memory_limit_slop_factor": s})
+  tried = {slop: compile_at(slop)}
+  fits = lambda s: (xla_footprint(tried[s]) or 0) <= budget
+  step = 1 if fits(slop) else -1
+  while len(tried) < tries and 1 <= slop + step <= 100:
+    tried[slop + step] = compile_at(slop + step)
+    if fits(slop + step) != (step > 0):  # went over, or came under
+      slop = slop + step if step < 0 else slop
+      break
+    slop += step
+  record["xla_slop_percent"] = slop
+  record["xla_slop_tried"] = {s: xla_footprint(c) for s, c in tried.items()}
+  return tried[slop]
+
+
+def measure(job) -> dict:
+  """One model x method x budget (see the module docstring)."""
+  record = {"status": "ok"}
+  task = _task(job)
+  args = _arguments(task, job["dry_run"])
+  start = time.perf_counter()
+  compiled = _compile(job, task.step, args, record)
+  if compiled is None:
+    return record
+  record["compile_s"] = time.perf_counter() - start
+  record.update(_analysis(compiled))
+  if not job["dry_run"]:
+    record.update(_execute(compiled, args, job["repeats"], job.get("lock")))
+  budget = job.get("budget_bytes")
+  if budget:
+    record["fits_compiled"] = record["footprint"] is not None and record["footprint"] <= budget
+    if record.get("peak_bytes") is not None:
+      record["fits_measured"] = record["peak_bytes"] <= budget
+  return record
+
+
+def _fits(job, batch: int) -> bool:
+  """Whether ``job``'s method fits its budget at ``batch``, compiled only."""
+  task = _task(job, batch)
+  shapes = jax.eval_shape(task.init)
+  method = job["method"]
+  if method.startswith("jaxmem:"):
+    planner = PLANNERS[method.split(":", 1)[1]](device=_profile(job))
+    return jaxmem.transform(task.step, budget=job["budget_bytes"],
+                            planner=planner).can_fit(*shapes)
+  footprint = xla_footprint(jax.jit(task.step).lower(*shapes).compile())
+  return footprint is not None and footprint <= job["budget_bytes"]
+
+
+def max_batch(job) -> dict:
+  """The largest batch (in steps of ``job["step"]``, up to ``job["limit"]``)
+  at which the method fits the budget, by bisection over compiled
+  footprints; then, on a device, that batch run once for its peak."""
+  unit, limit = job["step"], job["limit"]
+  low, high, probes = 0, limit // unit + 1, []
+  while high - low > 1:
+    mid = (low + high) // 2
+    ok = _fits(job, mid * unit)
+    probes.append((mid * unit, ok))
+    low, high = (mid, high) if ok else (low, mid)
+  record = {"status": "ok", "max_batch": low * unit, "probes": probes}
+  if low and not job["dry_run"] and job["method"] == "unconstrained":
+    task = _task(job, low * unit)
+    args = task.init()
+    record.update(_execute(jax.jit(task.step).lower(*args).compile(), args, 3,
+                           job.get("lock")))
+  elif low and not job["dry_run"]:
+    task = _task(job, low * unit)
+    args = task.init()
+    planner = PLANNERS[job["method"].split(":", 1)[1]](device=_profile(job))
+    fitted = jaxmem.transform(task.step, budget=job["budget_bytes"], planner=planner)
+    record.update(_execute(fitted.lower(*args).compile(), args, 3, job.get("lock")))
+  if record.get("peak_bytes") is not None:
+    record["fits_measured"] = record["peak_bytes"] <= job["budget_bytes"]
+  return record
+
+
+def environment(job) -> dict:
+  device = jax.devices()[0]
+  stats = device.memory_stats() or {}
+  import jaxlib
+  return {"status": "ok", "jax": jax.__version__, "jaxlib": jaxlib.__version__,
+          "backend": jax.default_backend(), "device_kind": device.device_kind,
+          "devices": jax.device_count(), "bytes_limit": stats.get("bytes_limit"),
+          "memory_kinds": sorted(m.kind for m in device.addressable_memories()),
+          "python": sys.version.split()[0]}
+
+
+def calibrate(job) -> dict:
+  return {"status": "ok", "profile": dataclasses.asdict(jaxmem.calibrate())}
+
+
+JOBS = {"env": environment, "calibrate": calibrate, "measure": measure,
+        "maxbatch": max_batch}
+
+
+def main() -> None:
+  job = json.loads(sys.stdin.read())
+  start = time.perf_counter()
+  try:
+    record = JOBS[job["kind"]](job)
+  except Exception as err:  # noqa: BLE001 - every failure is a reported result
+    text = f"{type(err).__name__}: {err}"
+    oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+    record = {"status": "oom" if oom else "error", "error": text[:2000],
+              "traceback": traceback.format_exc()[-3000:]}
+  record["seconds"] = time.perf_counter() - start
+  sys.stdout.write("\n@@RESULT@@" + json.dumps(record, default=str) + "\n")
+
+
+if __name__ == "__main__":
+  main()
