@@ -14,6 +14,8 @@ Jobs (``job["kind"]``):
              ``S(5)`` in the HLO), plan (jaxmem), run (peak, step time).
   maxbatch   the largest batch of one method under a fixed budget, from
              compiled footprints, then that batch run once for its peak.
+  execute    a serialized executable run in a fresh process (the peak of a
+             process that compiled includes autotuning's buffers).
 
 Several workers plan and compile at once; only one runs on the GPU at a
 time (a file lock around warm-up, peak reading and timing), so step times
@@ -94,20 +96,64 @@ def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
   own peak is hidden under it (``peak_masked``)."""
   with _gpu_lock(lock):
     before = _peak()
-    out = None
-    for _ in range(2):
-      out = jax.block_until_ready(compiled(*args))
+    for _ in range(2):  # each result dropped before the next call, as in a loop
+      jax.block_until_ready(compiled(*args))
     peak = _peak()
-    times = []
+    times, loss = [], None
     for _ in range(max(repeats, 1)):
       start = time.perf_counter()
       out = jax.block_until_ready(compiled(*args))
       times.append(time.perf_counter() - start)
-  loss = jax.tree_util.tree_leaves(out[1])[0] if isinstance(out, tuple) else None
+      if isinstance(out, tuple) and len(out) > 1:
+        loss = jax.tree_util.tree_leaves(out[1])[0]
+      del out
   return {"peak_bytes": peak, "peak_before_run": before,
           "peak_masked": peak is not None and before is not None and peak <= before,
           "step_ms": statistics.median(times) * 1e3,
           "loss_finite": None if loss is None else bool(math.isfinite(float(loss)))}
+
+
+def _run_fresh(compiled, job, batch: int | None = None) -> dict:
+  """Runs a compiled step in a fresh process (``execute`` job), so that the
+  allocator's peak is the step's alone: compiling (autotuning) allocates in
+  this process. Falls back to running here where the executable cannot be
+  serialized (``peak_in_process`` says so)."""
+  import subprocess
+  import tempfile
+  from jax.experimental import serialize_executable
+  try:
+    payload, _, _ = serialize_executable.serialize(compiled)
+  except Exception as err:  # noqa: BLE001 - the fallback is reported
+    record = _execute(compiled, _arguments(_task(job, batch), False), job["repeats"],
+                      job.get("lock"))
+    return dict(record, peak_in_process=True, fresh_error=f"{type(err).__name__}: {err}"[:500])
+  with tempfile.NamedTemporaryFile(suffix=".xla", delete=False) as handle:
+    handle.write(payload)
+  try:
+    child = dict(job, kind="execute", executable=handle.name, batch=batch)
+    done = subprocess.run([sys.executable, __file__], input=json.dumps(child), text=True,
+                          capture_output=True, timeout=600)
+  finally:
+    os.unlink(handle.name)
+  marker = done.stdout.rfind("@@RESULT@@")
+  if marker < 0:
+    return {"status": "crashed", "error": done.stderr[-2000:]}
+  record = json.loads(done.stdout[marker + len("@@RESULT@@"):])
+  record.pop("seconds", None)
+  return record
+
+
+def execute(job) -> dict:
+  """Loads a serialized step and runs it on fresh arguments (see
+  :func:`_run_fresh`)."""
+  from jax.experimental import serialize_executable
+  task = _task(job, job.get("batch"))
+  args = task.init()
+  in_tree = jax.tree_util.tree_structure((tuple(args), {}))
+  out_tree = jax.tree_util.tree_structure(jax.eval_shape(task.step, *args))
+  with open(job["executable"], "rb") as handle:
+    compiled = serialize_executable.deserialize_and_load(handle.read(), in_tree, out_tree)
+  return dict(_execute(compiled, args, job["repeats"], job.get("lock")), status="ok")
 
 
 def _profile(job) -> DeviceProfile:
@@ -207,7 +253,8 @@ def measure(job) -> dict:
   record["compile_s"] = time.perf_counter() - start
   record.update(_analysis(compiled))
   if not job["dry_run"]:
-    record.update(_execute(compiled, args, job["repeats"], job.get("lock")))
+    del args  # the fresh process makes its own
+    record.update(_run_fresh(compiled, job))
   budget = job.get("budget_bytes")
   if budget:
     record["fits_compiled"] = record["footprint"] is not None and record["footprint"] <= budget
@@ -241,17 +288,17 @@ def max_batch(job) -> dict:
     probes.append((mid * unit, ok))
     low, high = (mid, high) if ok else (low, mid)
   record = {"status": "ok", "max_batch": low * unit, "probes": probes}
-  if low and not job["dry_run"] and job["method"] == "unconstrained":
+  if low and not job["dry_run"]:
     task = _task(job, low * unit)
-    args = task.init()
-    record.update(_execute(jax.jit(task.step).lower(*args).compile(), args, 3,
-                           job.get("lock")))
-  elif low and not job["dry_run"]:
-    task = _task(job, low * unit)
-    args = task.init()
-    planner = PLANNERS[job["method"].split(":", 1)[1]](device=_profile(job))
-    fitted = jaxmem.transform(task.step, budget=job["budget_bytes"], planner=planner)
-    record.update(_execute(fitted.lower(*args).compile(), args, 3, job.get("lock")))
+    shapes = jax.eval_shape(task.init)
+    if job["method"] == "unconstrained":
+      compiled = jax.jit(task.step).lower(*shapes).compile()
+    else:
+      planner = PLANNERS[job["method"].split(":", 1)[1]](device=_profile(job))
+      compiled = jaxmem.transform(task.step, budget=job["budget_bytes"],
+                                  planner=planner).lower(*shapes).compile()
+    record.update(_run_fresh(compiled, dict(job, repeats=3), low * unit))
+    record["status"] = "ok" if record.get("status", "ok") == "ok" else record["status"]
   if record.get("peak_bytes") is not None:
     record["fits_measured"] = record["peak_bytes"] <= job["budget_bytes"]
   return record
@@ -273,7 +320,7 @@ def calibrate(job) -> dict:
 
 
 JOBS = {"env": environment, "calibrate": calibrate, "measure": measure,
-        "maxbatch": max_batch}
+        "maxbatch": max_batch, "execute": execute}
 
 
 def main() -> None:

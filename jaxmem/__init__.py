@@ -25,9 +25,10 @@ Example:
 
 from jaxmem import _flags
 
-# XLA:CPU merges recomputation back into the forward pass unless this pass is
-# off (DESIGN.md fact 1); it must be in XLA_FLAGS before JAX's backend starts,
-# so it is set on import. It is a no-op for GPU pipelines.
+# XLA:CPU merges recomputation back into the forward pass unless a pass is off
+# (DESIGN.md fact 1). jaxmem's own steps carry that option per compilation; for
+# plain jax.jit of remat steps on CPU it goes into XLA_FLAGS before JAX's
+# backend starts, but only in a CPU-only process: XLA:GPU needs the pass.
 _flags.enable_cpu_remat(warn=False)
 
 from jaxmem._budget import Budget, BudgetError  # noqa: E402

@@ -76,7 +76,10 @@ def calibrate(device=None, *, matmul: int | None = None,
   n = matmul or (1024 if cpu else 4096)
   a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
   flops = 2.0 * n**3 / _seconds(jax.jit(jnp.matmul), a, a, repeats=repeats)
-  big = jax.device_put(jnp.ones(max(sizes) // 4, jnp.float32), device)
+  # On an accelerator a 16 MiB op is over before the launch overhead is paid;
+  # 256 MiB reads the memory's bandwidth, not the dispatch's.
+  elementwise = max(sizes) if cpu else max(max(sizes), 2**28)
+  big = jax.device_put(jnp.ones(elementwise // 4, jnp.float32), device)
   bandwidth = 2.0 * big.nbytes / _seconds(jax.jit(lambda x: x * 2.0), big,
                                          repeats=repeats)
   d2h, h2d, latency = _link(device, sizes, repeats)
@@ -91,7 +94,7 @@ def calibrate(device=None, *, matmul: int | None = None,
       unified=unified,
       source=f"jaxmem.calibrate() on {kind} ({device.platform}), "
              f"{time.strftime('%Y-%m-%d')}: {n}x{n} fp32 matmul, "
-             f"{max(sizes)}-byte elementwise op, copies of {list(sizes)} bytes")
+             f"{elementwise}-byte elementwise op, copies of {list(sizes)} bytes")
 
 
 def _host_memory() -> int:

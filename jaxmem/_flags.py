@@ -1,24 +1,47 @@
-"""XLA flags that memory measurements on CPU depend on.
+"""The XLA option that recomputation on CPU depends on, and where it applies.
 
-XLA:CPU runs the ``cse_barrier_expander`` pass, which removes optimization
-barriers; common-subexpression elimination then merges every recomputation
-back into the forward pass, so a rematerialized step is *larger* on CPU than
-the plain one (DESIGN.md fact 1: 65 MiB plain, 96 MiB with per-layer
-``jax.checkpoint``, 34 MiB with the pass disabled). jaxmem's recomputation is
-tied in place with optimization barriers, so on CPU the pass must be off for
-the rewritten step to keep its savings. GPU pipelines keep barriers anyway, so
-the flag is harmless there.
+XLA:CPU runs the ``cse_barrier_expander`` pass early, which removes
+optimization barriers; common-subexpression elimination then merges every
+recomputation back into the forward pass, so a rematerialized step is
+*larger* on CPU than the plain one (DESIGN.md fact 1: 65 MiB plain, 96 MiB
+with per-layer ``jax.checkpoint``, 34 MiB with the pass disabled).
 
-XLA reads ``XLA_FLAGS`` once, when JAX starts its first backend; the flag has
-to be in the environment before that.
+XLA:GPU needs that pass: it is how barriers are lowered there. With it
+disabled, every program holding a barrier (``jax.checkpoint``'s too) fails
+to compile with "Unsupported instruction opcode: opt-barrier" (measured on
+an H200, JAX 0.11.2). So the option is never global where an accelerator
+may run:
+
+* :func:`compiler_options` gives the option per compilation, for CPU only;
+  jaxmem compiles its own steps with it, whatever the process's flags.
+* :func:`enable_cpu_remat` puts it into ``XLA_FLAGS`` (for steps compiled by
+  plain ``jax.jit``, such as hand-written remat baselines measured on CPU)
+  only in a process that can run on nothing but the CPU. ``import jaxmem``
+  calls it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pkgutil
 import warnings
 
-CPU_REMAT_FLAG = "--xla_disable_hlo_passes=cse_barrier_expander"
+CPU_REMAT_PASS = "cse_barrier_expander"
+CPU_REMAT_FLAG = f"--xla_disable_hlo_passes={CPU_REMAT_PASS}"
+
+
+def compiler_options(platform: str) -> dict[str, str]:
+  """``jax.jit`` compiler options that keep recomputation on ``platform``:
+  the barrier pass off on CPU, nothing elsewhere.
+
+  Example:
+    >>> compiler_options("cpu")
+    {'xla_disable_hlo_passes': 'cse_barrier_expander'}
+    >>> compiler_options("gpu")
+    {}
+  """
+  return {"xla_disable_hlo_passes": CPU_REMAT_PASS} if platform == "cpu" else {}
 
 
 def _backend_started() -> bool:
@@ -29,34 +52,69 @@ def _backend_started() -> bool:
   return bool(getattr(xla_bridge, "_backends", None))
 
 
+def _accelerator_plugins() -> list[str]:
+  """JAX plugins (CUDA, ROCm, TPU, ...) installed in this environment."""
+  from importlib import metadata
+  found = [entry.name for entry in metadata.entry_points(group="jax_plugins")]
+  try:
+    import jax_plugins  # the namespace package plugins install into
+    found += [module.name for module in pkgutil.iter_modules(jax_plugins.__path__)]
+  except ImportError:
+    pass
+  if importlib.util.find_spec("libtpu") is not None:
+    found.append("libtpu")
+  return found
+
+
+def cpu_only() -> bool:
+  """Whether this process can run JAX on nothing but the CPU:
+  ``JAX_PLATFORMS`` names only ``cpu``, or no accelerator plugin is installed."""
+  platforms = os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME")
+  if platforms:
+    return {p.strip().lower() for p in platforms.split(",") if p.strip()} <= {"cpu"}
+  return not _accelerator_plugins()
+
+
 def flag_is_set() -> bool:
   """Whether ``XLA_FLAGS`` carries the flag that keeps remat on XLA:CPU."""
   return CPU_REMAT_FLAG in os.environ.get("XLA_FLAGS", "")
 
 
 def enable_cpu_remat(*, warn: bool = True) -> bool:
-  """Puts the flag that keeps rematerialization on XLA:CPU into ``XLA_FLAGS``.
+  """Puts the flag that keeps rematerialization on XLA:CPU into ``XLA_FLAGS``,
+  where the process runs on the CPU alone (see the module docstring).
 
   Call it before the first JAX computation (``import jaxmem`` does). It returns
-  whether the flag is in force for this process.
+  whether the flag is in force for this process. Steps that jaxmem compiles
+  do not need it (they carry the option themselves); plain ``jax.jit`` of a
+  ``jax.checkpoint`` step measured on CPU does.
 
   Example:
     >>> import jaxmem
-    >>> jaxmem.enable_cpu_remat()
+    >>> jaxmem.enable_cpu_remat() == jaxmem._flags.cpu_only()
     True
   """
   if flag_is_set():
     return True
+  if not cpu_only():
+    if warn:
+      warnings.warn(
+          f"jaxmem: not setting {CPU_REMAT_FLAG!r}: this process can run on an "
+          f"accelerator ({', '.join(_accelerator_plugins()) or 'JAX_PLATFORMS'}), "
+          "whose XLA needs that pass to compile programs with optimization "
+          "barriers. jaxmem's own steps carry the option on CPU anyway. To "
+          "measure plain jax.checkpoint steps on CPU, run with JAX_PLATFORMS=cpu.",
+          stacklevel=2)
+    return False
   if _backend_started():
     if warn:
       warnings.warn(
           "jaxmem: JAX's backend started before the XLA flag "
-          f"{CPU_REMAT_FLAG!r} was set, so on CPU the compiler will merge "
-          "recomputations back into the forward pass and memory figures will "
-          "not show jaxmem's savings. Fix: `import jaxmem` before running any "
-          "JAX computation, or export XLA_FLAGS="
-          f"{CPU_REMAT_FLAG} before starting Python.",
-          stacklevel=2)
+          f"{CPU_REMAT_FLAG!r} was set, so on CPU plain jax.jit will merge "
+          "recomputations back into the forward pass (jaxmem's own steps are "
+          "not affected). Fix: `import jaxmem` before running any JAX "
+          f"computation, or export XLA_FLAGS={CPU_REMAT_FLAG} before starting "
+          "Python.", stacklevel=2)
     return False
   flags = os.environ.get("XLA_FLAGS", "")
   os.environ["XLA_FLAGS"] = (flags + " " + CPU_REMAT_FLAG).strip()

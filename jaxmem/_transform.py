@@ -205,10 +205,11 @@ class Transformed:
              find_smallest: bool = True) -> Fit | None:
     """Traces, analyzes and runs the fit loop (:class:`~jaxmem._fit.Fitter`)."""
     start = time.perf_counter()
-    _flags.enable_cpu_remat()
+    options = _flags.compiler_options(_platform(leaves))
     closed, _, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
     graph = build_graph(closed)
-    baseline = jax.jit(jex.jaxpr_as_fun(closed)).lower(*leaves).compile()
+    baseline = jax.jit(jex.jaxpr_as_fun(closed), compiler_options=options or None
+                       ).lower(*leaves).compile()
     base_memory = evaluate(graph, Plan())[1]
     unconstrained = xla_footprint(baseline)
     if unconstrained is None:
@@ -220,7 +221,7 @@ class Transformed:
           "is compiled unchanged.", stacklevel=4)
 
     def jit(candidate: Candidate):
-      jitted = self._jit(candidate, out_tree)
+      jitted = self._jit(candidate, out_tree, options)
       return jitted, jitted.lower(*args, **kwargs).compile()
 
     fitter = Fitter(graph, self.planner, self.budget.resolve(unconstrained), unconstrained,
@@ -234,7 +235,10 @@ class Transformed:
                sum(n.flops for n in graph.nodes), attempts, time.perf_counter() - start,
                trial.jitted)
 
-  def _jit(self, candidate: Candidate, out_tree):
+  def _jit(self, candidate: Candidate, out_tree, options: dict):
+    """The ``jax.jit`` of a candidate's emitted step; ``options`` (compiler
+    options that keep recomputation, :func:`_flags.compiler_options`) go
+    under any the user passed."""
     run_flat = emit(candidate.schedule)
     statics, static_names = self.static_argnums, self.static_argnames
 
@@ -243,8 +247,21 @@ class Transformed:
           _split_static(args, kwargs, statics, static_names))
       return jax.tree_util.tree_unflatten(out_tree, run_flat(*leaves))
 
-    return jax.jit(run, static_argnums=statics, static_argnames=static_names,
-                   **self.jit_kwargs)
+    kwargs = dict(self.jit_kwargs)
+    kwargs["compiler_options"] = {**options, **(kwargs.get("compiler_options") or {})} or None
+    return jax.jit(run, static_argnums=statics, static_argnames=static_names, **kwargs)
+
+
+def _platform(leaves) -> str:
+  """The platform the step's concrete array arguments live on (the default
+  backend's where none is concrete, e.g. under an outer ``jax.jit``)."""
+  for leaf in leaves:
+    if isinstance(leaf, jax.Array):
+      try:
+        return next(iter(leaf.devices())).platform
+      except Exception:  # noqa: BLE001 - a tracer has no devices
+        continue
+  return jax.default_backend()
 
 
 def transform(fun: Callable, budget, *, planner="recompute",

@@ -1,0 +1,72 @@
+"""Where the XLA:CPU option that keeps recomputation applies (jaxmem._flags).
+
+XLA:GPU cannot compile optimization barriers with the pass disabled, so the
+option must never be global where an accelerator may run; jaxmem's own steps
+carry it per compilation on CPU instead.
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxmem import _flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_compiler_options_only_on_cpu():
+  assert _flags.compiler_options("cpu") == {"xla_disable_hlo_passes": "cse_barrier_expander"}
+  assert _flags.compiler_options("gpu") == {}
+  assert _flags.compiler_options("tpu") == {}
+
+
+@pytest.mark.parametrize("platforms, expected", [
+    ("cpu", True), ("cuda", False), ("cpu,cuda", False), ("tpu", False)])
+def test_cpu_only_reads_jax_platforms(monkeypatch, platforms, expected):
+  monkeypatch.setenv("JAX_PLATFORMS", platforms)
+  assert _flags.cpu_only() is expected
+
+
+def test_no_global_flag_where_an_accelerator_may_run(monkeypatch):
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_foo=1")
+  with pytest.warns(UserWarning, match="needs that pass"):
+    assert _flags.enable_cpu_remat() is False
+  assert os.environ["XLA_FLAGS"] == "--xla_foo=1"
+
+
+def test_fitted_step_keeps_recomputation_without_the_global_flag():
+  """A process whose backend starts before jaxmem is imported never gets the
+  global flag; jaxmem's compiled step still keeps its recomputation (without
+  the per-compilation option, XLA:CPU merges it back and the budget fails)."""
+  script = textwrap.dedent("""
+      import os, jax, jax.numpy as jnp
+      jnp.ones(1).block_until_ready()  # the backend starts here
+      import jaxmem
+      from jaxmem._fit import xla_footprint
+      assert "cse_barrier_expander" not in os.environ.get("XLA_FLAGS", "")
+
+      def step(w, x):
+        def loss(w):
+          h = x
+          for _ in range(16):
+            h = jnp.tanh(h @ w)
+          return jnp.sum(h * h)
+        return jax.grad(loss)(w)
+
+      w, x = jnp.full((128, 128), 0.01), jnp.ones((512, 128))
+      plain = xla_footprint(jax.jit(step).lower(w, x).compile())
+      fitted = jaxmem.transform(step, budget=int(0.6 * plain))
+      compiled = fitted.lower(w, x).compile()
+      assert xla_footprint(compiled) <= int(0.6 * plain), (xla_footprint(compiled), plain)
+      assert jnp.allclose(fitted(w, x), jax.jit(step)(w, x), rtol=1e-5, atol=1e-6)
+      print("ok")
+  """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="",
+             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+  done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                        text=True, timeout=300)
+  assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
