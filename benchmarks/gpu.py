@@ -168,7 +168,7 @@ def plan_jobs(plan: dict, baselines: dict, device_memory: int | None, profile) -
     for method in ("unconstrained", "jaxmem:hybrid"):
       jobs.insert(0, dict(kind="maxbatch", model=model, config=CONFIGS[model],
                           method=method, budget="100%", budget_bytes=base["footprint"],
-                          step=max(batch // 4, 1), limit=4 * batch, profile=profile))
+                          step=max(batch // 2, 1), limit=3 * batch, profile=profile))
   return jobs
 
 
@@ -186,7 +186,8 @@ def run(plan: dict, runner: Runner, workers: int, out: str | None) -> dict:
   device_memory = (env.get("bytes_limit") or 0) / MEM_FRACTION or None
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     first = [dict(kind="measure", model=m, config=CONFIGS[m], method="unconstrained",
-                  budget="-", budget_bytes=None, profile=profile) for m in plan["models"]]
+                  budget="-", budget_bytes=None, profile=profile)
+             for m in dict.fromkeys(plan["models"] + plan["max_batch"])]
     baselines = {r["model"]: r for r in pool.map(runner, first)}
     rows = list(pool.map(runner, plan_jobs(plan, baselines, device_memory, profile)))
   rows = list(baselines.values()) + rows
@@ -271,8 +272,11 @@ def parse(argv):
                       help="two models, one budget, fewer methods (<= 5 minutes on a GPU)")
   parser.add_argument("--dry-run", action="store_true",
                       help="lower and plan only; nothing runs (works on CPU)")
-  parser.add_argument("--models", nargs="+", choices=sorted(CONFIGS))
+  parser.add_argument("--models", nargs="*", choices=sorted(CONFIGS))
   parser.add_argument("--budgets", nargs="+")
+  parser.add_argument("--max-batch", nargs="*", choices=sorted(CONFIGS),
+                      help="models whose max batch is found (default: "
+                           f"{' '.join(MAX_BATCH)} in a full run, none with --quick)")
   parser.add_argument("--out", help="results folder")
   parser.add_argument("--workers", type=int,
                       help="processes planning and compiling at once (default: cores / 2)")
@@ -287,9 +291,10 @@ def main(argv=None) -> int:
   plan = dict(QUICK) if args.quick else dict(
       models=tuple(CONFIGS), budgets=BUDGETS, remat=REMAT, planners=PLANNERS,
       max_batch=MAX_BATCH)
-  if args.models:
+  if args.models is not None:
     plan["models"] = tuple(args.models)
-    plan["max_batch"] = tuple(m for m in plan["max_batch"] if m in args.models)
+  if args.max_batch is not None:
+    plan["max_batch"] = tuple(args.max_batch)
   if args.budgets:
     plan["budgets"] = tuple(args.budgets)
   workers = args.workers or max(1, (os.cpu_count() or 2) // 2)
