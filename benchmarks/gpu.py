@@ -277,6 +277,8 @@ def parse(argv):
   parser.add_argument("--max-batch", nargs="*", choices=sorted(CONFIGS),
                       help="models whose max batch is found (default: "
                            f"{' '.join(MAX_BATCH)} in a full run, none with --quick)")
+  parser.add_argument("--planners", nargs="*", choices=PLANNERS, help="jaxmem planners")
+  parser.add_argument("--remat", nargs="*", choices=REMAT, help="per-block remat policies")
   parser.add_argument("--out", help="results folder")
   parser.add_argument("--workers", type=int,
                       help="processes planning and compiling at once (default: cores / 2)")
@@ -295,6 +297,9 @@ def main(argv=None) -> int:
     plan["models"] = tuple(args.models)
   if args.max_batch is not None:
     plan["max_batch"] = tuple(args.max_batch)
+  for option in ("planners", "remat"):
+    if getattr(args, option) is not None:
+      plan[option] = tuple(getattr(args, option))
   if args.budgets:
     plan["budgets"] = tuple(args.budgets)
   workers = args.workers or max(1, (os.cpu_count() or 2) // 2)
