@@ -281,7 +281,9 @@ def parse(argv):
   parser.add_argument("--remat", nargs="*", choices=REMAT, help="per-block remat policies")
   parser.add_argument("--out", help="results folder")
   parser.add_argument("--workers", type=int,
-                      help="processes planning and compiling at once (default: cores / 2)")
+                      help="processes planning and compiling at once (default: cores / 4, "
+                           "at most 4: compiling autotunes on the GPU, and ten at once "
+                           "ran an H200 out of memory)")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps (median)")
   parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
   return parser.parse_args(argv)
@@ -302,7 +304,7 @@ def main(argv=None) -> int:
       plan[option] = tuple(getattr(args, option))
   if args.budgets:
     plan["budgets"] = tuple(args.budgets)
-  workers = args.workers or max(1, (os.cpu_count() or 2) // 2)
+  workers = args.workers or min(4, max(1, (os.cpu_count() or 2) // 4))
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as scratch:
     runner = Runner(args.dry_run, args.repeats, args.timeout,

@@ -148,7 +148,7 @@ def execute(job) -> dict:
   :func:`_run_fresh`)."""
   from jax.experimental import serialize_executable
   task = _task(job, job.get("batch"))
-  args = task.init()
+  args = _arguments(task, False)
   in_tree = jax.tree_util.tree_structure((tuple(args), {}))
   out_tree = jax.tree_util.tree_structure(jax.eval_shape(task.step, *args))
   with open(job["executable"], "rb") as handle:
@@ -169,8 +169,15 @@ def _task(job, batch: int | None = None):
 
 
 def _arguments(task, dry_run: bool):
-  """Real arrays on the device, or shapes only for a dry run."""
-  return jax.eval_shape(task.init) if dry_run else task.init()
+  """Real arrays on the device, or shapes only for a dry run. The arrays are
+  made on the host and copied over: made on the device, the initializer's
+  own temporaries (6 GiB for the U-Net's batch) would set the allocator's
+  peak above the step's."""
+  if dry_run:
+    return jax.eval_shape(task.init)
+  with jax.default_device(jax.devices("cpu")[0]):
+    args = task.init()
+  return jax.device_put(args, jax.devices()[0])
 
 
 def _predictions(schedule, graph, profile) -> dict:
