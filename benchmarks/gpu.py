@@ -107,6 +107,12 @@ class Runner:
                     PYTHONPATH=os.pathsep.join(
                         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
 
+  def save(self, row: dict) -> None:
+    """Appends ``row`` to the run's JSON-lines file (once it has one)."""
+    if self.partial:
+      with open(self.partial, "a") as handle:
+        handle.write(json.dumps(row, default=str) + "\n")
+
   def __call__(self, job: dict) -> dict:
     job = dict(job, dry_run=self.dry_run, repeats=self.repeats, lock=self.lock)
     label = " ".join(str(job[k]) for k in ("model", "method", "budget") if k in job)
@@ -124,9 +130,7 @@ class Runner:
       record = {"status": "timeout", "error": f"over {self.timeout:.0f} s"}
     record["wall_s"] = time.perf_counter() - start
     row = {**{k: v for k, v in job.items() if k not in ("profile", "lock")}, **record}
-    if self.partial:
-      with open(self.partial, "a") as handle:
-        handle.write(json.dumps(row, default=str) + "\n")
+    self.save(row)
     self.log(f"  {label or job['kind']}: {record['status']} ({record['wall_s']:.0f} s)"
              + (f" {record.get('error', '')[:160]}" if record["status"] not in ("ok", "no-fit")
                 else ""))
@@ -172,30 +176,61 @@ def plan_jobs(plan: dict, baselines: dict, device_memory: int | None, profile) -
   return jobs
 
 
-def run(plan: dict, runner: Runner, workers: int, out: str | None) -> dict:
-  """Environment, calibration, unmodified steps, then everything else; each
-  record is also appended to ``rows.jsonl`` in the results folder as it
-  comes (a run cut short keeps what it measured)."""
+def run(plan: dict, runner: Runner, workers: int, out: str | None,
+        provenance: dict) -> tuple[list[dict], str]:
+  """Environment, calibration, unmodified steps, then everything else: every
+  record, in the order it came, and the results folder. Each record is also
+  appended to ``rows.jsonl`` there as it comes (a run cut short keeps what it
+  measured; ``--render`` makes the tables from it)."""
   env = runner({"kind": "env"})
   out = out or _default_out(env)
   os.makedirs(out, exist_ok=True)
   runner.partial = os.path.join(out, "rows.jsonl")
+  rows = [dict(provenance, kind="provenance", status="ok", plan=plan), env]
+  for row in rows:
+    runner.save(row)
   profile = None
   if not runner.dry_run and env.get("backend") not in (None, "cpu"):
-    profile = runner({"kind": "calibrate"}).get("profile")
+    rows.append(runner({"kind": "calibrate"}))
+    profile = rows[-1].get("profile")
   device_memory = (env.get("bytes_limit") or 0) / MEM_FRACTION or None
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
     first = [dict(kind="measure", model=m, config=CONFIGS[m], method="unconstrained",
                   budget="-", budget_bytes=None, profile=profile)
              for m in dict.fromkeys(plan["models"] + plan["max_batch"])]
     baselines = {r["model"]: r for r in pool.map(runner, first)}
-    rows = list(pool.map(runner, plan_jobs(plan, baselines, device_memory, profile)))
-  rows = list(baselines.values()) + rows
-  for row in rows:
-    base = baselines.get(row.get("model"), {})
-    if row.get("step_ms") and base.get("step_ms"):
-      row["time_ratio"] = row["step_ms"] / base["step_ms"]
-  return {"environment": env, "profile": profile, "rows": rows, "out": out}
+    rows += list(baselines.values())
+    rows += list(pool.map(runner, plan_jobs(plan, baselines, device_memory, profile)))
+  return rows, out
+
+
+def assemble(rows: list[dict]) -> dict:
+  """The results document from a run's records: provenance, environment,
+  calibrated profile, and the measurements with step-time ratios to each
+  model's unmodified step."""
+  first = lambda kind: next((r for r in rows if r["kind"] == kind), {})
+  measured = [dict(r) for r in rows if r["kind"] in ("measure", "maxbatch")]
+  base = {r["model"]: r for r in measured if r.get("method") == "unconstrained"
+          and r["kind"] == "measure"}
+  for row in measured:
+    unmodified = base.get(row["model"], {})
+    if row.get("step_ms") and unmodified.get("step_ms"):
+      row["time_ratio"] = row["step_ms"] / unmodified["step_ms"]
+  provenance = {k: first("provenance").get(k) for k in ("command", "commit", "dirty", "date")}
+  return {"provenance": provenance, "plan": first("provenance").get("plan"),
+          "environment": first("env"), "profile": first("calibrate").get("profile"),
+          "rows": measured}
+
+
+def write(result: dict, out: str) -> str:
+  """``results.json`` and ``results.md`` in ``out``; returns the markdown."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, "results.json"), "w") as handle:
+    json.dump(result, handle, indent=1, default=str)
+  text = markdown(result)
+  with open(os.path.join(out, "results.md"), "w") as handle:
+    handle.write(text)
+  return text
 
 
 def _default_out(env: dict) -> str:
@@ -207,36 +242,35 @@ def _gib(value) -> str:
   return "-" if value is None else f"{value / 2**30:.2f}"
 
 
+def _cells(r: dict) -> list[str]:
+  """One measurement's cells of the main table."""
+  number = lambda key, fmt: "-" if r.get(key) is None else format(r[key], fmt)
+  budget = r.get("budget_bytes")
+  within = r.get("fits_measured", r.get("fits_compiled"))
+  return [r["model"], r["method"], f"{r['budget']} ({_gib(budget)})" if budget else "-",
+          r["status"], _gib(r.get("footprint") or r.get("smallest")), _gib(r.get("peak_bytes")),
+          "-" if within is None or not budget else ("yes" if within else "**no**"),
+          _gib(r.get("host_bytes")), number("hlo_host_annotations", "d"),
+          number("step_ms", ".1f"), number("time_ratio", ".2f"),
+          f"{number('predicted_ms_calibrated', '.1f')} / {number('predicted_ms_preset', '.1f')}",
+          number("planning_s", ".0f")]
+
+
 def markdown(result: dict) -> str:
-  """Tables: every measurement; violations and offloads without S(5)."""
+  """Tables: every measurement, max batches, and the problems found."""
   env, prov = result["environment"], result["provenance"]
+  header = ["model", "method", "budget (GiB)", "status", "compiled (GiB)",
+            "measured peak (GiB)", "within budget", "host (GiB)", "S(5)", "step ms",
+            "x unmodified", "predicted ms (calibrated / h100)", "planning s"]
   lines = [f"# jaxmem on {env.get('device_kind')} ({env.get('backend')})", "",
            f"Command: `{prov['command']}`; commit {prov['commit']} "
            f"(dirty: {prov['dirty']}); {prov['date']}; JAX {env.get('jax')}.", "",
-           "| model | method | budget (GiB) | status | compiled (GiB) | measured peak (GiB) "
-           "| within budget | host (GiB) | S(5) | step ms | x unmodified | predicted x "
-           "(calibrated / h100) | planning s |",
-           "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-  for r in result["rows"]:
-    if r["kind"] != "measure":
-      continue
-    budget = r.get("budget_bytes")
-    within = r.get("fits_measured", r.get("fits_compiled"))
-    predicted = " / ".join(f"{r[k]:.2f}" if r.get(k) is not None else "-"
-                           for k in ("predicted_ratio_calibrated", "predicted_ratio_preset"))
-    lines.append(
-        f"| {r['model']} | {r['method']} | {r['budget']} {_gib(budget)} | {r['status']} "
-        f"| {_gib(r.get('footprint') or r.get('smallest'))} | {_gib(r.get('peak_bytes'))} "
-        f"| {'-' if within is None or not budget else ('yes' if within else '**no**')} "
-        f"| {_gib(r.get('host_bytes'))} | {r.get('hlo_host_annotations', '-')} "
-        f"| {r['step_ms']:.1f} | {r.get('time_ratio', 0):.2f} | {predicted} "
-        f"| {r.get('planning_s', 0):.0f} |".replace("| None |", "| - |")
-        if r.get("step_ms") else
-        f"| {r['model']} | {r['method']} | {r['budget']} {_gib(budget)} | {r['status']} "
-        f"| {_gib(r.get('footprint') or r.get('smallest'))} | - | "
-        f"{'-' if r.get('fits_compiled') is None else r['fits_compiled']} "
-        f"| {_gib(r.get('host_bytes'))} | {r.get('hlo_host_annotations', '-')} | - | - "
-        f"| {predicted} | {r.get('planning_s', 0):.0f} |")
+           "Compiled: XLA's footprint (temp + arguments + outputs - aliases; for a "
+           "budget jaxmem cannot meet, the smallest it reaches). Measured peak: "
+           "`peak_bytes_in_use` of a fresh process running the serialized step.", "",
+           "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]
+            if r["kind"] == "measure"]
   batches = [r for r in result["rows"] if r["kind"] == "maxbatch"]
   if batches:
     lines += ["", "Max batch under the unmodified step's footprint at the configured batch:",
@@ -280,6 +314,9 @@ def parse(argv):
   parser.add_argument("--planners", nargs="*", choices=PLANNERS, help="jaxmem planners")
   parser.add_argument("--remat", nargs="*", choices=REMAT, help="per-block remat policies")
   parser.add_argument("--out", help="results folder")
+  parser.add_argument("--render", nargs="+", metavar="ROWS",
+                      help="make results.json and results.md from the rows.jsonl files of "
+                           "runs (one cut short included) instead of running")
   parser.add_argument("--workers", type=int,
                       help="processes planning and compiling at once (default: cores / 4, "
                            "at most 4: compiling autotunes on the GPU, and ten at once "
@@ -304,25 +341,22 @@ def main(argv=None) -> int:
       plan[option] = tuple(getattr(args, option))
   if args.budgets:
     plan["budgets"] = tuple(args.budgets)
+  if args.render:
+    rows = [json.loads(line) for path in args.render for line in open(path) if line.strip()]
+    print(write(assemble(rows), args.out or os.path.dirname(os.path.abspath(args.render[0]))))
+    return 0
   workers = args.workers or min(4, max(1, (os.cpu_count() or 2) // 4))
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as scratch:
     runner = Runner(args.dry_run, args.repeats, args.timeout,
                     None if args.dry_run else os.path.join(scratch, "gpu.lock"))
-    result = run(plan, runner, workers, args.out)
-  result["provenance"] = _provenance(argv)
-  result["plan"] = plan
+    rows, out = run(plan, runner, workers, args.out, _provenance(argv))
+  result = assemble(rows)
   result["seconds"] = time.perf_counter() - start
-  out = result.pop("out")
-  with open(os.path.join(out, "results.json"), "w") as handle:
-    json.dump(result, handle, indent=1, default=str)
-  text = markdown(result)
-  with open(os.path.join(out, "results.md"), "w") as handle:
-    handle.write(text)
-  print(text)
+  print(write(result, out))
   print(f"{len(result['rows'])} configurations in {result['seconds']:.0f} s; "
         f"results in {out}")
-  failed = [r for r in result["rows"] if r["status"] not in ("ok", "no-fit")]
+  failed = [r for r in rows if r["status"] not in ("ok", "no-fit")]
   # A dry run checks the script itself: any failure is one. On a device,
   # failures are results (reported above), not a failed run.
   return 1 if args.dry_run and failed else 0

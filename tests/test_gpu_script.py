@@ -1,0 +1,99 @@
+"""benchmarks/gpu.py, the prepared GPU check, works before it meets a GPU.
+
+CI has no GPU: the dry run (lowering and planning only) walks the script's
+configurations on CPU, and the report's judgments (budget violations,
+offload plans without host buffers, ratios) are checked on records made here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import gpu  # noqa: E402
+
+GIB = 2**30
+
+
+def _dry_run(tmp_path, *options):
+  out = tmp_path / "out"
+  done = subprocess.run(
+      [sys.executable, os.path.join(ROOT, "benchmarks", "gpu.py"), "--dry-run", "--quick",
+       "--out", str(out), *options],
+      capture_output=True, text=True, timeout=1800, cwd=ROOT)
+  assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+  return json.loads((out / "results.json").read_text()), (out / "results.md").read_text()
+
+
+def test_dry_run_plans_and_lowers_every_kind_of_method(tmp_path):
+  """One model through every kind of method: the unmodified step, a remat
+  offload policy, a jaxmem planner, XLA's own remat."""
+  result, text = _dry_run(tmp_path, "--models", "resnet18", "--planners", "lgm",
+                          "--budgets", "80%", "--remat", "offload_dot_with_no_batch_dims")
+  rows = {r["method"]: r for r in result["rows"]}
+  assert set(rows) == {"unconstrained", "remat:offload_dot_with_no_batch_dims",
+                       "jaxmem:lgm", "xla:remat"}
+  assert all(r["status"] in ("ok", "no-fit") for r in rows.values()), rows
+  base = rows["unconstrained"]["footprint"]
+  assert rows["jaxmem:lgm"]["budget_bytes"] == int(base * 0.8)
+  assert rows["unconstrained"]["predicted_ms_preset"] > 0
+  assert result["provenance"]["command"].startswith("python benchmarks/gpu.py --dry-run")
+  assert result["environment"]["backend"] == "cpu"
+  assert "| resnet18 | jaxmem:lgm | 80% |" not in text  # budgets are printed with bytes
+  assert "| resnet18 | jaxmem:lgm | 80% (" in text
+
+
+@pytest.mark.slow
+def test_dry_run_quick_exits_zero(tmp_path):
+  """The exact command the README names (minutes on 2 cores)."""
+  result, _ = _dry_run(tmp_path)
+  assert {r["model"] for r in result["rows"]} == set(gpu.QUICK["models"])
+
+
+def _rows():
+  env = {"kind": "env", "status": "ok", "backend": "gpu", "device_kind": "GPU", "jax": "x"}
+  prov = {"kind": "provenance", "status": "ok", "command": "c", "commit": "abc",
+          "dirty": False, "date": "d"}
+  base = {"kind": "measure", "model": "m", "method": "unconstrained", "budget": "-",
+          "budget_bytes": None, "status": "ok", "footprint": 4 * GIB, "peak_bytes": 4 * GIB,
+          "step_ms": 10.0, "hlo_host_annotations": 0}
+  over = dict(base, method="jaxmem:recompute", budget="50%", budget_bytes=2 * GIB,
+              footprint=2 * GIB - 10, peak_bytes=2 * GIB + 10, fits_measured=False,
+              step_ms=15.0, plan_offloads=False)
+  lost = dict(base, method="jaxmem:hybrid", budget="50%", budget_bytes=2 * GIB,
+              footprint=GIB, peak_bytes=GIB, fits_measured=True, plan_offloads=True,
+              hlo_host_annotations=0, step_ms=20.0)
+  good = dict(lost, method="jaxmem:lgm", hlo_host_annotations=12)
+  return [prov, env, base, over, lost, good]
+
+
+def test_report_names_violations_and_offloads_without_host_buffers():
+  result = gpu.assemble(_rows())
+  found = "\n".join(gpu.problems(result))
+  assert "m jaxmem:recompute 50%: measured peak" in found
+  assert "m jaxmem:hybrid 50%: an offload plan with no S(5)" in found
+  assert "jaxmem:lgm" not in found
+  ratios = {r["method"]: r.get("time_ratio") for r in result["rows"]}
+  assert ratios == {"unconstrained": 1.0, "jaxmem:recompute": 1.5, "jaxmem:hybrid": 2.0,
+                    "jaxmem:lgm": 2.0}
+  text = gpu.markdown(result)
+  assert "| m | jaxmem:recompute | 50% (2.00) | ok |" in text and "**no**" in text
+
+
+def test_render_rebuilds_the_tables_from_a_cut_run(tmp_path):
+  rows = tmp_path / "rows.jsonl"
+  rows.write_text("".join(json.dumps(r) + "\n" for r in _rows()))
+  assert gpu.main(["--render", str(rows)]) == 0
+  result = json.loads((tmp_path / "results.json").read_text())
+  assert result["provenance"]["commit"] == "abc" and len(result["rows"]) == 4
+
+
+def test_xla_memory_limit_percentage_stays_under_the_budget():
+  memory = 100 * GIB
+  assert gpu._slop(int(0.8 * memory * 0.05), memory) == 5
+  assert gpu._slop(int(0.8 * memory * 0.0499), memory) == 4
+  assert gpu._slop(GIB, memory) == 1 and gpu._slop(GIB, None) == 1
