@@ -12,6 +12,8 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem import _flags
+
+_Tracer = jax.core.Tracer
 from jaxmem._budget import Budget, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
@@ -42,6 +44,9 @@ class Fit:
     attempts: planning rounds (the model target tightens when XLA disagrees).
     seconds: planning time, compilation included.
     jitted: the ``jax.jit``-wrapped transformed step.
+    nested: the same step without per-compilation options, for calls under
+      an outer transformation (``jax.jit`` takes ``compiler_options`` only at
+      the top level; there the outer compilation is the one XLA runs).
   """
   graph: Graph
   result: Candidate
@@ -55,6 +60,7 @@ class Fit:
   attempts: int
   seconds: float
   jitted: Any = dataclasses.field(repr=False, default=None)
+  nested: Any = dataclasses.field(repr=False, default=None)
 
   @property
   def plan(self) -> Plan:
@@ -143,7 +149,9 @@ class Transformed:
       pass
 
   def __call__(self, *args, **kwargs):
-    return self.fit(*args, **kwargs).jitted(*args, **kwargs)
+    fit = self.fit(*args, **kwargs)
+    traced = any(isinstance(leaf, _Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs)))
+    return (fit.nested if traced else fit.jitted)(*args, **kwargs)
 
   def lower(self, *args, **kwargs):
     """``jax.jit``'s ``lower`` for the transformed step."""
@@ -233,7 +241,8 @@ class Transformed:
     return Fit(graph, trial.candidate, self.planner, fitter.budget, unconstrained,
                base_memory.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in graph.nodes), attempts, time.perf_counter() - start,
-               trial.jitted)
+               trial.jitted, self._jit(trial.candidate, out_tree, {}) if options
+               else trial.jitted)
 
   def _jit(self, candidate: Candidate, out_tree, options: dict):
     """The ``jax.jit`` of a candidate's emitted step; ``options`` (compiler
