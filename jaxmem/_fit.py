@@ -28,6 +28,25 @@ from jaxmem._graph import Graph
 from jaxmem.planners import Planner
 
 
+# Bytes the GPU runtime allocates beyond XLA's compiled footprint (cuDNN and
+# cuBLAS workspaces, allocator rounding). Measured on an H200 with JAX 0.11.2
+# (benchmarks/results/2026-11-23-nvidia-h200): 0.01-0.04 GiB on unmodified zoo
+# steps, up to 92 MB on a ResNet-18 plan. XLA:CPU's footprint is what the
+# process allocates.
+GPU_RUNTIME_RESERVE = 128 * 2**20
+
+
+def runtime_reserve(platform: str) -> int:
+  """Bytes kept free under the budget for what the runtime allocates outside
+  XLA's footprint on ``platform`` (none on CPU).
+
+  Example:
+    >>> runtime_reserve("cpu"), runtime_reserve("gpu") // 2**20
+    (0, 128)
+  """
+  return 0 if platform == "cpu" else GPU_RUNTIME_RESERVE
+
+
 def xla_footprint(compiled) -> int | None:
   """Device bytes of a compiled step: temp + arguments + outputs - aliases.
 
@@ -85,13 +104,16 @@ class Fitter:
   Attributes:
     graph: the step's joint graph.
     planner: proposes the candidates.
-    budget: the budget in bytes.
+    budget: the bytes XLA's footprint must fit: the user's budget less
+      ``reserve``.
     unconstrained: XLA's footprint of the untransformed step.
     model_scale: the memory model's footprint of the untransformed step
       over XLA's.
     jit: makes the ``jax.jit``-wrapped step of a candidate and compiles it:
       ``candidate -> (jitted, compiled)``.
     max_rounds: planning rounds while XLA is over the budget.
+    reserve: bytes kept free for the runtime beyond the footprint
+      (:func:`runtime_reserve`); errors name budgets with it added back.
   """
   graph: Graph
   planner: Planner
@@ -100,6 +122,7 @@ class Fitter:
   model_scale: float
   jit: Callable[[Candidate], tuple]
   max_rounds: int = 4
+  reserve: int = 0
 
   def fit(self, find_smallest: bool = True) -> tuple[Trial, int] | None:
     """The trial that fits and the planning rounds it took. Where none fits,
@@ -213,11 +236,14 @@ class Fitter:
 
   def error(self, smallest: int) -> BudgetError:
     """The error for a budget under ``smallest``, the least reached."""
-    budget, unconstrained = self.budget, self.unconstrained
+    budget, unconstrained = self.budget + self.reserve, self.unconstrained
+    least = smallest + self.reserve
+    kept = (f", and {format_bytes(self.reserve)} is kept free beyond it for the "
+            "runtime's workspaces (transform(..., reserve=))" if self.reserve else "")
     return BudgetError(
         f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
         f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
         f"by planner {self.planner.name!r}: the smallest footprint it reaches "
         f"for this step is {format_bytes(smallest)} ({smallest} bytes, "
-        f"{smallest / unconstrained:.0%}). Pass budget >= {smallest} bytes, "
-        "or shrink the batch.", smallest=smallest)
+        f"{smallest / unconstrained:.0%}){kept}. Pass budget >= {least} bytes, "
+        "or shrink the batch.", smallest=least)

@@ -56,7 +56,9 @@ class Op:
     node: index of the graph node run (None for the other kinds).
     ins: input keys or ``jex.Literal``.
     outs: output keys.
-    params: ``(axis, bounds)`` of a split, ``(axis,)`` of a merge.
+    params: ``(axis, bounds)`` of a split, ``(axis,)`` of a merge; for a
+      node, ``(run,)`` where the equation is re-emitted by ``run(*ins) ->
+      outs`` (a scan whose stacked residuals are rebuilt, ``_scan_remat``).
   """
   kind: str
   node: int | None

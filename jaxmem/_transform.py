@@ -14,11 +14,11 @@ from jax.extend import core as jex
 from jaxmem import _flags
 
 _Tracer = jax.core.Tracer
-from jaxmem._budget import Budget, format_bytes
+from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
 from jaxmem._evaluate import Candidate, evaluate
-from jaxmem._fit import Fitter, xla_footprint
+from jaxmem._fit import Fitter, runtime_reserve, xla_footprint
 from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._memory import Liveness
 from jaxmem._report import residual_table
@@ -44,6 +44,8 @@ class Fit:
     attempts: planning rounds (the model target tightens when XLA disagrees).
     seconds: planning time, compilation included.
     jitted: the ``jax.jit``-wrapped transformed step.
+    reserve: bytes of the budget kept free for the runtime beyond XLA's
+      footprint (:func:`~jaxmem._fit.runtime_reserve`).
     nested: the same step without per-compilation options, for calls under
       an outer transformation (``jax.jit`` takes ``compiler_options`` only at
       the top level; there the outer compilation is the one XLA runs).
@@ -61,6 +63,7 @@ class Fit:
   seconds: float
   jitted: Any = dataclasses.field(repr=False, default=None)
   nested: Any = dataclasses.field(repr=False, default=None)
+  reserve: int = 0
 
   @property
   def plan(self) -> Plan:
@@ -78,7 +81,9 @@ class Fit:
     saved = self.plan.values_with("save")
     saved_bytes = sum(self.graph.values[v].nbytes for v in saved)
     lines = [
-        f"budget            {format_bytes(self.budget)}",
+        f"budget            {format_bytes(self.budget)}"
+        + (f" ({format_bytes(self.reserve)} of it kept for the runtime)"
+           if self.reserve else ""),
         f"unconstrained     {format_bytes(self.unconstrained)} (XLA), "
         f"{format_bytes(self.unconstrained_model)} (model)",
         f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
@@ -131,7 +136,7 @@ class Transformed:
   """
 
   def __init__(self, fun, budget, planner, static_argnums, static_argnames,
-               jit_kwargs, max_rounds):
+               jit_kwargs, max_rounds, reserve=None):
     self.fun = fun
     self.budget = Budget.parse(budget)
     self.planner = get_planner(planner)
@@ -140,6 +145,10 @@ class Transformed:
     self.static_argnames = _as_tuple(static_argnames)
     self.jit_kwargs = jit_kwargs
     self.max_rounds = max_rounds
+    if reserve is not None and (not isinstance(reserve, int) or reserve < 0):
+      raise BudgetError(f"jaxmem: reserve must be a number of bytes >= 0 or None (the "
+                        f"platform's default), got {reserve!r}")
+    self.reserve = reserve
     self._fits: dict = {}
     try:
       self.__wrapped__ = fun
@@ -213,7 +222,8 @@ class Transformed:
              find_smallest: bool = True) -> Fit | None:
     """Traces, analyzes and runs the fit loop (:class:`~jaxmem._fit.Fitter`)."""
     start = time.perf_counter()
-    options = _flags.compiler_options(_platform(leaves))
+    platform = _platform(leaves)
+    options = _flags.compiler_options(platform)
     closed, _, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
     graph = build_graph(closed)
     baseline = jax.jit(jex.jaxpr_as_fun(closed), compiler_options=options or None
@@ -232,17 +242,25 @@ class Transformed:
       jitted = self._jit(candidate, out_tree, options)
       return jitted, jitted.lower(*args, **kwargs).compile()
 
-    fitter = Fitter(graph, self.planner, self.budget.resolve(unconstrained), unconstrained,
-                    base_memory.peak / unconstrained, jit, self.max_rounds)
+    budget = self.budget.resolve(unconstrained)
+    reserve = runtime_reserve(platform) if self.reserve is None else self.reserve
+    if budget <= reserve:
+      raise BudgetError(
+          f"jaxmem: budget {format_bytes(budget)} leaves nothing for the step once "
+          f"{format_bytes(reserve)} is kept free for the runtime's workspaces; pass a "
+          f"budget above {reserve} bytes, or a smaller transform(..., reserve=).",
+          smallest=reserve + 1)
+    fitter = Fitter(graph, self.planner, budget - reserve, unconstrained,
+                    base_memory.peak / unconstrained, jit, self.max_rounds, reserve)
     found = fitter.fit(find_smallest)
     if found is None:
       return None
     trial, attempts = found
-    return Fit(graph, trial.candidate, self.planner, fitter.budget, unconstrained,
+    return Fit(graph, trial.candidate, self.planner, budget, unconstrained,
                base_memory.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in graph.nodes), attempts, time.perf_counter() - start,
                trial.jitted, self._jit(trial.candidate, out_tree, {}) if options
-               else trial.jitted)
+               else trial.jitted, reserve)
 
   def _jit(self, candidate: Candidate, out_tree, options: dict):
     """The ``jax.jit`` of a candidate's emitted step; ``options`` (compiler
@@ -275,7 +293,7 @@ def _platform(leaves) -> str:
 
 def transform(fun: Callable, budget, *, planner="recompute",
               static_argnums=(), static_argnames=(), max_rounds: int = 4,
-              **jit_kwargs) -> Transformed:
+              reserve: int | None = None, **jit_kwargs) -> Transformed:
   """Fits a training step into a device-memory budget.
 
   The step (forward, backward and optimizer update in one function) is traced
@@ -292,6 +310,11 @@ def transform(fun: Callable, budget, *, planner="recompute",
     static_argnums, static_argnames: as for ``jax.jit``.
     max_rounds: how often to re-plan with a tighter model target when XLA's
       footprint exceeds the budget.
+    reserve: bytes of the budget kept free for what the runtime allocates
+      beyond XLA's compiled footprint (cuDNN/cuBLAS workspaces): XLA's
+      footprint is held to ``budget - reserve``. None: 128 MiB on GPU and
+      other accelerators (the most seen over the footprint on an H200 was
+      92 MB), 0 on CPU.
     **jit_kwargs: passed to ``jax.jit`` (``donate_argnums``, ...).
 
   Returns:
@@ -316,7 +339,7 @@ def transform(fun: Callable, budget, *, planner="recompute",
     True
   """
   return Transformed(fun, budget, planner, static_argnums, static_argnames,
-                     jit_kwargs, max_rounds)
+                     jit_kwargs, max_rounds, reserve)
 
 
 @dataclasses.dataclass

@@ -15,6 +15,7 @@ LAYERS = [
     {"_graph", "_calibrate"},
     {"_xla_cpu_fusion", "_loops"},
     {"_schedule"},
+    {"_scan_remat"},
     {"_memory", "_perf", "_emit"},
     {"_evaluate"},
     {"_blocks"},
