@@ -23,8 +23,9 @@ import itertools
 from typing import Any, Callable
 
 from jaxmem._budget import BudgetError, format_bytes
-from jaxmem._evaluate import Candidate, unplanned, unplanned_liveness
+from jaxmem._evaluate import Candidate, candidate, unplanned, unplanned_liveness
 from jaxmem._graph import Graph
+from jaxmem._scan_remat import loop_variants
 from jaxmem.planners import Planner
 
 
@@ -217,19 +218,23 @@ class Fitter:
 
   def lowest(self, tried: Trial) -> Trial:
     """The planner's candidates for the smallest footprint
-    (:meth:`Planner.lowest`), each compiled: the one with the smallest
-    measured footprint, ``tried`` (the last plan compiled) included, so the
-    smallest budget an error names is XLA's, not the model's."""
+    (:meth:`Planner.lowest`) and the last plan with its loops in each
+    shape (:func:`~jaxmem._scan_remat.loop_variants`), each compiled: the
+    one with the smallest measured footprint, ``tried`` (the last plan
+    compiled) included, so the smallest budget an error names is XLA's, not
+    the model's."""
     if not self.graph.has_backward:
       candidates = [unplanned(self.graph, 0)]
     else:
       candidates = self.planner.lowest(self.graph)
     best, seen = tried, {tried.candidate.plan}
-    for candidate in candidates:
-      if candidate.plan in seen:
+    variants = [candidate(self.graph, p)
+                for p in loop_variants(self.graph, tried.candidate.plan)]
+    for option in list(candidates) + variants:
+      if option.plan in seen:
         continue
-      seen.add(candidate.plan)
-      trial = self.compile(candidate)
+      seen.add(option.plan)
+      trial = self.compile(option)
       if trial.measured < best.measured:
         best = trial
     return best

@@ -38,7 +38,7 @@ from typing import Callable, Sequence
 import jax
 from jax.extend import core as jex
 
-from jaxmem._decisions import Plan
+from jaxmem._decisions import RECOMPUTE, Plan
 from jaxmem._graph import Graph, Node, analysis
 from jaxmem._loops import loops
 from jaxmem._schedule import Op, Schedule
@@ -69,6 +69,16 @@ def _xs_position(node: Node, position: int) -> bool:
   return position >= consts + carries
 
 
+def _read_per_iteration(graph: Graph, forward: Node, vid: int) -> bool:
+  """Whether only backward scans of the same length read ``vid``, each once
+  and as an ``xs`` slice."""
+  readers = [graph.nodes[u] for u in graph.values[vid].uses]
+  return bool(readers) and all(
+      r.prim.name == "scan" and r.backward
+      and r.params["length"] == forward.params["length"]
+      and r.ins.count(vid) == 1 and _xs_position(r, r.ins.index(vid)) for r in readers)
+
+
 @analysis
 def rebuildable(graph: Graph) -> dict[int, tuple[int, int]]:
   """Stacked residual value id -> (forward scan node, output position), for
@@ -83,15 +93,44 @@ def rebuildable(graph: Graph) -> dict[int, tuple[int, int]]:
       continue
     keep = set(carries.values())
     for stacked in loop.stacked:
-      value = graph.values[stacked.value]
-      readers = [graph.nodes[u] for u in value.uses]
-      if (stacked.output in keep or not readers
-          or any(r.prim.name != "scan" or not r.backward
-                 or r.params["length"] != forward.params["length"]
-                 or r.ins.count(stacked.value) != 1
-                 or not _xs_position(r, r.ins.index(stacked.value)) for r in readers)):
-        continue
-      found[stacked.value] = (forward.index, stacked.output)
+      if stacked.output not in keep and _read_per_iteration(graph, forward, stacked.value):
+        found[stacked.value] = (forward.index, stacked.output)
+  return found
+
+
+def group_size(length: int) -> int | None:
+  """Layers per group of a nested scan: the divisor of ``length`` nearest
+  its square root (None where there is none but 1 and ``length``).
+
+  Example:
+    >>> group_size(16), group_size(12), group_size(7)
+    (4, 3, None)
+  """
+  divisors = [d for d in range(2, length) if length % d == 0]
+  return min(divisors, key=lambda d: (abs(d - length ** 0.5), d)) if divisors else None
+
+
+@analysis
+def nestable(graph: Graph) -> dict[int, tuple[int, int]]:
+  """Carry stacks (the stacked layer inputs) whose loop can run nested: its
+  forward scan keeps only each group's first carry (``L / group`` of them)
+  and the backward scan rebuilds a group's slices before running its
+  iterations (the sqrt(L) schedule of ``nn.remat_scan``). Every stacked
+  residual of the loop must be rebuildable or a carry stack read per
+  iteration. Value id -> (forward scan node, output position)."""
+  found = {}
+  others = rebuildable(graph)
+  for loop in loops(graph):
+    forward = graph.nodes[loop.forward]
+    carries = _carry_outputs(forward)
+    if carries is None or group_size(loop.length) is None or any(
+        s.value not in others and not (s.output in carries.values()
+                                       and _read_per_iteration(graph, forward, s.value))
+        for s in loop.stacked):
+      continue
+    for s in loop.stacked:
+      if s.output in carries.values():
+        found[s.value] = (forward.index, s.output)
   return found
 
 
@@ -155,10 +194,110 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int]) -> C
   return run
 
 
+def _grouped(x, groups: int):
+  return x.reshape(groups, x.shape[0] // groups, *x.shape[1:])
+
+
+def _ungrouped(x):
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def forward_nested(node: Node, dropped: frozenset[int], group: int) -> Callable:
+  """The forward scan as a scan over groups of ``group`` iterations, without
+  the stacked outputs at ``dropped``: ``run(*ins) -> outs`` with None where
+  an output is dropped, then each carry at each group's start (``[L /
+  group, ...]``)."""
+  consts, carries, length = _scan_shape(node)
+  body = jex.jaxpr_as_fun(node.params["jaxpr"])
+  kept = [o for o in range(carries, len(node.outs)) if o not in dropped]
+  reverse = node.params["reverse"]
+
+  def run(*ins):
+    const_in, carry_in, xs = ins[:consts], ins[consts:consts + carries], ins[consts + carries:]
+
+    def inner(carry, x):
+      outs = body(*const_in, *carry, *x)
+      return list(outs[:carries]), [outs[o] for o in kept]
+
+    def outer(carry, xs_group):
+      new, ys = jax.lax.scan(inner, carry, list(xs_group), reverse=reverse)
+      return new, (list(carry), ys)
+
+    carry, (starts, ys) = jax.lax.scan(
+        outer, list(carry_in), [_grouped(x, length // group) for x in xs], reverse=reverse)
+    out = list(carry) + [None] * (len(node.outs) - carries)
+    for o, y in zip(kept, ys):
+      out[o] = _ungrouped(y)
+    return out + list(starts)
+
+  return run
+
+
+def backward_nested(node: Node, forward: Node, rebuilt: dict[int, int],
+                    group: int) -> Callable:
+  """The backward scan over the groups of :func:`forward_nested`: for each
+  group (in the backward order) the forward body re-runs from the group's
+  start carry, making the group's slices of the forward outputs in
+  ``rebuilt`` (input position of ``node`` -> forward output position), then
+  the group's backward iterations run. ``run(ins, forward_ins, starts) ->
+  outs``, ``ins`` with None at the rebuilt positions."""
+  consts, carries, length = _scan_shape(node)
+  f_consts, f_carries, _ = _scan_shape(forward)
+  body = jex.jaxpr_as_fun(node.params["jaxpr"])
+  f_body = jex.jaxpr_as_fun(forward.params["jaxpr"])
+  xs_positions = [i for i in range(consts + carries, len(node.ins)) if i not in rebuilt]
+  needed = sorted(set(rebuilt.values()))
+  groups = length // group
+
+  def run(ins: Sequence, forward_ins: Sequence, starts: Sequence):
+    b_consts, f_const_in = ins[:consts], forward_ins[:f_consts]
+    own = [_grouped(ins[i], groups) for i in xs_positions]
+    f_xs = [_grouped(x, groups) for x in forward_ins[f_consts + f_carries:]]
+
+    def rebuild(carry, x):
+      outs = f_body(*f_const_in, *carry, *x)
+      return list(outs[:f_carries]), [outs[o] for o in needed]
+
+    def outer(carry, x):
+      own_g, f_xs_g, start = (x[:len(own)], x[len(own):len(own) + len(f_xs)],
+                              x[len(own) + len(f_xs):])
+      _, made = jax.lax.scan(rebuild, list(start), list(f_xs_g),
+                             reverse=forward.params["reverse"])
+
+      def step(c, xs_slice):
+        full = dict(zip(xs_positions, xs_slice[:len(own_g)]))
+        full.update({i: xs_slice[len(own_g) + needed.index(o)] for i, o in rebuilt.items()})
+        outs = body(*b_consts, *c, *(full[i] for i in range(consts + carries, len(ins))))
+        return list(outs[:carries]), list(outs[carries:])
+
+      return jax.lax.scan(step, carry, list(own_g) + list(made),
+                          reverse=node.params["reverse"])
+
+    carry, ys = jax.lax.scan(outer, list(ins[consts:consts + carries]),
+                             own + f_xs + list(starts), reverse=node.params["reverse"])
+    return list(carry) + [_ungrouped(y) for y in ys]
+
+  return run
+
+
+def loop_variants(graph: Graph, plan: Plan) -> list[Plan]:
+  """``plan`` with its loops in each shape: every stack rebuilt per
+  iteration, and every nestable loop nested. The memory model can rank the
+  two the wrong way round where a layer's slices are small (measured: a
+  16-layer MLP of 8 KiB slices is 300 KiB per iteration and 376 KiB nested
+  in XLA, 344 and 312 KiB in the model), so both are worth compiling."""
+  per_iteration, nested = rebuildable(graph), nestable(graph)
+  if not per_iteration:
+    return []
+  base = {v: d for v, d in plan.items if v not in per_iteration and v not in nested}
+  shapes = [per_iteration] + ([{**per_iteration, **nested}] if nested else [])
+  return [Plan.of({**base, **{v: RECOMPUTE for v in shape}}) for shape in shapes]
+
+
 def split_plan(graph: Graph, plan: Plan) -> tuple[Plan, frozenset[int]]:
   """``plan`` without its recomputations of stacked residuals that are
   rebuilt inside their loops, and those values."""
-  looped = plan.values_with("recompute") & rebuildable(graph).keys()
+  looped = plan.values_with("recompute") & (rebuildable(graph).keys() | nestable(graph).keys())
   if not looped:
     return plan, frozenset()
   return Plan.of({v: d for v, d in plan.items if v not in looped}), frozenset(looped)
@@ -168,14 +307,21 @@ def rebuild_in_loops(schedule: Schedule, looped: frozenset[int], plan: Plan) -> 
   """The schedule with ``looped`` (stacked residuals) no longer made by their
   forward scans but rebuilt inside the backward scans that read them: the
   forward scan's op makes fewer outputs, each backward scan's op reads the
-  forward scan's constants, ``xs`` and stacked carries instead, and both run
-  re-emitted scans (``Op.params``); barrier copies of dropped values go."""
+  forward scan's constants and ``xs`` and its stacked (or, nested, its
+  groups' first) carries instead, and both run re-emitted scans
+  (``Op.params``); barrier copies of dropped values go. A loop with a carry
+  stack in ``looped`` runs nested (:func:`nestable`), all its stacks
+  dropped."""
   graph = schedule.graph
-  where = {vid: rebuildable(graph)[vid] for vid in looped}
+  where = {**rebuildable(graph), **nestable(graph)}
+  nested = {where[v][0] for v in looped if v in nestable(graph)}
+  looped = looped | {s.value for loop in loops(graph) if loop.forward in nested
+                     for s in loop.stacked}
   dropped_at: dict[int, dict[int, int]] = {}
-  for vid, (forward, output) in where.items():
+  for vid in looped:
+    forward, output = where[vid]
     dropped_at.setdefault(forward, {})[vid] = output
-  forward_ops, ops, flops = {}, [], schedule.recompute_flops
+  forward_ops, ops, flops, sizes = {}, [], schedule.recompute_flops, dict(schedule.sizes)
   for op in schedule.ops:
     gone = [i for i, k in enumerate(op.ins) if isinstance(k, tuple) and k[0] in looped]
     if op.node is None and gone:  # a barrier copy of a dropped value
@@ -185,29 +331,52 @@ def rebuild_in_loops(schedule: Schedule, looped: frozenset[int], plan: Plan) -> 
                       tuple(op.outs[i] for i in live), op.params))
       continue
     if op.kind == "node" and op.node in dropped_at:
-      forward_ops[op.node] = op
-      ops.append(_forward_op(graph.nodes[op.node], op, dropped_at[op.node]))
-    elif op.kind == "node" and gone:
       node = graph.nodes[op.node]
+      group = group_size(node.params["length"]) if op.node in nested else None
+      forward_ops[op.node] = new = _forward_op(node, op, dropped_at[op.node], group)
+      sizes.update({k: graph.values[k[0]].nbytes // group for k in new.outs if k[1] == _START})
+      ops.append(new)
+    elif op.kind == "node" and gone:
       forward = where[op.ins[gone[0]][0]][0]
-      ops.append(_backward_op(graph, node, op, forward_ops[forward], gone, where))
+      group = group_size(graph.nodes[forward].params["length"]) if forward in nested else None
+      new = _backward_op(graph, graph.nodes[op.node], op, forward_ops[forward], gone,
+                         where, group)
+      # The slices rebuilt inside the loop (a group's, nested) are live while
+      # it runs: an output no op reads, so the memory model counts them there.
+      length = graph.nodes[forward].params["length"]
+      scratch = (new.outs[-1][0] if new.outs else op.ins[gone[0]][0], _SCRATCH)
+      sizes[scratch] = (group or 1) * sum(
+          graph.values[v].nbytes // length for v in {op.ins[i][0] for i in gone})
+      ops.append(dataclasses.replace(new, outs=new.outs + (scratch,)))
       flops += graph.nodes[forward].flops
     else:
       ops.append(op)
-  return dataclasses.replace(schedule, plan=plan, ops=ops, recompute_flops=flops)
+  return dataclasses.replace(schedule, plan=plan, ops=ops, recompute_flops=flops, sizes=sizes)
 
 
-def _forward_op(node: Node, op: Op, dropped: dict[int, int]) -> Op:
-  run = forward_without(node, frozenset(dropped.values()))
+_START = -1  # the copy index of a key for a nested loop's group-start carries
+_SCRATCH = -2  # the copy index of a key for slices rebuilt inside a backward loop
+
+
+def _forward_op(node: Node, op: Op, dropped: dict[int, int], group: int | None) -> Op:
   keep = [i for i, vid in enumerate(node.outs) if vid not in dropped]
-  return Op("node", op.node, op.ins, tuple(op.outs[i] for i in keep),
-            (lambda *args: [run(*args)[i] for i in keep],))
+  outs = tuple(op.outs[i] for i in keep)
+  if group is None:
+    run = forward_without(node, frozenset(dropped.values()))
+    return Op("node", op.node, op.ins, outs, (lambda *args: [run(*args)[i] for i in keep],))
+  run = forward_nested(node, frozenset(dropped.values()), group)
+  carry_outs = _carry_outputs(node)
+  starts = tuple((node.outs[carry_outs[c]], _START) for c in sorted(carry_outs))
+  n = len(node.outs)
+  return Op("node", op.node, op.ins, outs + starts,
+            (lambda *args: (lambda out: [out[i] for i in keep] + out[n:])(run(*args)),))
 
 
 def _backward_op(graph: Graph, node: Node, op: Op, forward_op: Op, gone: list[int],
-                 where: dict) -> Op:
+                 where: dict, group: int | None) -> Op:
   """The backward scan's op: its own inputs less the dropped slices, then
-  the forward scan's constants and ``xs``, then its stacked carries."""
+  the forward scan's constants and ``xs``, then its stacked carries (its
+  group-start carries, nested)."""
   forward = graph.nodes[forward_op.node]
   f_consts, f_carries, _ = _scan_shape(forward)
   carry_outs = _carry_outputs(forward)
@@ -215,9 +384,13 @@ def _backward_op(graph: Graph, node: Node, op: Op, forward_op: Op, gone: list[in
   own = [i for i in range(len(op.ins)) if i not in rebuilt]
   f_in = [i for i in range(len(forward.ins)) if not f_consts <= i < f_consts + f_carries]
   stacks = [carry_outs[c] for c in range(f_carries)]
-  out_key = dict(zip(forward.outs, forward_op.outs))
-  stack_keys = [out_key[forward.outs[o]] for o in stacks]
-  run = backward_rebuilding(node, forward, rebuilt)
+  if group is None:
+    out_key = dict(zip(forward.outs, forward_op.outs))
+    tail = [out_key[forward.outs[o]] for o in stacks]
+    run = backward_rebuilding(node, forward, rebuilt)
+  else:
+    tail = [k for k in forward_op.outs if k[1] == _START]
+    run = backward_nested(node, forward, rebuilt, group)
 
   def call(*args):
     ins = [None] * len(op.ins)
@@ -226,9 +399,9 @@ def _backward_op(graph: Graph, node: Node, op: Op, forward_op: Op, gone: list[in
     forward_ins = [None] * len(forward.ins)
     for i, a in zip(f_in, args[len(own):]):
       forward_ins[i] = a
-    forward_outs = dict(zip(stacks, args[len(own) + len(f_in):]))
-    return run(ins, forward_ins, forward_outs)
+    rest = args[len(own) + len(f_in):]
+    return run(ins, forward_ins, dict(zip(stacks, rest)) if group is None else rest)
 
   ins = (tuple(op.ins[i] for i in own) + tuple(forward_op.ins[i] for i in f_in)
-         + tuple(stack_keys))
+         + tuple(tail))
   return Op("node", op.node, ins, op.outs, (call,))
