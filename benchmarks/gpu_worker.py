@@ -42,6 +42,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 
 import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
+from jaxmem._benchmark import fits_budget  # noqa: E402
 from jaxmem._devices import DeviceProfile, get_profile  # noqa: E402
 from jaxmem._evaluate import unplanned  # noqa: E402
 from jaxmem._fit import xla_footprint  # noqa: E402
@@ -161,6 +162,11 @@ def _profile(job) -> DeviceProfile:
   return DeviceProfile(**found) if found else get_profile(PRESET)
 
 
+def _planner(job):
+  """The jaxmem planner of a ``jaxmem:<name>`` job, for the job's profile."""
+  return PLANNERS[job["method"].split(":", 1)[1]](device=_profile(job))
+
+
 def _task(job, batch: int | None = None):
   method = job["method"]
   remat = method.split(":", 1)[1] if method.startswith("remat:") else None
@@ -195,8 +201,7 @@ def _predictions(schedule, graph, profile) -> dict:
 def _compile_jaxmem(job, step, args, record) -> object | None:
   """Plans and compiles a jaxmem method; None where the budget cannot be
   met (``record`` says why)."""
-  planner = PLANNERS[job["method"].split(":", 1)[1]](device=_profile(job))
-  fitted = jaxmem.transform(step, budget=job["budget_bytes"], planner=planner)
+  fitted = jaxmem.transform(step, budget=job["budget_bytes"], planner=_planner(job))
   start = time.perf_counter()
   try:
     fit = fitted.fit(*args)
@@ -273,14 +278,9 @@ def measure(job) -> dict:
 def _fits(job, batch: int) -> bool:
   """Whether ``job``'s method fits its budget at ``batch``, compiled only."""
   task = _task(job, batch)
-  shapes = jax.eval_shape(task.init)
   method = job["method"]
-  if method.startswith("jaxmem:"):
-    planner = PLANNERS[method.split(":", 1)[1]](device=_profile(job))
-    return jaxmem.transform(task.step, budget=job["budget_bytes"],
-                            planner=planner).can_fit(*shapes)
-  footprint = xla_footprint(jax.jit(task.step).lower(*shapes).compile())
-  return footprint is not None and footprint <= job["budget_bytes"]
+  planner = _planner(job) if method.startswith("jaxmem:") else None
+  return fits_budget(task.step, jax.eval_shape(task.init), job["budget_bytes"], planner)
 
 
 def max_batch(job) -> dict:
@@ -301,9 +301,8 @@ def max_batch(job) -> dict:
     if job["method"] == "unconstrained":
       compiled = jax.jit(task.step).lower(*shapes).compile()
     else:
-      planner = PLANNERS[job["method"].split(":", 1)[1]](device=_profile(job))
       compiled = jaxmem.transform(task.step, budget=job["budget_bytes"],
-                                  planner=planner).lower(*shapes).compile()
+                                  planner=_planner(job)).lower(*shapes).compile()
     record.update(_run_fresh(compiled, dict(job, repeats=3), low * unit))
     record["status"] = "ok" if record.get("status", "ok") == "ok" else record["status"]
   if record.get("peak_bytes") is not None:

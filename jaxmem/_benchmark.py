@@ -119,6 +119,17 @@ def compiled_flops(compiled) -> float | None:
   return None if not cost or "flops" not in cost else float(cost["flops"])
 
 
+def fits_budget(step: Callable, shapes, budget_bytes: int, planner=None) -> bool:
+  """Whether ``step`` fits ``budget_bytes`` for arguments of ``shapes``,
+  from compiled footprints alone (nothing runs): plain ``jax.jit``, or with
+  a ``planner`` :meth:`~jaxmem.Transformed.can_fit`, which skips the search
+  for the smallest footprint, so a max batch is never overstated."""
+  if planner is not None:
+    return transform(step, budget=budget_bytes, planner=planner).can_fit(*shapes)
+  footprint = xla_footprint(jax.jit(step).lower(*shapes).compile())
+  return footprint is not None and footprint <= budget_bytes
+
+
 class Bench:
   """Builds one model's tasks and measures methods on them.
 
@@ -234,11 +245,8 @@ class Bench:
     jaxmem, :meth:`~jaxmem.Transformed.can_fit`, which skips the search for the
     smallest footprint, so a max batch is never overstated."""
     task = self.task(method, batch=batch)
-    args = jax.eval_shape(task.init)
-    if method.kind == "jaxmem":
-      return transform(task.step, budget=budget_bytes,
-                       planner=self.planner(method)).can_fit(*args)
-    return xla_footprint(jax.jit(task.step).lower(*args).compile()) <= budget_bytes
+    planner = self.planner(method) if method.kind == "jaxmem" else None
+    return fits_budget(task.step, jax.eval_shape(task.init), budget_bytes, planner)
 
   def max_batch(self, method: Method, budget_bytes: int, limit: int = 64) -> int:
     """The largest batch at which ``method`` fits ``budget_bytes``: doubling

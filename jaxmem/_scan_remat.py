@@ -359,17 +359,23 @@ _SCRATCH = -2  # the copy index of a key for slices rebuilt inside a backward lo
 
 
 def _forward_op(node: Node, op: Op, dropped: dict[int, int], group: int | None) -> Op:
+  """The forward scan's op: its kept outputs, then (nested) its groups'
+  start carries."""
   keep = [i for i, vid in enumerate(node.outs) if vid not in dropped]
   outs = tuple(op.outs[i] for i in keep)
   if group is None:
-    run = forward_without(node, frozenset(dropped.values()))
-    return Op("node", op.node, op.ins, outs, (lambda *args: [run(*args)[i] for i in keep],))
-  run = forward_nested(node, frozenset(dropped.values()), group)
-  carry_outs = _carry_outputs(node)
-  starts = tuple((node.outs[carry_outs[c]], _START) for c in sorted(carry_outs))
+    run, starts = forward_without(node, frozenset(dropped.values())), ()
+  else:
+    run = forward_nested(node, frozenset(dropped.values()), group)
+    carry_outs = _carry_outputs(node)
+    starts = tuple((node.outs[carry_outs[c]], _START) for c in sorted(carry_outs))
   n = len(node.outs)
-  return Op("node", op.node, op.ins, outs + starts,
-            (lambda *args: (lambda out: [out[i] for i in keep] + out[n:])(run(*args)),))
+
+  def call(*args):
+    out = run(*args)
+    return [out[i] for i in keep] + list(out[n:])
+
+  return Op("node", op.node, op.ins, outs + starts, (call,))
 
 
 def _backward_op(graph: Graph, node: Node, op: Op, forward_op: Op, gone: list[int],

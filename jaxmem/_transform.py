@@ -12,8 +12,6 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem import _flags
-
-_Tracer = jax.core.Tracer
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
@@ -23,6 +21,8 @@ from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._memory import Liveness
 from jaxmem._report import residual_table
 from jaxmem.planners import Planner, get_planner
+
+_Tracer = jax.core.Tracer
 
 
 @dataclasses.dataclass
@@ -283,11 +283,8 @@ def _platform(leaves) -> str:
   """The platform the step's concrete array arguments live on (the default
   backend's where none is concrete, e.g. under an outer ``jax.jit``)."""
   for leaf in leaves:
-    if isinstance(leaf, jax.Array):
-      try:
-        return next(iter(leaf.devices())).platform
-      except Exception:  # noqa: BLE001 - a tracer has no devices
-        continue
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, _Tracer):
+      return next(iter(leaf.devices())).platform
   return jax.default_backend()
 
 
