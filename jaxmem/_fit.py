@@ -223,10 +223,9 @@ class Fitter:
     one with the smallest measured footprint, ``tried`` (the last plan
     compiled) included, so the smallest budget an error names is XLA's, not
     the model's."""
-    if not self.graph.has_backward:
-      candidates = [unplanned(self.graph, 0)]
-    else:
-      candidates = self.planner.lowest(self.graph)
+    candidates = [unplanned(self.graph, 0)]  # the step as written is always one
+    if self.graph.has_backward:
+      candidates += list(self.planner.lowest(self.graph))
     best, seen = tried, {tried.candidate.plan}
     variants = [candidate(self.graph, p)
                 for p in loop_variants(self.graph, tried.candidate.plan)]

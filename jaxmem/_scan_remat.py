@@ -49,9 +49,9 @@ def _scan_shape(node: Node) -> tuple[int, int, int]:
   return p["num_consts"], p["num_carry"], p["length"]
 
 
-def _carry_outputs(node: Node) -> dict[int, int] | None:
+def _carry_outputs(node: Node) -> dict[int, int]:
   """Carry position -> the forward scan's output that stacks the body's
-  carry-in, for every carry; None where some carry is not stacked."""
+  carry-in, for the carries it stacks."""
   consts, carries, _ = _scan_shape(node)
   body = node.params["jaxpr"].jaxpr
   found = {}
@@ -61,7 +61,13 @@ def _carry_outputs(node: Node) -> dict[int, int] | None:
     for c in range(carries):
       if var is body.invars[consts + c]:
         found.setdefault(c, out)
-  return found if len(found) == carries else None
+  return found
+
+
+def unstacked_carries(node: Node) -> list[int]:
+  """The carry positions whose carry-ins the forward scan does not stack."""
+  stacked = _carry_outputs(node)
+  return [c for c in range(_scan_shape(node)[1]) if c not in stacked]
 
 
 def _xs_position(node: Node, position: int) -> bool:
@@ -83,13 +89,14 @@ def _read_per_iteration(graph: Graph, forward: Node, vid: int) -> bool:
 def rebuildable(graph: Graph) -> dict[int, tuple[int, int]]:
   """Stacked residual value id -> (forward scan node, output position), for
   those that can be rebuilt in their backward scans (module docstring):
-  not a carry slice, every carry kept stacked, read only by backward scans
-  as ``xs``, once per scan."""
+  not a carry slice, read only by backward scans as ``xs``, once per scan.
+  The carries are kept stacked to rebuild from (a carry the scan does not
+  stack already becomes an output of the re-emitted scan)."""
   found = {}
   for loop in loops(graph):
     forward = graph.nodes[loop.forward]
     carries = _carry_outputs(forward)
-    if carries is None or forward.params.get("unroll", 1) not in (1, True, False):
+    if forward.params.get("unroll", 1) not in (1, True, False):
       continue
     keep = set(carries.values())
     for stacked in loop.stacked:
@@ -123,7 +130,7 @@ def nestable(graph: Graph) -> dict[int, tuple[int, int]]:
   for loop in loops(graph):
     forward = graph.nodes[loop.forward]
     carries = _carry_outputs(forward)
-    if carries is None or group_size(loop.length) is None or any(
+    if len(carries) < _scan_shape(forward)[1] or group_size(loop.length) is None or any(
         s.value not in others and not (s.output in carries.values()
                                        and _read_per_iteration(graph, forward, s.value))
         for s in loop.stacked):
@@ -136,24 +143,27 @@ def nestable(graph: Graph) -> dict[int, tuple[int, int]]:
 
 def forward_without(node: Node, dropped: frozenset[int]) -> Callable:
   """The forward scan without the stacked outputs at ``dropped``:
-  ``run(*ins) -> outs`` with None where an output is dropped."""
+  ``run(*ins) -> outs`` with None where an output is dropped, then the
+  stacked carry-ins of the carries it does not stack itself
+  (:func:`unstacked_carries`)."""
   consts, carries, length = _scan_shape(node)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
   kept = [o for o in range(len(node.outs)) if o >= carries and o not in dropped]
+  extra = unstacked_carries(node)
 
   def run(*ins):
     const_in, carry_in, xs = ins[:consts], ins[consts:consts + carries], ins[consts + carries:]
 
     def step(carry, x):
       outs = body(*const_in, *carry, *x)
-      return list(outs[:carries]), [outs[o] for o in kept]
+      return list(outs[:carries]), [outs[o] for o in kept] + [carry[c] for c in extra]
 
     carry, ys = jax.lax.scan(step, list(carry_in), list(xs), length=length,
                              reverse=node.params["reverse"])
     out = list(carry) + [None] * (len(node.outs) - carries)
     for o, y in zip(kept, ys):
       out[o] = y
-    return out
+    return out + list(ys[len(kept):])
 
   return run
 
@@ -162,20 +172,19 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int]) -> C
   """The backward scan ``node`` with some of its ``xs`` rebuilt per
   iteration: ``rebuilt`` maps an input position of ``node`` to the forward
   scan's output position that made it. ``run(ins, forward_ins,
-  forward_outs) -> outs``, where ``ins`` has None at the rebuilt positions
-  and ``forward_outs`` holds at least the stacked carries."""
+  carry_stacks) -> outs``, where ``ins`` has None at the rebuilt positions
+  and ``carry_stacks`` are the forward body's carry-ins stacked, in carry
+  order."""
   consts, carries, length = _scan_shape(node)
   f_consts, f_carries, _ = _scan_shape(forward)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
   f_body = jex.jaxpr_as_fun(forward.params["jaxpr"])
-  carry_outs = _carry_outputs(forward)
   xs_positions = [i for i in range(consts + carries, len(node.ins)) if i not in rebuilt]
 
-  def run(ins: Sequence, forward_ins: Sequence, forward_outs: Sequence):
+  def run(ins: Sequence, forward_ins: Sequence, f_carry_stacks: Sequence):
     b_consts, b_carry = ins[:consts], ins[consts:consts + carries]
     f_const_in = forward_ins[:f_consts]
     f_xs = list(forward_ins[f_consts + f_carries:])
-    f_carry_stacks = [forward_outs[carry_outs[c]] for c in range(f_carries)]
     n_xs, n_fxs = len(xs_positions), len(f_xs)
 
     def step(carry, x):
@@ -186,7 +195,7 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int]) -> C
       outs = body(*b_consts, *carry, *(full[i] for i in range(consts + carries, len(ins))))
       return list(outs[:carries]), list(outs[carries:])
 
-    xs = [ins[i] for i in xs_positions] + f_xs + f_carry_stacks
+    xs = [ins[i] for i in xs_positions] + f_xs + list(f_carry_stacks)
     carry, ys = jax.lax.scan(step, list(b_carry), xs, length=length,
                              reverse=node.params["reverse"])
     return list(carry) + list(ys)
@@ -287,10 +296,8 @@ def loop_variants(graph: Graph, plan: Plan) -> list[Plan]:
   16-layer MLP of 8 KiB slices is 300 KiB per iteration and 376 KiB nested
   in XLA, 344 and 312 KiB in the model), so both are worth compiling."""
   per_iteration, nested = rebuildable(graph), nestable(graph)
-  if not per_iteration:
-    return []
   base = {v: d for v, d in plan.items if v not in per_iteration and v not in nested}
-  shapes = [per_iteration] + ([{**per_iteration, **nested}] if nested else [])
+  shapes = [s for s in (per_iteration, {**per_iteration, **nested} if nested else {}) if s]
   return [Plan.of({**base, **{v: RECOMPUTE for v in shape}}) for shape in shapes]
 
 
@@ -334,7 +341,9 @@ def rebuild_in_loops(schedule: Schedule, looped: frozenset[int], plan: Plan) -> 
       node = graph.nodes[op.node]
       group = group_size(node.params["length"]) if op.node in nested else None
       forward_ops[op.node] = new = _forward_op(node, op, dropped_at[op.node], group)
-      sizes.update({k: graph.values[k[0]].nbytes // group for k in new.outs if k[1] == _START})
+      length = node.params["length"]
+      sizes.update({k: graph.values[k[0]].nbytes * length // (group or 1)
+                    for k in new.outs if k[1] in (_START, _STACK)})
       ops.append(new)
     elif op.kind == "node" and gone:
       forward = where[op.ins[gone[0]][0]][0]
@@ -354,7 +363,10 @@ def rebuild_in_loops(schedule: Schedule, looped: frozenset[int], plan: Plan) -> 
   return dataclasses.replace(schedule, plan=plan, ops=ops, recompute_flops=flops, sizes=sizes)
 
 
-_START = -1  # the copy index of a key for a nested loop's group-start carries
+# Copy indices of the keys a re-emitted forward scan adds, each keyed by the
+# scan's final carry (a value of the graph: the key names its carry).
+_START = -1  # a nested loop's group-start carries
+_STACK = -3  # a carry-in the scan did not stack, stacked to rebuild from
 _SCRATCH = -2  # the copy index of a key for slices rebuilt inside a backward loop
 
 
@@ -364,11 +376,11 @@ def _forward_op(node: Node, op: Op, dropped: dict[int, int], group: int | None) 
   keep = [i for i, vid in enumerate(node.outs) if vid not in dropped]
   outs = tuple(op.outs[i] for i in keep)
   if group is None:
-    run, starts = forward_without(node, frozenset(dropped.values())), ()
+    run = forward_without(node, frozenset(dropped.values()))
+    starts = tuple((node.outs[c], _STACK) for c in unstacked_carries(node))
   else:
     run = forward_nested(node, frozenset(dropped.values()), group)
-    carry_outs = _carry_outputs(node)
-    starts = tuple((node.outs[carry_outs[c]], _START) for c in sorted(carry_outs))
+    starts = tuple((node.outs[c], _START) for c in range(_scan_shape(node)[1]))
   n = len(node.outs)
 
   def call(*args):
@@ -389,10 +401,10 @@ def _backward_op(graph: Graph, node: Node, op: Op, forward_op: Op, gone: list[in
   rebuilt = {i: where[op.ins[i][0]][1] for i in gone}
   own = [i for i in range(len(op.ins)) if i not in rebuilt]
   f_in = [i for i in range(len(forward.ins)) if not f_consts <= i < f_consts + f_carries]
-  stacks = [carry_outs[c] for c in range(f_carries)]
   if group is None:
-    out_key = dict(zip(forward.outs, forward_op.outs))
-    tail = [out_key[forward.outs[o]] for o in stacks]
+    out_key = {k[0]: k for k in forward_op.outs}  # its kept outputs, by value id
+    tail = [out_key[forward.outs[carry_outs[c]]] if c in carry_outs
+            else (forward.outs[c], _STACK) for c in range(f_carries)]
     run = backward_rebuilding(node, forward, rebuilt)
   else:
     tail = [k for k in forward_op.outs if k[1] == _START]
@@ -405,8 +417,7 @@ def _backward_op(graph: Graph, node: Node, op: Op, forward_op: Op, gone: list[in
     forward_ins = [None] * len(forward.ins)
     for i, a in zip(f_in, args[len(own):]):
       forward_ins[i] = a
-    rest = args[len(own) + len(f_in):]
-    return run(ins, forward_ins, dict(zip(stacks, rest)) if group is None else rest)
+    return run(ins, forward_ins, args[len(own) + len(f_in):])
 
   ins = (tuple(op.ins[i] for i in own) + tuple(forward_op.ins[i] for i in f_in)
          + tuple(tail))

@@ -112,3 +112,43 @@ class TransformerBlock(nn.Module):
     h = MLP(self.dim, int(self.mlp_ratio * self.dim), self.out_init_std,
             name="mlp")(nn.LayerNorm(name="ln2")(x))
     return x + drop(h)
+
+
+class _Layer(nn.Module):
+  """One block as a scan body: ``(x, None) -> (block(x), None)``."""
+  block: type
+  args: tuple
+  train: bool
+
+  @nn.compact
+  def __call__(self, x, _):
+    return self.block(*self.args, name="block")(x, self.train), None
+
+
+def run_blocks(x, block: type, args: tuple, depth: int, train: bool, scan: bool):
+  """``depth`` blocks ``block(*args)`` applied to ``x`` inside a compact
+  method: unrolled (modules ``block0``, ``block1``, ...) or, with ``scan``,
+  as one ``nn.scan`` over stacked parameters (module ``blocks``; one body
+  in the program whatever the depth, how production stacks are written).
+  ``block`` may be ``nn.remat``-wrapped: scanned, that is
+  ``nn.scan(nn.remat(Block))``.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return run_blocks(x, TransformerBlock, (8, 2), 3, False, scan=True)
+    >>> p = Net().init(jax.random.key(0), jnp.ones((1, 4, 8)))["params"]
+    >>> p["blocks"]["block"]["ln1"]["scale"].shape
+    (3, 8)
+  """
+  if not scan:
+    for i in range(depth):
+      x = block(*args, name=f"block{i}")(x, train)
+    return x
+  stack = nn.scan(_Layer, variable_axes={"params": 0}, split_rngs={"params": True,
+                                                                   "dropout": True},
+                  length=depth)
+  x, _ = stack(block, args, train, name="blocks")(x, None)
+  return x

@@ -14,7 +14,7 @@ import math
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxmem_models._attention import TransformerBlock
+from jaxmem_models._attention import TransformerBlock, run_blocks
 from jaxmem_models._random import Dropout
 from jaxmem_models._remat import check_remat, remat_block
 from jaxmem_models._task import classify, token_batch
@@ -33,6 +33,7 @@ class GPT2(nn.Module):
     tied: output head is the token embedding's transpose (GPT-2) or a
       separate ``Dense(vocab)``.
     remat: ``None`` or a name from ``models.REMAT_POLICIES`` (per block).
+    scan: the blocks as one ``nn.scan`` over stacked parameters.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -48,6 +49,7 @@ class GPT2(nn.Module):
   dropout: float = 0.1
   tied: bool = True
   remat: str | None = None
+  scan: bool = False
 
   @nn.compact
   def __call__(self, tokens, train: bool = True):
@@ -61,9 +63,8 @@ class GPT2(nn.Module):
     x = Dropout(self.dropout)(x, not train)
     block = remat_block(TransformerBlock, self.remat)
     out_std = 0.02 / math.sqrt(2 * max(self.depth, 1))
-    for i in range(self.depth):
-      x = block(self.dim, self.heads, 4.0, self.dropout, self.dropout, True, out_std,
-                name=f"block{i}")(x, train)
+    x = run_blocks(x, block, (self.dim, self.heads, 4.0, self.dropout, self.dropout, True,
+                              out_std), self.depth, train, self.scan)
     x = nn.LayerNorm(name="ln_f")(x)
     if self.tied:
       return wte.attend(x)
@@ -72,7 +73,8 @@ class GPT2(nn.Module):
 
 
 def gpt2(dim=256, depth=6, heads=4, seq=256, vocab=8192, batch=8, dropout=0.1,
-         tied=True, remat=None):
-  """Registry factory ``"gpt2"``: a 6-layer, 256-wide GPT-2 on 256 tokens."""
-  module = GPT2(vocab, seq, dim, depth, heads, dropout, tied, check_remat(remat))
+         tied=True, scan=False, remat=None):
+  """Registry factory ``"gpt2"``: a 6-layer, 256-wide GPT-2 on 256 tokens;
+  ``scan=True`` runs its blocks as one ``nn.scan``."""
+  module = GPT2(vocab, seq, dim, depth, heads, dropout, tied, check_remat(remat), scan)
   return module, token_batch(batch, seq, vocab), classify

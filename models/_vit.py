@@ -12,7 +12,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax.numpy as jnp
 
-from jaxmem_models._attention import TransformerBlock
+from jaxmem_models._attention import TransformerBlock, run_blocks
 from jaxmem_models._random import Dropout, lecun_normal
 from jaxmem_models._remat import check_remat, remat_block
 from jaxmem_models._task import classify, image_batch
@@ -32,6 +32,7 @@ class ViT(nn.Module):
     attn_dropout: dropout on attention probabilities.
     pool: ``"cls"`` (class token) or ``"mean"`` (mean over patches).
     remat: ``None`` or a name from ``models.REMAT_POLICIES`` (per block).
+    scan: the blocks as one ``nn.scan`` over stacked parameters.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -49,6 +50,7 @@ class ViT(nn.Module):
   attn_dropout: float = 0.0
   pool: str = "cls"
   remat: str | None = None
+  scan: bool = False
 
   @nn.compact
   def __call__(self, x, train: bool = True):
@@ -65,16 +67,15 @@ class ViT(nn.Module):
     x = x + self.param("pos", nn.initializers.normal(0.02), x.shape[1:])
     x = Dropout(self.dropout)(x, not train)
     block = remat_block(TransformerBlock, self.remat)
-    for i in range(self.depth):
-      x = block(self.dim, self.heads, self.mlp_ratio, self.dropout,
-                self.attn_dropout, False, name=f"block{i}")(x, train)
+    x = run_blocks(x, block, (self.dim, self.heads, self.mlp_ratio, self.dropout,
+                              self.attn_dropout, False), self.depth, train, self.scan)
     x = nn.LayerNorm(name="ln")(x)
     x = x[:, 0] if self.pool == "cls" else x.mean(axis=1)
     return nn.Dense(self.classes, name="head")(x)
 
 
 def vit(dim=192, depth=12, heads=3, patch=8, size=64, batch=16, classes=10,
-        mlp_ratio=4.0, dropout=0.1, attn_dropout=0.0, pool="cls", remat=None):
+        mlp_ratio=4.0, dropout=0.1, attn_dropout=0.0, pool="cls", scan=False, remat=None):
   """Registry factory ``"vit"``: ViT-Tiny width/depth on 64x64 images.
 
   ``size`` must be a multiple of ``patch``; ``(size / patch) ** 2`` tokens
@@ -83,5 +84,5 @@ def vit(dim=192, depth=12, heads=3, patch=8, size=64, batch=16, classes=10,
   if size % patch:
     raise ValueError(f"vit: size {size} is not a multiple of patch {patch}")
   module = ViT(classes, dim, depth, heads, patch, mlp_ratio, dropout, attn_dropout,
-               pool, check_remat(remat))
+               pool, check_remat(remat), scan)
   return module, image_batch(batch, size, classes), classify

@@ -247,3 +247,30 @@ def test_vtensor_and_block_plans_match_on_the_zoo(plain, name):
     schedule, _ = evaluate(graph, plan)
     got = jit(emit(schedule))(*jax.tree_util.tree_leaves(args))
     assert_trees_close(got, jax.tree_util.tree_leaves(want))
+
+
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_scanned_blocks_compute_the_unrolled_gradients(name):
+  """``scan=True`` runs the same blocks as one ``nn.scan``: its parameters
+  are the unrolled ones stacked, and so are its gradients."""
+  config = dict(TINY[name], depth=3, dropout=0.0)
+  unrolled, scanned = (models.get(name, scan=scan, **config) for scan in (False, True))
+  state, batch = init(unrolled)
+  params = state["params"]
+  blocks = [params.pop(f"block{i}") for i in range(3)]
+  stack = lambda *xs: np.stack(xs)  # noqa: E731
+
+  def grads(task, params):
+    def loss(p):
+      out = task.module.apply({"params": p}, batch["x"], train=True,
+                              rngs={"dropout": jax.random.key(0)})
+      return task.loss(out, batch)
+    return jit(jax.grad(loss))(params)
+
+  want = grads(unrolled, {**params, **{f"block{i}": b for i, b in enumerate(blocks)}})
+  got = grads(scanned, {**params, "blocks": {"block": jax.tree_util.tree_map(stack, *blocks)}})
+  got_blocks = got.pop("blocks")["block"]
+  assert_trees_close(got_blocks, jax.tree_util.tree_map(
+      stack, *[want.pop(f"block{i}") for i in range(3)]))
+  assert_trees_close(got, want)
+  assert "scan[" in str(jax.make_jaxpr(scanned.step)(*init(scanned)))
