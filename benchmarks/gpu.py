@@ -50,6 +50,8 @@ import sys
 import tempfile
 import time
 
+from provenance import provenance  # noqa: E402  (benchmarks/ is the script's folder)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "gpu_worker.py")
@@ -73,25 +75,6 @@ MAX_BATCH = ("gpt2", "resnet18")  # models whose max batch the full run finds
 QUICK = dict(models=("gpt2", "resnet18"), budgets=("50%",),
              remat=("dots_saveable", "offload_dot_with_no_batch_dims"),
              planners=("recompute", "hybrid", "lgm"), max_batch=())
-
-
-def _provenance(argv) -> dict:
-  """The command, the commit and whether the tree was dirty."""
-  def git(*args):
-    try:
-      return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=30).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-      return None
-  commit = os.environ.get("JAXMEM_COMMIT") or git("rev-parse", "HEAD")
-  dirty = os.environ.get("JAXMEM_DIRTY")
-  if dirty is None:
-    status = git("status", "--porcelain", "--untracked-files=no")
-    dirty = None if commit is None else bool(status)
-  else:
-    dirty = dirty.lower() in ("1", "true", "yes")
-  return {"command": "python benchmarks/gpu.py " + " ".join(argv), "commit": commit,
-          "dirty": dirty, "date": datetime.date.today().isoformat()}
 
 
 class Runner:
@@ -350,7 +333,7 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as scratch:
     runner = Runner(args.dry_run, args.repeats, args.timeout,
                     None if args.dry_run else os.path.join(scratch, "gpu.lock"))
-    rows, out = run(plan, runner, workers, args.out, _provenance(argv))
+    rows, out = run(plan, runner, workers, args.out, provenance("benchmarks/gpu.py", argv))
   result = assemble(rows)
   result["seconds"] = time.perf_counter() - start
   print(write(result, out))

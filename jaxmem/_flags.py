@@ -44,6 +44,22 @@ def compiler_options(platform: str) -> dict[str, str]:
   return {"xla_disable_hlo_passes": CPU_REMAT_PASS} if platform == "cpu" else {}
 
 
+def measuring_options(platform: str) -> dict[str, object]:
+  """Compiler options for the fit loop's compilations, of which only XLA's
+  footprint is read: :func:`compiler_options`, and on CPU LLVM's
+  optimization off. Buffers are assigned before LLVM runs, so footprints
+  are the same (measured equal on the zoo's gpt2, resnet18, mobilenetv2 and
+  unet; ``tests/test_flags.py`` checks it) and compiling takes 1.3-2.3x less
+  time. The step the user runs is compiled with :func:`compiler_options`.
+
+  Example:
+    >>> measuring_options("gpu")
+    {}
+  """
+  fast = {"xla_backend_optimization_level": 0} if platform == "cpu" else {}
+  return {**compiler_options(platform), **fast}
+
+
 def _backend_started() -> bool:
   try:
     from jax._src import xla_bridge

@@ -239,7 +239,7 @@ class Transformed:
           "is compiled unchanged.", stacklevel=4)
 
     def jit(candidate: Candidate):
-      jitted = self._jit(candidate, out_tree, options)
+      jitted = self._jit(candidate, out_tree, _flags.measuring_options(platform))
       return jitted, jitted.lower(*args, **kwargs).compile()
 
     budget = self.budget.resolve(unconstrained)
@@ -256,11 +256,12 @@ class Transformed:
     if found is None:
       return None
     trial, attempts = found
+    jitted = self._jit(trial.candidate, out_tree, options)
     return Fit(graph, trial.candidate, self.planner, budget, unconstrained,
                base_memory.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in graph.nodes), attempts, time.perf_counter() - start,
-               trial.jitted, self._jit(trial.candidate, out_tree, {}) if options
-               else trial.jitted, reserve)
+               jitted, self._jit(trial.candidate, out_tree, {}) if options else jitted,
+               reserve)
 
   def _jit(self, candidate: Candidate, out_tree, options: dict):
     """The ``jax.jit`` of a candidate's emitted step; ``options`` (compiler

@@ -70,3 +70,22 @@ def test_fitted_step_keeps_recomputation_without_the_global_flag():
   done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                         text=True, timeout=300)
   assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name,config", [
+    ("gpt2", dict(scan=True, depth=2, dim=32, heads=2, seq=32, vocab=64, batch=4)),
+    ("resnet18", dict(width=8, stages=[1, 1], size=16, batch=4))])
+def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config):
+  """The fit loop reads footprints from compilations without LLVM's
+  optimization; the step the user runs is compiled with it."""
+  import jax
+  from jaxmem._fit import xla_footprint
+  from jaxmem._zoo import models
+  task = models().get(name, **config)
+  shapes = jax.eval_shape(task.init)
+  footprints = {xla_footprint(jax.jit(task.step, compiler_options=options)
+                              .lower(*shapes).compile())
+                for options in (_flags.compiler_options("cpu"),
+                                _flags.measuring_options("cpu"))}
+  assert len(footprints) == 1
+  assert _flags.measuring_options("gpu") == {}
