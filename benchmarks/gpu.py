@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 
-from provenance import provenance  # noqa: E402  (benchmarks/ is the script's folder)
+from provenance import provenance  # benchmarks/, the script's folder, is on sys.path
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Any, Callable
+from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._evaluate import Candidate, candidate, unplanned, unplanned_liveness
@@ -82,13 +82,11 @@ class Trial:
 
   Attributes:
     candidate: the plan with its schedule and memory model.
-    jitted: the ``jax.jit``-wrapped step that runs it.
     footprint: XLA's footprint, or for a plan with offloads on a backend
       that ignores host memory the model's device peak in XLA's scale;
       None where the backend gives no analysis.
   """
   candidate: Candidate
-  jitted: Any
   footprint: int | None
 
   @property
@@ -110,8 +108,8 @@ class Fitter:
     unconstrained: XLA's footprint of the untransformed step.
     model_scale: the memory model's footprint of the untransformed step
       over XLA's.
-    jit: makes the ``jax.jit``-wrapped step of a candidate and compiles it:
-      ``candidate -> (jitted, compiled)``.
+    jit: compiles a candidate's step to read its footprint:
+      ``candidate -> compiled``.
     max_rounds: planning rounds while XLA is over the budget.
     reserve: bytes kept free for the runtime beyond the footprint
       (:func:`runtime_reserve`); errors name budgets with it added back.
@@ -146,10 +144,10 @@ class Fitter:
 
   def compile(self, candidate: Candidate) -> Trial:
     """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
-    jitted, compiled = self.jit(candidate)
+    compiled = self.jit(candidate)
     if candidate.plan.uses_host and not holds_host_memory(compiled):
-      return Trial(candidate, jitted, int(candidate.peak / self.model_scale))
-    return Trial(candidate, jitted, xla_footprint(compiled))
+      return Trial(candidate, int(candidate.peak / self.model_scale))
+    return Trial(candidate, xla_footprint(compiled))
 
   def cost(self, trial: Trial | Candidate) -> float:
     candidate = trial.candidate if isinstance(trial, Trial) else trial

@@ -11,11 +11,13 @@ around a scan body does, decided after differentiation and per residual:
 the stack's bytes go, one iteration's forward work is added per backward
 iteration, and the program stays a scan (its size does not grow with L).
 
-A stacked output can be rebuilt when every carry of the forward body is
-itself kept stacked (the body's carry-in is a residual of most layers: a
-matmul's input) and the backward scans read it only as a per-iteration
-``xs`` slice (:func:`rebuildable`). Random keys are values in JAX, so a
-rebuilt dropout mask is the forward one, bit for bit.
+A stacked output can be rebuilt when the backward scans read it only as a
+per-iteration ``xs`` slice (:func:`rebuildable`). The rebuild starts from
+the body's carry-ins kept stacked: the scan's own output where it stacks
+one (a matmul's input is a residual), else an output the re-emitted scan
+adds (a Flax pre-LN block's input, which only its LayerNorm reads). Random
+keys are values in JAX, so a rebuilt dropout mask is the forward one, bit
+for bit.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -363,11 +365,12 @@ def rebuild_in_loops(schedule: Schedule, looped: frozenset[int], plan: Plan) -> 
   return dataclasses.replace(schedule, plan=plan, ops=ops, recompute_flops=flops, sizes=sizes)
 
 
-# Copy indices of the keys a re-emitted forward scan adds, each keyed by the
-# scan's final carry (a value of the graph: the key names its carry).
+# Copy indices of the keys the rewrite adds. A re-emitted forward scan's are
+# keyed by the scan's final carry (a value of the graph: the key names its
+# carry); a backward scan's scratch by its last output.
 _START = -1  # a nested loop's group-start carries
-_STACK = -3  # a carry-in the scan did not stack, stacked to rebuild from
-_SCRATCH = -2  # the copy index of a key for slices rebuilt inside a backward loop
+_SCRATCH = -2  # the slices rebuilt inside a backward loop
+_STACK = -3  # a carry-in the forward scan did not stack, stacked to rebuild from
 
 
 def _forward_op(node: Node, op: Op, dropped: dict[int, int], group: int | None) -> Op:

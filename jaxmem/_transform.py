@@ -239,8 +239,8 @@ class Transformed:
           "is compiled unchanged.", stacklevel=4)
 
     def jit(candidate: Candidate):
-      jitted = self._jit(candidate, out_tree, _flags.measuring_options(platform))
-      return jitted, jitted.lower(*args, **kwargs).compile()
+      measuring = self._jit(candidate, out_tree, _flags.measuring_options(platform))
+      return measuring.lower(*args, **kwargs).compile()
 
     budget = self.budget.resolve(unconstrained)
     reserve = runtime_reserve(platform) if self.reserve is None else self.reserve

@@ -75,22 +75,6 @@ def test_the_memory_model_sees_the_stacks_go():
   assert schedule.recompute_flops > 0
 
 
-@pytest.mark.parametrize("make", [_plain, _flax, _dropout],
-                         ids=["lax.scan", "nn.scan", "dropout"])
-def test_transform_fits_a_scanned_stack_at_70_percent(make):
-  """Before loops were planned inside, the smallest budget named for these
-  steps was 100% of the unmodified footprint."""
-  import jaxmem
-  step, args = make()
-  plain = xla_footprint(jax.jit(step).lower(*args).compile())
-  budget = int(0.7 * plain)
-  fitted = jaxmem.transform(step, budget=budget)
-  assert xla_footprint(fitted.lower(*args).compile()) <= budget
-  got, expected = fitted(*args), jax.jit(step)(*args)
-  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b)) + 1))
-
-
 def _deep():
   """36 layers of 128 KiB slices: the layer inputs dominate what is left
   once the rest is rebuilt per iteration."""
@@ -124,12 +108,31 @@ def test_a_nested_loop_keeps_one_carry_per_group_and_gives_the_same_gradients():
   assert abs(model - nested) <= 0.15 * nested, (model, nested)
 
 
-def test_transform_nests_a_deep_stack_under_40_percent():
+@pytest.mark.parametrize("make,fraction", [(_plain, 0.7), (_flax, 0.7), (_dropout, 0.7),
+                                           (_deep, 0.4)],
+                         ids=["lax.scan", "nn.scan", "dropout", "nested"])
+def test_transform_fits_a_scanned_stack(make, fraction):
+  """Before loops were planned inside, the smallest budget named for these
+  steps was 100% of the unmodified footprint; the 36-layer stack fits 40%
+  only nested."""
   import jaxmem
-  step, args = _deep()
-  plain = xla_footprint(jax.jit(step).lower(*args).compile())
-  budget = int(0.4 * plain)
+  step, args = make()
+  budget = int(fraction * xla_footprint(_compiled(step, args)))
   fitted = jaxmem.transform(step, budget=budget)
   assert xla_footprint(fitted.lower(*args).compile()) <= budget
   got, expected = fitted(*args), jax.jit(step)(*args)
-  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(expected))))
+  for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(expected)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+def test_a_loop_that_can_only_nest_has_its_nested_variant():
+  """``nn.scan(nn.remat(Block))`` stacks nothing but its layer inputs: no
+  stack is rebuildable per iteration, and the lowest search still gets the
+  loop nested to compile."""
+  from jaxmem._scan_remat import loop_variants, nestable
+  from test_written_steps import _flax as written_flax
+  step, args = written_flax(remat=True)
+  graph = build_graph(jax.make_jaxpr(step)(*args))
+  assert not rebuildable(graph) and nestable(graph)
+  variants = loop_variants(graph, Plan())
+  assert [set(p.values_with("recompute")) for p in variants] == [set(nestable(graph))]
