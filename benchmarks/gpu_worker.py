@@ -42,7 +42,6 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 
 import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
-from jaxmem._benchmark import fits_budget  # noqa: E402
 from jaxmem._devices import DeviceProfile, get_profile  # noqa: E402
 from jaxmem._evaluate import unplanned  # noqa: E402
 from jaxmem._fit import xla_footprint  # noqa: E402
@@ -275,12 +274,22 @@ def measure(job) -> dict:
   return record
 
 
-def _fits(job, batch: int) -> bool:
-  """Whether ``job``'s method fits its budget at ``batch``, compiled only."""
+def _stepper(job, batch: int):
+  """The job's step at ``batch`` as it is compiled: ``jax.jit`` of the
+  (per-block remat) step, or jaxmem's transform of it, which keeps a fit
+  that succeeds so the final run does not plan again."""
   task = _task(job, batch)
-  method = job["method"]
-  planner = _planner(job) if method.startswith("jaxmem:") else None
-  return fits_budget(task.step, jax.eval_shape(task.init), job["budget_bytes"], planner)
+  if job["method"].startswith("jaxmem:"):
+    return task, jaxmem.transform(task.step, budget=job["budget_bytes"], planner=_planner(job))
+  return task, jax.jit(task.step)
+
+
+def _fits(stepper, shapes, budget: int) -> bool:
+  """Whether a step from ``_stepper`` fits ``budget``, compiled only."""
+  if isinstance(stepper, jaxmem.Transformed):
+    return stepper.can_fit(*shapes)
+  footprint = xla_footprint(stepper.lower(*shapes).compile())
+  return footprint is not None and footprint <= budget
 
 
 def max_batch(job) -> dict:
@@ -288,22 +297,20 @@ def max_batch(job) -> dict:
   at which the method fits the budget, by bisection over compiled
   footprints; then, on a device, that batch run once for its peak."""
   unit, limit = job["step"], job["limit"]
-  low, high, probes = 0, limit // unit + 1, []
+  low, high, probes, best = 0, limit // unit + 1, [], None
   while high - low > 1:
     mid = (low + high) // 2
-    ok = _fits(job, mid * unit)
+    task, stepper = _stepper(job, mid * unit)
+    shapes = jax.eval_shape(task.init)
+    ok = _fits(stepper, shapes, job["budget_bytes"])
     probes.append((mid * unit, ok))
     low, high = (mid, high) if ok else (low, mid)
+    best = (stepper, shapes) if ok else best
   record = {"status": "ok", "max_batch": low * unit, "probes": probes}
-  if low and not job["dry_run"]:
-    task = _task(job, low * unit)
-    shapes = jax.eval_shape(task.init)
-    if job["method"] == "unconstrained":
-      compiled = jax.jit(task.step).lower(*shapes).compile()
-    else:
-      compiled = jaxmem.transform(task.step, budget=job["budget_bytes"],
-                                  planner=_planner(job)).lower(*shapes).compile()
-    record.update(_run_fresh(compiled, dict(job, repeats=3), low * unit))
+  if best and not job["dry_run"]:
+    stepper, shapes = best
+    record.update(_run_fresh(stepper.lower(*shapes).compile(), dict(job, repeats=3),
+                             low * unit))
     record["status"] = "ok" if record.get("status", "ok") == "ok" else record["status"]
   if record.get("peak_bytes") is not None:
     record["fits_measured"] = record["peak_bytes"] <= job["budget_bytes"]
