@@ -2,9 +2,16 @@
 
 ``build_graph`` flattens a step's closed jaxpr into one list of nodes
 (inlining nested ``jit`` / ``closed_call`` / ``custom_jvp_call`` /
-``custom_vjp_call``), splits it into the forward part and the backward part
-(everything from the first ``transpose(...)`` equation on, optimizer included)
-and finds the *residuals*: forward values that the backward part reads.
+``custom_vjp_call``), marks each equation forward or backward and finds the
+*residuals*: forward values that backward equations read.
+
+A backward equation is one of the outermost transposition (its name stack's
+first AD wrapper is ``transpose(``; the inner gradient of a gradient penalty
+is forward work of the outer one), or one that follows a backward equation
+outside any AD (optimizer updates, accumulating gradients). A step may hold
+several forward/backward *passes* (gradient accumulation over a Python loop,
+a GAN's discriminator then generator): an equation under ``jvp(`` after a
+backward one starts the next pass's forward part (:func:`forward_passes`).
 """
 
 from __future__ import annotations
@@ -20,6 +27,13 @@ from jax.extend import core as jex
 from jaxmem import _primitives
 
 _TRANSFORMS = re.compile(r"\b(?:jvp|transpose|vmap|pmap|remat|checkpoint)\(")
+_AD = re.compile(r"\b(jvp|transpose)\(")
+
+
+def _outer_ad(stack: str) -> str | None:
+  """The outermost AD wrapper of a name stack: ``"jvp"``, ``"transpose"`` or None."""
+  found = _AD.search(stack)
+  return found.group(1) if found else None
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -246,7 +260,7 @@ class _Builder:
           index=index, prim=eqn.primitive, params=dict(eqn.params), ins=ins,
           outs=outs, name_stack=stack,
           source=outer_source or _source(eqn.source_info),
-          backward="transpose(" in stack,
+          backward=_outer_ad(stack) == "transpose",
           flops=_primitives.eqn_flops(eqn.primitive.name,
                                       [a.aval for a in eqn.invars],
                                       [v.aval for v in eqn.outvars], eqn.params),
@@ -308,31 +322,66 @@ def build_graph(closed_jaxpr) -> Graph:
   builder.walk(jaxpr, env, "")
   outputs = tuple(a if isinstance(a, jex.Literal) else env[a] for a in jaxpr.outvars)
   nodes = builder.nodes
+  nodes[:] = _mark_passes(nodes)
   backward_start = next((n.index for n in nodes if n.backward), None)
-  if backward_start is not None:
-    # Everything after the first transpose equation is backward (optimizer
-    # included), even where a name stack says otherwise.
-    nodes[backward_start:] = [
-        dataclasses.replace(n, backward=True, update=not n.backward)
-        for n in nodes[backward_start:]]
   values = builder.values()
   return Graph(nodes=tuple(nodes), values=values, inputs=tuple(inputs), outputs=outputs,
                consts=builder.consts, backward_start=backward_start,
-               residuals=_residuals(nodes, values, backward_start))
+               residuals=_residuals(nodes, values))
 
 
-def _residuals(nodes, values, backward_start) -> tuple[Residual, ...]:
-  """The forward values that nodes from ``backward_start`` on read."""
-  if backward_start is None:
-    return ()
+def _mark_passes(nodes: list[Node]) -> list[Node]:
+  """``nodes`` with ``backward`` and ``update`` set by pass (module
+  docstring): a transposed equation is backward; after one, equations
+  outside AD are backward updates until one under ``jvp(`` starts a forward
+  part again."""
+  marked, in_backward = [], False
+  for node in nodes:
+    if node.backward:
+      in_backward = True
+    elif in_backward and _outer_ad(node.name_stack) == "jvp":
+      in_backward = False
+    marked.append(node if node.backward or not in_backward
+                  else dataclasses.replace(node, backward=True, update=True))
+  return marked
+
+
+@analysis
+def forward_passes(graph: Graph) -> tuple[tuple[int, ...], ...]:
+  """The forward parts of the step's passes, each the indices of its
+  consecutive forward nodes; a later one begins after a backward node.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
+    >>> step = lambda w, x: jax.grad(loss)(w, x[0]) + jax.grad(loss)(w, x[1])
+    >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 3, 4))))
+    >>> len(forward_passes(g))
+    2
+  """
+  passes: list[list[int]] = []
+  previous_backward = True
+  for node in graph.nodes:
+    if not node.backward:
+      if previous_backward:
+        passes.append([])
+      passes[-1].append(node.index)
+    previous_backward = node.backward
+  return tuple(map(tuple, passes))
+
+
+def _residuals(nodes, values) -> tuple[Residual, ...]:
+  """The forward values that backward nodes read."""
   found = []
-  for node in nodes[:backward_start]:
+  for node in nodes:
+    if node.backward:
+      continue
     for vid in node.outs:
       value = values[vid]
-      bwd = [u for u in value.uses if u >= backward_start]
+      bwd = [u for u in value.uses if nodes[u].backward]
       if not bwd:
         continue
-      fwd = [u for u in value.uses if u < backward_start]
+      fwd = [u for u in value.uses if not nodes[u].backward]
       found.append(Residual(
           value=vid,
           name=f"{node.readable} {node.prim.name} {node.source}".strip(),

@@ -37,7 +37,7 @@ import itertools
 from jax.extend import core as jex
 
 from jaxmem._decisions import Plan
-from jaxmem._graph import Graph, analysis
+from jaxmem._graph import Graph, analysis, forward_passes
 from jaxmem._xla_cpu_fusion import separated_reads
 
 Key = tuple  # (value id, version)
@@ -167,7 +167,10 @@ class _Builder:
 
   def run(self) -> Schedule:
     graph = self.graph
+    starts = {p[0]: p for p in forward_passes(graph)[1:]} if self.separating else {}
     for node in emission_order(graph):
+      if node.index in starts:
+        self.enter(starts[node.index], node)
       if node.backward:
         self.prefetch(self.fetch_at.get(node.index, ()), node)
         self.prefetch([a for a in node.ins if isinstance(a, int) and a in self.offloaded],
@@ -206,6 +209,23 @@ class _Builder:
     return Schedule(graph, self.plan, self.ops, [self.key(v) for v in graph.inputs],
                     outputs, self.recompute_flops, self.sizes,
                     {key: unit for unit, key in self.fetched.items()})
+
+  def enter(self, nodes: tuple, first) -> None:
+    """Starts a later pass's forward part (``forward_passes``): what its
+    nodes read from outside the pass passes through one barrier with an
+    anchor from the backward pass before it (``pin``), so XLA runs the
+    passes in turn instead of this forward part beside the previous
+    backward part (each pass's residuals die before the next pass starts)."""
+    inside = set(nodes)
+    outside = sorted({a for i in nodes for a in self.graph.nodes[i].ins
+                      if isinstance(a, int) and a not in self.graph.consts
+                      and self.graph.values[a].producer not in inside})
+    if not outside:
+      return
+    size = max((self.graph.values[v].nbytes for i in nodes for v in self.graph.nodes[i].outs),
+               default=0)
+    copies = self.pin(tuple(self.read(a, False) for a in outside), first, size)
+    self.routed.update(zip(outside, copies))
 
   def read(self, atom, backward: bool):
     if isinstance(atom, jex.Literal):

@@ -18,6 +18,7 @@ from jaxmem._emit import emit
 from jaxmem._evaluate import Candidate, evaluate
 from jaxmem._fit import Fitter, runtime_reserve, xla_footprint
 from jaxmem._graph import Graph, build_graph, trace
+from jaxmem._inner import body_graph, embedded, inner_loop
 from jaxmem._memory import Liveness
 from jaxmem._report import residual_table
 from jaxmem.planners import Planner, get_planner
@@ -49,6 +50,9 @@ class Fit:
     nested: the same step without per-compilation options, for calls under
       an outer transformation (``jax.jit`` takes ``compiler_options`` only at
       the top level; there the outer compilation is the one XLA runs).
+    loop: where the step's passes run inside a loop (gradient accumulation
+      over a ``lax.scan``), the loop's source line: ``graph``, the plan and
+      the FLOPs are then one iteration's (``_inner``); else None.
   """
   graph: Graph
   result: Candidate
@@ -64,6 +68,7 @@ class Fit:
   jitted: Any = dataclasses.field(repr=False, default=None)
   nested: Any = dataclasses.field(repr=False, default=None)
   reserve: int = 0
+  loop: str | None = None
 
   @property
   def plan(self) -> Plan:
@@ -88,6 +93,9 @@ class Fit:
         f"{format_bytes(self.unconstrained_model)} (model)",
         f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
         f"planner           {self.planner.describe()}",
+        *([f"planned per pass  inside the loop at {self.loop}: one iteration's forward "
+           "and backward pass (residuals, decisions and FLOPs below are one "
+           "iteration's)"] if self.loop else []),
         f"peak at           {p.peak_name}",
         f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
         f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
@@ -232,14 +240,18 @@ class Transformed:
     unconstrained = xla_footprint(baseline)
     if unconstrained is None:
       unconstrained = base_memory.peak
-    if not graph.has_backward:
+    loop = inner_loop(graph)
+    planned = graph if loop is None else body_graph(graph, loop)
+    emitter = emit if loop is None else lambda schedule: emit(embedded(graph, loop, schedule))
+    if not planned.has_backward:
       warnings.warn(
           "jaxmem: the step has no backward pass (no transposed equations in "
           "its jaxpr), so there are no residuals to recompute or offload; it "
           "is compiled unchanged.", stacklevel=4)
 
     def jit(candidate: Candidate):
-      measuring = self._jit(candidate, out_tree, _flags.measuring_options(platform))
+      measuring = self._jit(emitter(candidate.schedule), out_tree,
+                            _flags.measuring_options(platform))
       return measuring.lower(*args, **kwargs).compile()
 
     budget = self.budget.resolve(unconstrained)
@@ -250,24 +262,25 @@ class Transformed:
           f"{format_bytes(reserve)} is kept free for the runtime's workspaces; pass a "
           f"budget above {reserve} bytes, or a smaller transform(..., reserve=).",
           smallest=reserve + 1)
-    fitter = Fitter(graph, self.planner, budget - reserve, unconstrained,
-                    base_memory.peak / unconstrained, jit, self.max_rounds, reserve)
+    model = base_memory if loop is None else evaluate(planned, Plan())[1]
+    fitter = Fitter(planned, self.planner, budget - reserve, unconstrained,
+                    model.peak / unconstrained, jit, self.max_rounds, reserve)
     found = fitter.fit(find_smallest)
     if found is None:
       return None
     trial, attempts = found
-    jitted = self._jit(trial.candidate, out_tree, options)
-    return Fit(graph, trial.candidate, self.planner, budget, unconstrained,
-               base_memory.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
-               sum(n.flops for n in graph.nodes), attempts, time.perf_counter() - start,
-               jitted, self._jit(trial.candidate, out_tree, {}) if options else jitted,
-               reserve)
+    run_flat = emitter(trial.candidate.schedule)
+    jitted = self._jit(run_flat, out_tree, options)
+    return Fit(planned, trial.candidate, self.planner, budget, unconstrained,
+               model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
+               sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
+               jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
+               reserve, None if loop is None else graph.nodes[loop].source)
 
-  def _jit(self, candidate: Candidate, out_tree, options: dict):
-    """The ``jax.jit`` of a candidate's emitted step; ``options`` (compiler
-    options that keep recomputation, :func:`_flags.compiler_options`) go
-    under any the user passed."""
-    run_flat = emit(candidate.schedule)
+  def _jit(self, run_flat: Callable, out_tree, options: dict):
+    """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
+    ``options`` (compiler options that keep recomputation,
+    :func:`_flags.compiler_options`) go under any the user passed."""
     statics, static_names = self.static_argnums, self.static_argnames
 
     def run(*args, **kwargs):

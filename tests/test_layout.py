@@ -18,7 +18,7 @@ LAYERS = [
     {"_scan_remat"},
     {"_memory", "_perf", "_emit"},
     {"_evaluate"},
-    {"_blocks"},
+    {"_blocks", "_inner"},
     {"planners._base"},
     {"planners._greedy", "planners._hybrid", "planners._lgm"},
     {"planners"},
