@@ -12,6 +12,7 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem import _flags
+from jaxmem._arguments import Arguments, inherited_donations
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
@@ -114,21 +115,10 @@ class Fit:
     return "\n".join(lines)
 
 
-def _as_tuple(value) -> tuple:
-  return (value,) if isinstance(value, (int, str)) else tuple(value)
-
-
-def _split_static(args, kwargs, static_argnums, static_argnames):
-  """The dynamic positional and keyword arguments, statics left out."""
-  dyn_args = tuple(a for i, a in enumerate(args) if i not in static_argnums)
-  dyn_kwargs = {k: v for k, v in kwargs.items() if k not in static_argnames}
-  return dyn_args, dyn_kwargs
-
-
-def _signature(args, kwargs, static_argnums, static_argnames):
-  dyn_args, dyn_kwargs = _split_static(args, kwargs, static_argnums, static_argnames)
-  statics = (tuple(args[i] for i in static_argnums if i < len(args)),
-             tuple(sorted((k, kwargs[k]) for k in static_argnames if k in kwargs)))
+def _signature(arguments: Arguments, args, kwargs):
+  """The cache key (static values, tree and avals of the dynamic arguments),
+  the dynamic arguments and their leaves."""
+  statics, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
   leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
   key = (statics, tree, tuple(jax.typeof(x) for x in leaves))
   return key, dyn_args, dyn_kwargs, leaves
@@ -148,9 +138,10 @@ class Transformed:
     self.fun = fun
     self.budget = Budget.parse(budget)
     self.planner = get_planner(planner)
-    # Like jax.jit: a single int / str or a sequence of them.
-    self.static_argnums = _as_tuple(static_argnums)
-    self.static_argnames = _as_tuple(static_argnames)
+    jit_kwargs = dict(jit_kwargs)
+    self.arguments = Arguments.resolve(
+        fun, static_argnums, static_argnames,
+        jit_kwargs.pop("donate_argnums", ()), jit_kwargs.pop("donate_argnames", ()))
     self.jit_kwargs = jit_kwargs
     self.max_rounds = max_rounds
     if reserve is not None and (not isinstance(reserve, int) or reserve < 0):
@@ -204,8 +195,7 @@ class Transformed:
   def _cached(self, args, kwargs, find_smallest: bool) -> Fit | None:
     """The fit for these arguments' signature, built once (see ``_build``;
     a None is not kept)."""
-    key, dyn_args, dyn_kwargs, leaves = _signature(
-        args, kwargs, self.static_argnums, self.static_argnames)
+    key, dyn_args, dyn_kwargs, leaves = _signature(self.arguments, args, kwargs)
     if key not in self._fits:
       fit = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves, find_smallest)
       if fit is None:
@@ -215,9 +205,10 @@ class Transformed:
 
   def _bound(self, args, kwargs):
     """The step with its static arguments bound, over dynamic ones only."""
-    statics = {i: args[i] for i in self.static_argnums if i < len(args)}
-    static_kw = {k: kwargs[k] for k in self.static_argnames if k in kwargs}
     n = len(args)
+    static = self.arguments.static_positions(n)
+    statics = {i: args[i] for i in static if i < n}
+    static_kw = {k: kwargs[k] for k in self.arguments.static_argnames if k in kwargs}
 
     def bound(*dyn_args, **dyn_kwargs):
       it = iter(dyn_args)
@@ -230,6 +221,8 @@ class Transformed:
              find_smallest: bool = True) -> Fit | None:
     """Traces, analyzes and runs the fit loop (:class:`~jaxmem._fit.Fitter`)."""
     start = time.perf_counter()
+    self.arguments = self.arguments.with_donations(
+        *inherited_donations(self.fun, args, kwargs, self.arguments))
     platform = _platform(leaves)
     options = _flags.compiler_options(platform)
     closed, _, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
@@ -281,16 +274,16 @@ class Transformed:
     """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
     ``options`` (compiler options that keep recomputation,
     :func:`_flags.compiler_options`) go under any the user passed."""
-    statics, static_names = self.static_argnums, self.static_argnames
+    arguments = self.arguments
 
     def run(*args, **kwargs):
-      leaves = jax.tree_util.tree_leaves(
-          _split_static(args, kwargs, statics, static_names))
+      _, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
+      leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
       return jax.tree_util.tree_unflatten(out_tree, run_flat(*leaves))
 
     kwargs = dict(self.jit_kwargs)
     kwargs["compiler_options"] = {**options, **(kwargs.get("compiler_options") or {})} or None
-    return jax.jit(run, static_argnums=statics, static_argnames=static_names, **kwargs)
+    return arguments.jit(run, self.fun, **kwargs)
 
 
 def _platform(leaves) -> str:
@@ -318,7 +311,9 @@ def transform(fun: Callable, budget, *, planner="recompute",
     budget: bytes (int), a string with a unit (``"3GiB"``, ``"512MB"``) or a
       fraction of the unconstrained footprint (``"60%"``, ``0.6``).
     planner: a name from ``jaxmem.PLANNERS`` or a :class:`jaxmem.Planner`.
-    static_argnums, static_argnames: as for ``jax.jit``.
+    static_argnums, static_argnames: as for ``jax.jit`` (a name also makes
+      its position static, an index its name; negative indices count from
+      the end of the call's positional arguments).
     max_rounds: how often to re-plan with a tighter model target when XLA's
       footprint exceeds the budget.
     reserve: bytes of the budget kept free for what the runtime allocates
@@ -326,7 +321,9 @@ def transform(fun: Callable, budget, *, planner="recompute",
       footprint is held to ``budget - reserve``. None: 128 MiB on GPU and
       other accelerators (the most seen over the footprint on an H200 was
       92 MB), 0 on CPU.
-    **jit_kwargs: passed to ``jax.jit`` (``donate_argnums``, ...).
+    **jit_kwargs: passed to ``jax.jit``. ``donate_argnums`` /
+      ``donate_argnames`` donate as there; a step already wrapped in
+      ``jax.jit`` with donated arguments keeps its donation.
 
   Returns:
     A :class:`Transformed` callable.

@@ -1,0 +1,84 @@
+"""Static and donated arguments behave as ``jax.jit``'s (issue 20, part 1):
+each case is run through ``jax.jit`` and through ``jaxmem.transform`` and
+must give the same numbers and the same donation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxmem
+
+
+def step(w, x, n=2, *, scale=1.0):
+  for _ in range(n):  # n must be static: it is a Python loop count
+    w = w - scale * 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)))(w)
+  return w
+
+
+def _args():
+  return jnp.eye(16) * 0.5, jnp.ones((8, 16))
+
+
+STATIC = [
+    ("names given positionally", dict(static_argnames="n"), lambda f, w, x: f(w, x, 3)),
+    ("negative index", dict(static_argnums=-1), lambda f, w, x: f(w, x, 3)),
+    ("index passed by keyword", dict(static_argnums=2), lambda f, w, x: f(w, x, n=3)),
+    ("keyword-only name", dict(static_argnames="scale"), lambda f, w, x: f(w, x, scale=0.5)),
+    ("several", dict(static_argnames=("n", "scale")),
+     lambda f, w, x: f(w, x, 1, scale=0.5)),
+]
+
+
+@pytest.mark.parametrize("case,spec,call", STATIC, ids=[c[0] for c in STATIC])
+def test_static_arguments_resolve_as_jax_jit_resolves_them(case, spec, call):
+  w, x = _args()
+  want = call(jax.jit(step, **spec), w, x)
+  got = call(jaxmem.transform(step, budget="100%", **spec), w, x)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_static_values_are_cached_apart():
+  fitted = jaxmem.transform(step, budget="100%", static_argnames="n")
+  w, x = _args()
+  for n in (1, 3, 1):
+    np.testing.assert_allclose(fitted(w, x, n), jax.jit(step, static_argnums=2)(w, x, n),
+                               rtol=1e-6)
+  assert len(fitted._fits) == 2
+
+
+def test_an_unhashable_static_argument_is_explained():
+  w, x = _args()
+  with pytest.raises(ValueError, match="static argument 'n' of step is not hashable.*tuple"):
+    jaxmem.transform(step, budget="100%", static_argnames="n")(w, x, n=[3])
+  with pytest.raises(ValueError, match="positional argument 2 of step is not hashable"):
+    jaxmem.transform(step, budget="100%", static_argnums=2)(w, x, [3])
+
+
+DONATE = [
+    ("donate_argnums", lambda f: jaxmem.transform(f, budget="100%", donate_argnums=0)),
+    ("donate_argnames", lambda f: jaxmem.transform(f, budget="100%", donate_argnames="w")),
+    ("a jitted step's own", lambda f: jaxmem.transform(jax.jit(f, donate_argnums=0),
+                                                       budget="100%")),
+    ("a jitted step's own, by name", lambda f: jaxmem.transform(
+        jax.jit(f, donate_argnames="w"), budget="100%")),
+]
+
+
+@pytest.mark.parametrize("case,make", DONATE, ids=[c[0] for c in DONATE])
+def test_donation_is_kept(case, make):
+  """The donated state is deleted after the call, as with ``jax.jit``, and
+  XLA aliases its buffer to the output (so the budget counts it once)."""
+  w, x = _args()
+  want = jax.jit(step)(w, x)
+  fitted = make(step)
+  assert fitted.lower(w, x).compile().memory_analysis().alias_size_in_bytes == w.nbytes
+  got = fitted(w, x)
+  assert w.is_deleted() and not x.is_deleted()
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+
+
+def test_nothing_is_donated_unless_asked():
+  w, x = _args()
+  jaxmem.transform(step, budget="100%")(w, x)
+  assert not w.is_deleted()
