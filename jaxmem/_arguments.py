@@ -92,10 +92,24 @@ class Arguments:
     dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
     return statics, dyn_args, dyn_kwargs
 
+  def merge(self, statics, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` again from what :meth:`split` gave."""
+    positional, named = statics
+    args = list(dyn_args)
+    for i, value in positional:  # ascending, so earlier inserts hold
+      args.insert(i, value)
+    return tuple(args), {**dyn_kwargs, **dict(named)}
+
   def with_donations(self, nums: tuple, names: tuple) -> "Arguments":
     return dataclasses.replace(
         self, donate_argnums=tuple(sorted(set(self.donate_argnums) | set(nums))),
         donate_argnames=tuple(sorted(set(self.donate_argnames) | set(names))))
+
+  def tracing(self, fun: Callable):
+    """``jax.jit`` of the user's ``fun`` with these arguments static, for
+    tracing it (donation does not matter there)."""
+    return jax.jit(fun, static_argnums=self.static_argnums or None,
+                   static_argnames=self.static_argnames or None)
 
   def jit(self, fun: Callable, user: Callable, **kwargs):
     """``jax.jit`` of ``fun(*args, **kwargs)`` with these arguments static

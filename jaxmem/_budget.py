@@ -13,6 +13,7 @@ Accepted forms:
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import re
 
@@ -83,8 +84,12 @@ class Budget:
         if not 0.0 < number <= 100.0:
           raise _bad(budget, "a percentage must lie in (0, 100]")
         return cls(fraction=number / 100.0, text=budget.strip())
+      if not unit:
+        raise _bad(budget, _unitless(number))
       if unit not in _UNITS:
         raise _bad(budget, f"unknown unit {match.group(2)!r}")
+      if not math.isfinite(number * _UNITS[unit]):
+        raise _bad(budget, "the number is too large to be a count of bytes")
       nbytes = int(number * _UNITS[unit])
       if nbytes <= 0:
         raise _bad(budget, "it must be positive")
@@ -98,6 +103,21 @@ class Budget:
     return int(self.fraction * unconstrained_bytes)
 
 
+def _unitless(number: float) -> str:
+  """Why a string without a unit is refused, and what was likely meant."""
+  if not math.isfinite(number):
+    return "the number is too large to be a count of bytes"
+  if number <= 0.0:
+    return "it must be positive"
+  if number <= 1.0:
+    return (f"a string needs a unit; for a fraction of the footprint write "
+            f"'{number * 100:g}%' or pass the float {number:g}")
+  if number != int(number):
+    return f"a string needs a unit, e.g. '{number:g}GiB' or '{number:g}GB'"
+  return (f"a string needs a unit; for bytes write '{number:g}B' or pass the "
+          f"int {int(number)}")
+
+
 def _bad(budget, why: str = "") -> BudgetError:
   why = f" ({why})" if why else ""
   return BudgetError(
@@ -107,7 +127,10 @@ def _bad(budget, why: str = "") -> BudgetError:
 
 def format_bytes(nbytes: float) -> str:
   """Formats bytes for people: ``format_bytes(3 * 2**20) == '3.00 MiB'``."""
-  value = float(nbytes)
+  try:
+    value = float(nbytes)
+  except OverflowError:
+    return f"{nbytes} B"
   for unit in ("B", "KiB", "MiB", "GiB"):
     if abs(value) < 1024 or unit == "GiB":
       return f"{value:.0f} B" if unit == "B" else f"{value:.2f} {unit}"

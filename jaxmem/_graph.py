@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
+import os
 import re
 from typing import Any, Callable, Mapping
 
@@ -210,12 +212,29 @@ def _blocks(graph: Graph, depth: int) -> dict[str, list[int]]:
   return found
 
 
+# Libraries' files: a residual made inside Flax, optax or jaxmem is named by
+# the line of the user's code that called into them.
+_LIBRARY_DIRS = ("site-packages", "dist-packages", os.path.dirname(os.path.abspath(__file__)))
+
+
 def _source(source_info) -> str:
+  """The innermost line of the user's own code that made an equation:
+  ``file.py:line (function)``, the file relative to the working directory
+  where it lies under it."""
   try:
     from jax._src import source_info_util
-    return source_info_util.summarize(source_info)
+    frames = list(itertools.islice(source_info_util.user_frames(source_info.traceback), 64))
   except Exception:  # pragma: no cover - private API moved
     return ""
+  if not frames:
+    return ""
+  frame = next((f for f in frames if not any(d in f.file_name for d in _LIBRARY_DIRS)),
+               frames[0])
+  name = frame.file_name
+  if os.path.isabs(name) and name.startswith(os.getcwd() + os.sep):
+    name = os.path.relpath(name)
+  column = f":{frame.start_column}" if frame.start_column else ""
+  return f"{name}:{frame.start_line}{column} ({frame.function_name})"
 
 
 def _join(outer: str, inner: str) -> str:
@@ -396,22 +415,18 @@ def _residuals(nodes, values) -> tuple[Residual, ...]:
   return tuple(found)
 
 
-def trace(fun, *args, **kwargs):
-  """Traces ``fun`` over flat leaves; returns (closed_jaxpr, in_tree, out_tree).
+def trace(jitted, *args, **kwargs):
+  """Traces a ``jax.jit``-wrapped step (its static arguments marked there)
+  for ``args``; returns (closed_jaxpr over the dynamic leaves, out_tree).
+
+  Tracing through ``jax.jit`` makes a mistake in the step jax.jit's error,
+  which names the user's function and the argument or output path.
 
   Example:
-    >>> import jax.numpy as jnp
-    >>> closed, _, out_tree = trace(lambda d: {"y": d["x"] * 2}, {"x": jnp.ones(3)})
+    >>> import jax, jax.numpy as jnp
+    >>> closed, out_tree = trace(jax.jit(lambda d: {"y": d["x"] * 2}), {"x": jnp.ones(3)})
     >>> out_tree.num_leaves
     1
   """
-  flat, in_tree = jax.tree_util.tree_flatten((args, kwargs))
-  found = {}
-
-  def flat_fun(*leaves):
-    a, k = jax.tree_util.tree_unflatten(in_tree, leaves)
-    out_leaves, found["tree"] = jax.tree_util.tree_flatten(fun(*a, **k))
-    return out_leaves
-
-  closed = jax.make_jaxpr(flat_fun)(*flat)
-  return closed, in_tree, found["tree"]
+  traced = jitted.trace(*args, **kwargs)
+  return traced.jaxpr, jax.tree_util.tree_structure(traced.out_info)

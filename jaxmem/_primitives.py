@@ -134,8 +134,11 @@ TABLE: dict[str, Primitive] = {
     "cumsum": Primitive(OTHER, flops=_reduce),
     **_rows("random_bits random_seed random_wrap random_unwrap random_fold_in "
             "random_split threefry2x32", kind=RNG),
+    # pvary / psum_invariant (pbroadcast / psum2 in older JAX): what
+    # shard_map's varying-axes typing inserts between replicated and
+    # per-device values.
     **_rows("psum pmax pmin ppermute all_gather all_to_all reduce_scatter "
-            "psum_scatter", kind=COLLECTIVE),
+            "psum_scatter pvary psum_invariant pbroadcast psum2", kind=COLLECTIVE),
     "jit": Primitive(CALL, body="jaxpr", flops=_calls),
     "pjit": Primitive(CALL, body="jaxpr", flops=_calls),
     "closed_call": Primitive(CALL, body="call_jaxpr", flops=_calls),

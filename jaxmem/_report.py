@@ -30,7 +30,7 @@ def residual_table(graph: Graph, top: int | None = 30, decisions=None) -> str:
       name = name.replace(" scan", f" scan[{s.slice_of}]", 1)
     row = [size, f"{r.dtype}{list(r.shape)}",
            f"{r.produced_at}->{r.first_backward_use}..{r.last_backward_use}",
-           f"{r.recompute_flops:.3g}", name[:70]]
+           f"{r.recompute_flops:.3g}", name]
     if decisions is not None:
       row.insert(0, decisions.get(r.value, "keep"))
     rows.append(row)

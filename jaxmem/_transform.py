@@ -4,6 +4,7 @@ shaped like ``jax.jit``."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from typing import Any, Callable
@@ -11,8 +12,9 @@ from typing import Any, Callable
 import jax
 from jax.extend import core as jex
 
-from jaxmem import _flags
+from jaxmem import _flags, _primitives
 from jaxmem._arguments import Arguments, inherited_donations
+from jaxmem._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
@@ -54,6 +56,7 @@ class Fit:
     loop: where the step's passes run inside a loop (gradient accumulation
       over a ``lax.scan``), the loop's source line: ``graph``, the plan and
       the FLOPs are then one iteration's (``_inner``); else None.
+    out_tree: the tree of the step's outputs.
   """
   graph: Graph
   result: Candidate
@@ -70,6 +73,7 @@ class Fit:
   nested: Any = dataclasses.field(repr=False, default=None)
   reserve: int = 0
   loop: str | None = None
+  out_tree: Any = None
 
   @property
   def plan(self) -> Plan:
@@ -120,8 +124,7 @@ def _signature(arguments: Arguments, args, kwargs):
   the dynamic arguments and their leaves."""
   statics, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
   leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-  key = (statics, tree, tuple(jax.typeof(x) for x in leaves))
-  return key, dyn_args, dyn_kwargs, leaves
+  return (statics, tree, tuple(jax.typeof(x) for x in leaves)), leaves
 
 
 class Transformed:
@@ -149,6 +152,7 @@ class Transformed:
                         f"platform's default), got {reserve!r}")
     self.reserve = reserve
     self._fits: dict = {}
+    self._batched: dict = {}
     try:
       self.__wrapped__ = fun
       self.__name__ = getattr(fun, "__name__", "step")
@@ -158,8 +162,33 @@ class Transformed:
 
   def __call__(self, *args, **kwargs):
     fit = self.fit(*args, **kwargs)
-    traced = any(isinstance(leaf, _Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs)))
-    return (fit.nested if traced else fit.jitted)(*args, **kwargs)
+    if not any(isinstance(leaf, _Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+      return fit.jitted(*args, **kwargs)
+    # Under an outer transformation; under jax.vmap, planned again for the
+    # batched shapes (_batching).
+    statics, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
+    leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+
+    def flat(*leaves):
+      args, kwargs = self.arguments.merge(statics, *tree.unflatten(leaves))
+      return jax.tree_util.tree_leaves(fit.nested(*args, **kwargs))
+
+    step = batchable(flat, functools.partial(self._vmapped, statics, tree))
+    return fit.out_tree.unflatten(step(*leaves))
+
+  def _vmapped(self, statics, tree, in_batched: tuple[bool, ...]) -> "Transformed":
+    """This step vmapped over the flat leaves ``in_batched`` marks, fitted
+    to the same budget (one per static values, tree and batching)."""
+    key = (statics, tree, in_batched)
+    if key not in self._batched:
+      def step(*leaves):
+        args, kwargs = self.arguments.merge(statics, *tree.unflatten(leaves))
+        return jax.tree_util.tree_leaves(self.fun(*args, **kwargs))
+      axes = tuple(0 if batched else None for batched in in_batched)
+      vmapped = functools.wraps(self.fun)(jax.vmap(step, in_axes=axes))
+      self._batched[key] = Transformed(vmapped, self.budget, self.planner, (), (), {},
+                                       self.max_rounds, self.reserve)
+    return self._batched[key]
 
   def lower(self, *args, **kwargs):
     """``jax.jit``'s ``lower`` for the transformed step."""
@@ -195,29 +224,20 @@ class Transformed:
   def _cached(self, args, kwargs, find_smallest: bool) -> Fit | None:
     """The fit for these arguments' signature, built once (see ``_build``;
     a None is not kept)."""
-    key, dyn_args, dyn_kwargs, leaves = _signature(self.arguments, args, kwargs)
+    try:
+      key, leaves = _signature(self.arguments, args, kwargs)
+    except TypeError:
+      # An argument that is not an array: jax.jit's error names its path.
+      self.arguments.tracing(self.fun).trace(*args, **kwargs)
+      raise
     if key not in self._fits:
-      fit = self._build(args, kwargs, dyn_args, dyn_kwargs, leaves, find_smallest)
+      fit = self._build(args, kwargs, leaves, find_smallest)
       if fit is None:
         return None
       self._fits[key] = fit
     return self._fits[key]
 
-  def _bound(self, args, kwargs):
-    """The step with its static arguments bound, over dynamic ones only."""
-    n = len(args)
-    static = self.arguments.static_positions(n)
-    statics = {i: args[i] for i in static if i < n}
-    static_kw = {k: kwargs[k] for k in self.arguments.static_argnames if k in kwargs}
-
-    def bound(*dyn_args, **dyn_kwargs):
-      it = iter(dyn_args)
-      full = [statics[i] if i in statics else next(it) for i in range(n)]
-      return self.fun(*full, **dyn_kwargs, **static_kw)
-
-    return bound
-
-  def _build(self, args, kwargs, dyn_args, dyn_kwargs, leaves,
+  def _build(self, args, kwargs, leaves,
              find_smallest: bool = True) -> Fit | None:
     """Traces, analyzes and runs the fit loop (:class:`~jaxmem._fit.Fitter`)."""
     start = time.perf_counter()
@@ -225,8 +245,9 @@ class Transformed:
         *inherited_donations(self.fun, args, kwargs, self.arguments))
     platform = _platform(leaves)
     options = _flags.compiler_options(platform)
-    closed, _, out_tree = trace(self._bound(args, kwargs), *dyn_args, **dyn_kwargs)
+    closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
     graph = build_graph(closed)
+    _no_collectives(graph, self.__name__)
     baseline = jax.jit(jex.jaxpr_as_fun(closed), compiler_options=options or None
                        ).lower(*leaves).compile()
     base_memory = evaluate(graph, Plan())[1]
@@ -235,7 +256,13 @@ class Transformed:
       unconstrained = base_memory.peak
     loop = inner_loop(graph)
     planned = graph if loop is None else body_graph(graph, loop)
-    emitter = emit if loop is None else lambda schedule: emit(embedded(graph, loop, schedule))
+
+    def emitter(candidate: Candidate) -> Callable:
+      if not len(candidate.plan):
+        return jex.jaxpr_as_fun(closed)  # the step as written: never above it
+      schedule = candidate.schedule
+      return emit(schedule if loop is None else embedded(graph, loop, schedule))
+
     if not planned.has_backward:
       warnings.warn(
           "jaxmem: the step has no backward pass (no transposed equations in "
@@ -243,7 +270,7 @@ class Transformed:
           "is compiled unchanged.", stacklevel=4)
 
     def jit(candidate: Candidate):
-      measuring = self._jit(emitter(candidate.schedule), out_tree,
+      measuring = self._jit(emitter(candidate), out_tree,
                             _flags.measuring_options(platform))
       return measuring.lower(*args, **kwargs).compile()
 
@@ -262,13 +289,13 @@ class Transformed:
     if found is None:
       return None
     trial, attempts = found
-    run_flat = emitter(trial.candidate.schedule)
+    run_flat = emitter(trial.candidate)
     jitted = self._jit(run_flat, out_tree, options)
     return Fit(planned, trial.candidate, self.planner, budget, unconstrained,
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
-               reserve, None if loop is None else graph.nodes[loop].source)
+               reserve, None if loop is None else graph.nodes[loop].source, out_tree)
 
   def _jit(self, run_flat: Callable, out_tree, options: dict):
     """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
@@ -284,6 +311,20 @@ class Transformed:
     kwargs = dict(self.jit_kwargs)
     kwargs["compiler_options"] = {**options, **(kwargs.get("compiler_options") or {})} or None
     return arguments.jit(run, self.fun, **kwargs)
+
+
+def _no_collectives(graph: Graph, name: str) -> None:
+  """jaxmem compiles a step on its own to measure it, which a step reducing
+  over mesh axes (``psum`` inside ``shard_map``) cannot be."""
+  found = sorted({n.prim.name for n in graph.nodes
+                  if _primitives.classify(n.prim.name) == _primitives.COLLECTIVE})
+  if found:
+    raise NotImplementedError(
+        f"jaxmem: step {name} runs collectives over mesh axes ({', '.join(found)}); "
+        "jaxmem measures a step by compiling it on its own, outside the mesh, so it "
+        "cannot fit one yet. Fit the per-device part and reduce outside it, e.g. "
+        "shard_map(lambda w, x: jax.lax.pmean(fitted(w, x), 'd'), ...) with fitted = "
+        "jaxmem.transform(per_device_step, budget=...).")
 
 
 def _platform(leaves) -> str:
@@ -379,6 +420,6 @@ def analyze(fun: Callable, *args, **kwargs) -> Analysis:
     >>> [r.primitive for r in a.residuals]  # tanh(y) and 1 - tanh(y)**2
     ['tanh', 'sub']
   """
-  closed, _, _ = trace(fun, *args, **kwargs)
+  closed, _ = trace(jax.jit(fun), *args, **kwargs)
   graph = build_graph(closed)
   return Analysis(graph, evaluate(graph, Plan())[1])

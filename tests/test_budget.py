@@ -1,3 +1,5 @@
+import re
+
 import pytest
 
 from jaxmem import Budget, BudgetError
@@ -21,3 +23,23 @@ def test_fraction(text):
 def test_bad_budgets_list_the_accepted_forms(bad):
   with pytest.raises(BudgetError, match="Expected an int number of bytes"):
     Budget.parse(bad)
+
+
+@pytest.mark.parametrize("bad, hint", [
+    ("0.5", "write '50%' or pass the float 0.5"),
+    ("1", "write '100%' or pass the float 1"),
+    ("4096", "write '4096B' or pass the int 4096"),
+    ("2.5", "e.g. '2.5GiB'"),
+    ("1e400GB", "too large to be a count of bytes"),
+    ("1e400", "too large to be a count of bytes"),
+    ("0", "it must be positive"),
+])
+def test_a_budget_without_a_unit_or_out_of_range_says_what_was_meant(bad, hint):
+  """Issue 20: "0.5" said "unknown unit ''" and "1e400GB" raised a raw
+  OverflowError."""
+  with pytest.raises(BudgetError, match=re.escape(hint)):
+    Budget.parse(bad)
+
+
+def test_a_huge_int_budget_is_read():
+  assert Budget.parse(10**400).resolve(1) == 10**400

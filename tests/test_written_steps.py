@@ -218,14 +218,20 @@ def test_the_smallest_budget_named_fits_and_matches(name):
     assert LOOPS[name] in _outer_loops(emitted.jaxpr), "the planned step is still a loop"
 
 
+_CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
+          "custom_jvp_call": "call_jaxpr", "custom_vmap_call": "call"}
+
+
 def _outer_loops(jaxpr) -> list:
-  """Lengths of the scans outside any other scan, through nested jits."""
+  """Lengths of the scans outside any other scan, through nested calls
+  (jits and the custom_jvp / custom_vmap a traced fitted step runs in)."""
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan":
       found.append(eqn.params["length"])
-    elif "jaxpr" in eqn.params and eqn.primitive.name in ("pjit", "jit", "closed_call"):
-      found += _outer_loops(getattr(eqn.params["jaxpr"], "jaxpr", eqn.params["jaxpr"]))
+    elif eqn.params.get(_CALLS.get(eqn.primitive.name)) is not None:
+      inner = eqn.params[_CALLS[eqn.primitive.name]]
+      found += _outer_loops(getattr(inner, "jaxpr", inner))
   return found
 
 
