@@ -7,7 +7,7 @@ index its name), so a static argument may be passed either way; a negative
 index counts from the end of the positional arguments of the call. jaxmem
 traces and caches the step per static values before ``jax.jit`` sees it, so
 it resolves them the same way here, and hands ``jax.jit`` the user's own
-specification over a function with the user's signature (``wrap``).
+specification over a function with the user's signature (``Arguments.jit``).
 
 A step already wrapped in ``jax.jit`` with donated arguments keeps them:
 the inner jit is inlined into jaxmem's, so its donation is read from its
@@ -22,9 +22,6 @@ import inspect
 from typing import Any, Callable
 
 import jax
-
-_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-
 
 def _as_tuple(value) -> tuple:
   if value is None:

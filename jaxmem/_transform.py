@@ -169,21 +169,24 @@ class Transformed:
     statics, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
     leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
 
-    def flat(*leaves):
-      args, kwargs = self.arguments.merge(statics, *tree.unflatten(leaves))
-      return jax.tree_util.tree_leaves(fit.nested(*args, **kwargs))
-
+    flat = self._over_leaves(fit.nested, statics, tree)
     step = batchable(flat, functools.partial(self._vmapped, statics, tree))
     return fit.out_tree.unflatten(step(*leaves))
+
+  def _over_leaves(self, fun: Callable, statics, tree) -> Callable:
+    """``fun`` (called like the step) over the dynamic arguments' flat
+    leaves, with these static values, returning its output's leaves."""
+    def flat(*leaves):
+      args, kwargs = self.arguments.merge(statics, *tree.unflatten(leaves))
+      return jax.tree_util.tree_leaves(fun(*args, **kwargs))
+    return flat
 
   def _vmapped(self, statics, tree, in_batched: tuple[bool, ...]) -> "Transformed":
     """This step vmapped over the flat leaves ``in_batched`` marks, fitted
     to the same budget (one per static values, tree and batching)."""
     key = (statics, tree, in_batched)
     if key not in self._batched:
-      def step(*leaves):
-        args, kwargs = self.arguments.merge(statics, *tree.unflatten(leaves))
-        return jax.tree_util.tree_leaves(self.fun(*args, **kwargs))
+      step = self._over_leaves(self.fun, statics, tree)
       axes = tuple(0 if batched else None for batched in in_batched)
       vmapped = functools.wraps(self.fun)(jax.vmap(step, in_axes=axes))
       self._batched[key] = Transformed(vmapped, self.budget, self.planner, (), (), {},

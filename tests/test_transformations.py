@@ -109,18 +109,11 @@ SHARD_MAP = textwrap.dedent("""
     import jax, jax.numpy as jnp, jaxmem
     from jax.sharding import Mesh, PartitionSpec as P
     from jaxmem._fit import xla_footprint
+    from test_transformations import step
     try:
       from jax import shard_map
     except ImportError:  # JAX before shard_map left experimental
       from jax.experimental.shard_map import shard_map
-
-    def step(w, x):
-      def loss(w):
-        h = x
-        for _ in range(8):
-          h = h + jnp.tanh(h @ w)
-        return jnp.sum(h ** 2)
-      return jax.grad(loss)(w)
 
     mesh = Mesh(jax.devices()[:2], ("d",))
     # check_vma=False: no pvary / psum_invariant inside the per-device step.
@@ -155,8 +148,8 @@ def test_under_shard_map_the_budget_holds_per_device():
   plan and its budget are per device (two CPU devices, in a process of
   their own); a step that itself reduces over the mesh is refused with a
   way out, not mis-compiled."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+      filter(None, [ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH")])))
   done = subprocess.run([sys.executable, "-c", SHARD_MAP], env=env, capture_output=True,
                         text=True, timeout=300)
   assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
