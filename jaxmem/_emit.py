@@ -68,7 +68,7 @@ def emit(schedule: Schedule):
         outs = [jax.lax.concatenate(args, op.params[0])]
       elif op.node is None:
         outs = jax.lax.optimization_barrier(args)
-      elif op.params:  # an equation re-emitted (a scan by _scan_remat)
+      elif op.params:  # an equation re-emitted (a scan, _loop_schedule)
         outs = op.params[0](*args)
       else:
         outs = _bind(graph.nodes[op.node], args)

@@ -19,7 +19,7 @@ from jaxmem._devices import DeviceProfile
 from jaxmem._graph import Graph, Residual, analysis
 from jaxmem._memory import Liveness, simulate
 from jaxmem._perf import schedule_costs
-from jaxmem._scan_remat import rebuild_in_loops, split_plan
+from jaxmem._loop_schedule import apply_in_loops, split_plan
 from jaxmem._schedule import Schedule, build_schedule
 
 
@@ -73,10 +73,10 @@ def evaluate(graph: Graph, plan: Plan) -> tuple[Schedule, Liveness]:
   if all(isinstance(d, Keep) for _, d in plan):
     memory = unplanned_liveness(graph)  # the untransformed step, cached
     return memory.schedule, memory
-  inner, looped = split_plan(graph, plan)
+  inner, in_loops = split_plan(graph, plan)
   schedule = build_schedule(graph, inner, fused_values(graph))
-  if looped:
-    schedule = rebuild_in_loops(schedule, looped, plan)
+  if in_loops:
+    schedule = apply_in_loops(schedule, in_loops, plan)
   return schedule, simulate(schedule)
 
 

@@ -226,7 +226,8 @@ class Fitter:
       candidates += list(self.planner.lowest(self.graph))
     best, seen = tried, {tried.candidate.plan}
     variants = [candidate(self.graph, p)
-                for p in loop_variants(self.graph, tried.candidate.plan)]
+                for p in loop_variants(self.graph, tried.candidate.plan,
+                                       host=self.planner.may_offload())]
     for option in list(candidates) + variants:
       if option.plan in seen:
         continue

@@ -116,8 +116,9 @@ def simulate(schedule: Schedule) -> Liveness:
 
   inputs = set(schedule.inputs) | {(v, 0) for v in graph.consts}
   arguments = sum(nbytes(k) for k in inputs)
-  # Host copies (offloads) and their views live in host memory.
-  host = {k for op in ops if op.kind == "offload" for k in op.outs}
+  # Host copies (offloads), stacks a loop makes on the host, and their
+  # views live in host memory.
+  host = {k for op in ops if op.kind == "offload" for k in op.outs} | schedule.hosted
   host |= {k for k in root if root[k] in host}
   free_at: dict[int, list] = {}
   owned_by: dict[int, list] = {}

@@ -41,8 +41,9 @@ class Transfer:
     nbytes: bytes copied.
     issue: index of the op after which the copy may start (its value exists,
       or the plan's prefetch point is reached); -1 for the step's start.
-    need: index of the op that reads the copy's result and must wait for
-      it; None if nothing waits (an offload, which only frees memory).
+    need: index of the op that must wait for the copy: the reader of its
+      result, or the op after a loop that copies per iteration; None if
+      nothing waits (an offload, which only frees memory).
   """
   direction: str
   nbytes: int
@@ -126,10 +127,19 @@ def schedule_costs(schedule) -> list[OpCost]:
 def schedule_transfers(schedule) -> list[Transfer]:
   """The copies of a rewritten step: each offload starts where it is
   issued (right after its value is made); each copy back is issued at its
-  op and needed by the first op that reads the copy."""
+  op and needed by the first op that reads the copy. A loop that stacks
+  slices in host memory, or reads them from there, copies one slice per
+  iteration beside its compute: its copies start with it and the op after
+  it waits for them (the loop takes the longer of the two)."""
   first_read = schedule.first_reads()
   transfers = []
+  last = len(schedule.ops) - 1
   for pos, op in enumerate(schedule.ops):
+    for direction, keys in (("d2h", op.outs), ("h2d", op.ins)):
+      looped = sum(schedule.nbytes(k) for k in keys
+                   if isinstance(k, tuple) and k in schedule.hosted)
+      if looped and op.kind == "node":
+        transfers.append(Transfer(direction, looped, pos - 1, pos + 1 if pos < last else None))
     if op.kind in ("offload", "prefetch"):
       nbytes = schedule.nbytes(op.outs[0])
       need = first_read.get(op.outs[0]) if op.kind == "prefetch" else None

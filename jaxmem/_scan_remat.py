@@ -19,6 +19,14 @@ adds (a Flax pre-LN block's input, which only its LayerNorm reads). Random
 keys are values in JAX, so a rebuilt dropout mask is the forward one, bit
 for bit.
 
+A stacked output read the same way can instead go to host memory one slice
+per iteration (:func:`hostable`): the forward body copies its slice to
+``pinned_host``, so the scan stacks it there, and the backward body copies
+its slice back before reading it (:func:`fetching`), so only one iteration's
+slice is on the device at a time. This is what an offload policy
+(``save_and_offload_only_these_names``) inside a scanned ``jax.checkpoint``
+does, decided per residual after differentiation.
+
 Example:
   >>> import jax, jax.numpy as jnp
   >>> from jaxmem._graph import build_graph
@@ -34,27 +42,25 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Sequence
 
 import jax
 from jax.extend import core as jex
 
-from jaxmem._decisions import RECOMPUTE, Plan
+from jaxmem._decisions import OFFLOAD, RECOMPUTE, Plan
 from jaxmem._graph import Graph, Node, analysis
 from jaxmem._loops import loops
-from jaxmem._schedule import Op, Schedule
 
 
-def _scan_shape(node: Node) -> tuple[int, int, int]:
+def scan_shape(node: Node) -> tuple[int, int, int]:
   p = node.params
   return p["num_consts"], p["num_carry"], p["length"]
 
 
-def _carry_outputs(node: Node) -> dict[int, int]:
+def carry_outputs(node: Node) -> dict[int, int]:
   """Carry position -> the forward scan's output that stacks the body's
   carry-in, for the carries it stacks."""
-  consts, carries, _ = _scan_shape(node)
+  consts, carries, _ = scan_shape(node)
   body = node.params["jaxpr"].jaxpr
   found = {}
   for out, var in enumerate(body.outvars):
@@ -68,12 +74,12 @@ def _carry_outputs(node: Node) -> dict[int, int]:
 
 def unstacked_carries(node: Node) -> list[int]:
   """The carry positions whose carry-ins the forward scan does not stack."""
-  stacked = _carry_outputs(node)
-  return [c for c in range(_scan_shape(node)[1]) if c not in stacked]
+  stacked = carry_outputs(node)
+  return [c for c in range(scan_shape(node)[1]) if c not in stacked]
 
 
 def _xs_position(node: Node, position: int) -> bool:
-  consts, carries, _ = _scan_shape(node)
+  consts, carries, _ = scan_shape(node)
   return position >= consts + carries
 
 
@@ -97,7 +103,7 @@ def rebuildable(graph: Graph) -> dict[int, tuple[int, int]]:
   found = {}
   for loop in loops(graph):
     forward = graph.nodes[loop.forward]
-    carries = _carry_outputs(forward)
+    carries = carry_outputs(forward)
     if forward.params.get("unroll", 1) not in (1, True, False):
       continue
     keep = set(carries.values())
@@ -105,6 +111,30 @@ def rebuildable(graph: Graph) -> dict[int, tuple[int, int]]:
       if stacked.output not in keep and _read_per_iteration(graph, forward, stacked.value):
         found[stacked.value] = (forward.index, stacked.output)
   return found
+
+
+@analysis
+def hostable(graph: Graph) -> dict[int, tuple[int, int]]:
+  """Stacked residual value id -> (forward scan node, output position), for
+  those that can go to host memory one slice per iteration (module
+  docstring): read only by backward scans as ``xs``, once per scan. Carry
+  stacks qualify too (a rebuild reads their slices through a copy back)."""
+  found = {}
+  for loop in loops(graph):
+    forward = graph.nodes[loop.forward]
+    if forward.params.get("unroll", 1) not in (1, True, False):
+      continue
+    for stacked in loop.stacked:
+      if _read_per_iteration(graph, forward, stacked.value):
+        found[stacked.value] = (forward.index, stacked.output)
+  return found
+
+
+def _on_device(xs: Sequence) -> list:
+  """Slices of stacks in host memory copied to the device (the others as
+  they are): what a backward body reads first each iteration."""
+  return [jax.device_put(x, jax.memory.Space.Device)
+          if jax.typeof(x).memory_space == jax.memory.Space.Host else x for x in xs]
 
 
 def group_size(length: int) -> int | None:
@@ -131,8 +161,8 @@ def nestable(graph: Graph) -> dict[int, tuple[int, int]]:
   others = rebuildable(graph)
   for loop in loops(graph):
     forward = graph.nodes[loop.forward]
-    carries = _carry_outputs(forward)
-    if len(carries) < _scan_shape(forward)[1] or group_size(loop.length) is None or any(
+    carries = carry_outputs(forward)
+    if len(carries) < scan_shape(forward)[1] or group_size(loop.length) is None or any(
         s.value not in others and not (s.output in carries.values()
                                        and _read_per_iteration(graph, forward, s.value))
         for s in loop.stacked):
@@ -143,22 +173,27 @@ def nestable(graph: Graph) -> dict[int, tuple[int, int]]:
   return found
 
 
-def forward_without(node: Node, dropped: frozenset[int]) -> Callable:
-  """The forward scan without the stacked outputs at ``dropped``:
-  ``run(*ins) -> outs`` with None where an output is dropped, then the
-  stacked carry-ins of the carries it does not stack itself
-  (:func:`unstacked_carries`)."""
-  consts, carries, length = _scan_shape(node)
+def forward_without(node: Node, dropped: frozenset[int],
+                    hosted: frozenset[int] = frozenset()) -> Callable:
+  """The forward scan without the stacked outputs at ``dropped``, and with
+  those at ``hosted`` stacked in host memory (each slice copied there as it
+  is made): ``run(*ins) -> outs`` with None where an output is dropped,
+  then, where an output is dropped, the stacked carry-ins of the carries
+  it does not stack itself (:func:`unstacked_carries`): a rebuild reads
+  them."""
+  consts, carries, length = scan_shape(node)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
   kept = [o for o in range(len(node.outs)) if o >= carries and o not in dropped]
-  extra = unstacked_carries(node)
+  extra = unstacked_carries(node) if dropped else []  # to rebuild from
 
   def run(*ins):
     const_in, carry_in, xs = ins[:consts], ins[consts:consts + carries], ins[consts + carries:]
 
     def step(carry, x):
       outs = body(*const_in, *carry, *x)
-      return list(outs[:carries]), [outs[o] for o in kept] + [carry[c] for c in extra]
+      ys = [jax.device_put(outs[o], jax.memory.Space.Host) if o in hosted else outs[o]
+            for o in kept]
+      return list(outs[:carries]), ys + [carry[c] for c in extra]
 
     carry, ys = jax.lax.scan(step, list(carry_in), list(xs), length=length,
                              reverse=node.params["reverse"])
@@ -177,8 +212,8 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int]) -> C
   carry_stacks) -> outs``, where ``ins`` has None at the rebuilt positions
   and ``carry_stacks`` are the forward body's carry-ins stacked, in carry
   order."""
-  consts, carries, length = _scan_shape(node)
-  f_consts, f_carries, _ = _scan_shape(forward)
+  consts, carries, length = scan_shape(node)
+  f_consts, f_carries, _ = scan_shape(forward)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
   f_body = jex.jaxpr_as_fun(forward.params["jaxpr"])
   xs_positions = [i for i in range(consts + carries, len(node.ins)) if i not in rebuilt]
@@ -190,6 +225,7 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int]) -> C
     n_xs, n_fxs = len(xs_positions), len(f_xs)
 
     def step(carry, x):
+      x = _on_device(x)
       own, fx, fcarry = x[:n_xs], x[n_xs:n_xs + n_fxs], x[n_xs + n_fxs:]
       f_outs = f_body(*f_const_in, *fcarry, *fx)
       full = dict(zip(xs_positions, own))
@@ -199,6 +235,26 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int]) -> C
 
     xs = [ins[i] for i in xs_positions] + f_xs + list(f_carry_stacks)
     carry, ys = jax.lax.scan(step, list(b_carry), xs, length=length,
+                             reverse=node.params["reverse"])
+    return list(carry) + list(ys)
+
+  return run
+
+
+def fetching(node: Node) -> Callable:
+  """The backward scan ``node`` reading its ``xs`` slices that are stacked
+  in host memory through a copy to the device per iteration:
+  ``run(*ins) -> outs``."""
+  consts, carries, length = scan_shape(node)
+  body = jex.jaxpr_as_fun(node.params["jaxpr"])
+
+  def run(*ins):
+    def step(carry, x):
+      outs = body(*ins[:consts], *carry, *_on_device(x))
+      return list(outs[:carries]), list(outs[carries:])
+
+    carry, ys = jax.lax.scan(step, list(ins[consts:consts + carries]),
+                             list(ins[consts + carries:]), length=length,
                              reverse=node.params["reverse"])
     return list(carry) + list(ys)
 
@@ -218,7 +274,7 @@ def forward_nested(node: Node, dropped: frozenset[int], group: int) -> Callable:
   the stacked outputs at ``dropped``: ``run(*ins) -> outs`` with None where
   an output is dropped, then each carry at each group's start (``[L /
   group, ...]``)."""
-  consts, carries, length = _scan_shape(node)
+  consts, carries, length = scan_shape(node)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
   kept = [o for o in range(carries, len(node.outs)) if o not in dropped]
   reverse = node.params["reverse"]
@@ -252,8 +308,8 @@ def backward_nested(node: Node, forward: Node, rebuilt: dict[int, int],
   ``rebuilt`` (input position of ``node`` -> forward output position), then
   the group's backward iterations run. ``run(ins, forward_ins, starts) ->
   outs``, ``ins`` with None at the rebuilt positions."""
-  consts, carries, length = _scan_shape(node)
-  f_consts, f_carries, _ = _scan_shape(forward)
+  consts, carries, length = scan_shape(node)
+  f_consts, f_carries, _ = scan_shape(forward)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
   f_body = jex.jaxpr_as_fun(forward.params["jaxpr"])
   xs_positions = [i for i in range(consts + carries, len(node.ins)) if i not in rebuilt]
@@ -291,137 +347,22 @@ def backward_nested(node: Node, forward: Node, rebuilt: dict[int, int],
   return run
 
 
-def loop_variants(graph: Graph, plan: Plan) -> list[Plan]:
+def loop_variants(graph: Graph, plan: Plan, host: bool = False) -> list[Plan]:
   """``plan`` with its loops in each shape: every stack rebuilt per
-  iteration, and every nestable loop nested. The memory model can rank the
-  two the wrong way round where a layer's slices are small (measured: a
-  16-layer MLP of 8 KiB slices is 300 KiB per iteration and 376 KiB nested
-  in XLA, 344 and 312 KiB in the model), so both are worth compiling."""
-  per_iteration, nested = rebuildable(graph), nestable(graph)
-  base = {v: d for v, d in plan.items if v not in per_iteration and v not in nested}
-  shapes = [s for s in (per_iteration, {**per_iteration, **nested} if nested else {}) if s]
-  return [Plan.of({**base, **{v: RECOMPUTE for v in shape}}) for shape in shapes]
-
-
-def split_plan(graph: Graph, plan: Plan) -> tuple[Plan, frozenset[int]]:
-  """``plan`` without its recomputations of stacked residuals that are
-  rebuilt inside their loops, and those values."""
-  looped = plan.values_with("recompute") & (rebuildable(graph).keys() | nestable(graph).keys())
-  if not looped:
-    return plan, frozenset()
-  return Plan.of({v: d for v, d in plan.items if v not in looped}), frozenset(looped)
-
-
-def rebuild_in_loops(schedule: Schedule, looped: frozenset[int], plan: Plan) -> Schedule:
-  """The schedule with ``looped`` (stacked residuals) no longer made by their
-  forward scans but rebuilt inside the backward scans that read them: the
-  forward scan's op makes fewer outputs, each backward scan's op reads the
-  forward scan's constants and ``xs`` and its stacked (or, nested, its
-  groups' first) carries instead, and both run re-emitted scans
-  (``Op.params``); barrier copies of dropped values go. A loop with a carry
-  stack in ``looped`` runs nested (:func:`nestable`), all its stacks
-  dropped."""
-  graph = schedule.graph
-  where = {**rebuildable(graph), **nestable(graph)}
-  nested = {where[v][0] for v in looped if v in nestable(graph)}
-  looped = looped | {s.value for loop in loops(graph) if loop.forward in nested
-                     for s in loop.stacked}
-  dropped_at: dict[int, dict[int, int]] = {}
-  for vid in looped:
-    forward, output = where[vid]
-    dropped_at.setdefault(forward, {})[vid] = output
-  forward_ops, ops, flops, sizes = {}, [], schedule.recompute_flops, dict(schedule.sizes)
-  for op in schedule.ops:
-    gone = [i for i, k in enumerate(op.ins) if isinstance(k, tuple) and k[0] in looped]
-    if op.node is None and gone:  # a barrier copy of a dropped value
-      live = [i for i in range(len(op.ins)) if i not in gone]
-      if live:
-        ops.append(Op(op.kind, None, tuple(op.ins[i] for i in live),
-                      tuple(op.outs[i] for i in live), op.params))
-      continue
-    if op.kind == "node" and op.node in dropped_at:
-      node = graph.nodes[op.node]
-      group = group_size(node.params["length"]) if op.node in nested else None
-      forward_ops[op.node] = new = _forward_op(node, op, dropped_at[op.node], group)
-      length = node.params["length"]
-      sizes.update({k: graph.values[k[0]].nbytes * length // (group or 1)
-                    for k in new.outs if k[1] in (_START, _STACK)})
-      ops.append(new)
-    elif op.kind == "node" and gone:
-      forward = where[op.ins[gone[0]][0]][0]
-      group = group_size(graph.nodes[forward].params["length"]) if forward in nested else None
-      new = _backward_op(graph, graph.nodes[op.node], op, forward_ops[forward], gone,
-                         where, group)
-      # The slices rebuilt inside the loop (a group's, nested) are live while
-      # it runs: an output no op reads, so the memory model counts them there.
-      length = graph.nodes[forward].params["length"]
-      scratch = (new.outs[-1][0] if new.outs else op.ins[gone[0]][0], _SCRATCH)
-      sizes[scratch] = (group or 1) * sum(
-          graph.values[v].nbytes // length for v in {op.ins[i][0] for i in gone})
-      ops.append(dataclasses.replace(new, outs=new.outs + (scratch,)))
-      flops += graph.nodes[forward].flops
-    else:
-      ops.append(op)
-  return dataclasses.replace(schedule, plan=plan, ops=ops, recompute_flops=flops, sizes=sizes)
-
-
-# Copy indices of the keys the rewrite adds. A re-emitted forward scan's are
-# keyed by the scan's final carry (a value of the graph: the key names its
-# carry); a backward scan's scratch by its last output.
-_START = -1  # a nested loop's group-start carries
-_SCRATCH = -2  # the slices rebuilt inside a backward loop
-_STACK = -3  # a carry-in the forward scan did not stack, stacked to rebuild from
-
-
-def _forward_op(node: Node, op: Op, dropped: dict[int, int], group: int | None) -> Op:
-  """The forward scan's op: its kept outputs, then (nested) its groups'
-  start carries."""
-  keep = [i for i, vid in enumerate(node.outs) if vid not in dropped]
-  outs = tuple(op.outs[i] for i in keep)
-  if group is None:
-    run = forward_without(node, frozenset(dropped.values()))
-    starts = tuple((node.outs[c], _STACK) for c in unstacked_carries(node))
-  else:
-    run = forward_nested(node, frozenset(dropped.values()), group)
-    starts = tuple((node.outs[c], _START) for c in range(_scan_shape(node)[1]))
-  n = len(node.outs)
-
-  def call(*args):
-    out = run(*args)
-    return [out[i] for i in keep] + list(out[n:])
-
-  return Op("node", op.node, op.ins, outs + starts, (call,))
-
-
-def _backward_op(graph: Graph, node: Node, op: Op, forward_op: Op, gone: list[int],
-                 where: dict, group: int | None) -> Op:
-  """The backward scan's op: its own inputs less the dropped slices, then
-  the forward scan's constants and ``xs``, then its stacked carries (its
-  group-start carries, nested)."""
-  forward = graph.nodes[forward_op.node]
-  f_consts, f_carries, _ = _scan_shape(forward)
-  carry_outs = _carry_outputs(forward)
-  rebuilt = {i: where[op.ins[i][0]][1] for i in gone}
-  own = [i for i in range(len(op.ins)) if i not in rebuilt]
-  f_in = [i for i in range(len(forward.ins)) if not f_consts <= i < f_consts + f_carries]
-  if group is None:
-    out_key = {k[0]: k for k in forward_op.outs}  # its kept outputs, by value id
-    tail = [out_key[forward.outs[carry_outs[c]]] if c in carry_outs
-            else (forward.outs[c], _STACK) for c in range(f_carries)]
-    run = backward_rebuilding(node, forward, rebuilt)
-  else:
-    tail = [k for k in forward_op.outs if k[1] == _START]
-    run = backward_nested(node, forward, rebuilt, group)
-
-  def call(*args):
-    ins = [None] * len(op.ins)
-    for i, a in zip(own, args):
-      ins[i] = a
-    forward_ins = [None] * len(forward.ins)
-    for i, a in zip(f_in, args[len(own):]):
-      forward_ins[i] = a
-    return run(ins, forward_ins, args[len(own) + len(f_in):])
-
-  ins = (tuple(op.ins[i] for i in own) + tuple(forward_op.ins[i] for i in f_in)
-         + tuple(tail))
-  return Op("node", op.node, ins, op.outs, (call,))
+  iteration, and every nestable loop nested; with ``host``, also the
+  stacks rebuilt per iteration from carry stacks in host memory, and every
+  stack in host memory. The memory model can rank the shapes the wrong way
+  round where a layer's slices are small (measured: a 16-layer MLP of 8 KiB
+  slices is 300 KiB per iteration and 376 KiB nested in XLA, 344 and 312
+  KiB in the model), so each is worth compiling; a greedy search reaches
+  only one of them (nesting a loop leaves nothing there to host)."""
+  per_iteration, nested, hosted = rebuildable(graph), nestable(graph), hostable(graph)
+  looped = per_iteration.keys() | nested.keys() | hosted.keys()
+  base = {v: d for v, d in plan.items if v not in looped}
+  shapes = [{v: RECOMPUTE for v in per_iteration},
+            {v: RECOMPUTE for v in {**per_iteration, **nested}} if nested else {}]
+  if host:
+    carries = {v: OFFLOAD for v in hosted if v not in per_iteration}
+    shapes += [{**shapes[0], **carries} if carries and per_iteration else {},
+               {v: OFFLOAD for v in hosted}]
+  return [Plan.of({**base, **shape}) for shape in shapes if shape]

@@ -58,7 +58,8 @@ class Op:
     outs: output keys.
     params: ``(axis, bounds)`` of a split, ``(axis,)`` of a merge; for a
       node, ``(run,)`` where the equation is re-emitted by ``run(*ins) ->
-      outs`` (a scan whose stacked residuals are rebuilt, ``_scan_remat``).
+      outs`` (a scan whose stacked residuals are rebuilt or hosted,
+      ``_loop_schedule``).
   """
   kind: str
   node: int | None
@@ -79,6 +80,9 @@ class Schedule:
   sizes: dict = dataclasses.field(default_factory=dict)  # chunk key -> bytes
   # Copy back's key -> what it copies: a residual's id, or (id, chunk index).
   fetched: dict = dataclasses.field(default_factory=dict)
+  # Stacks a re-emitted loop makes in host memory, one slice per iteration
+  # (``_loop_schedule``).
+  hosted: frozenset = frozenset()
 
   def nbytes(self, key: Key) -> int:
     """Bytes of the buffer behind ``key`` (a chunk's own size for chunks)."""

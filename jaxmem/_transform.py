@@ -87,6 +87,8 @@ class Fit:
     """A readable summary of the budget, the plan and the residuals."""
     p = self.memory
     decisions = {vid: d.kind for vid, d in self.plan}
+    # Stacks kept in host memory one slice per iteration of their loop.
+    decisions.update({k[0]: "offload/iter" for k in p.schedule.hosted})
     fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
     saved = self.plan.values_with("save")
     saved_bytes = sum(self.graph.values[v].nbytes for v in saved)

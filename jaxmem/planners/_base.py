@@ -63,6 +63,11 @@ class Planner:
     first; the fit loop compiles those cheaper than its plan."""
     return []
 
+  def may_offload(self) -> bool:
+    """Whether its plans may put residuals in host memory (the fit loop
+    then also tries loops with their stacks there)."""
+    return False
+
   @property
   def device_profile(self) -> DeviceProfile | None:
     return None if self.device is None else get_profile(self.device)

@@ -7,11 +7,12 @@ import logging
 import time
 
 from jaxmem._blocks import block_candidates, block_plans, checkpoint_moves, segments
-from jaxmem._decisions import KEEP, RECOMPUTE, Offload, Plan
+from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Offload, Plan
 from jaxmem._devices import PROFILES, get_profile
 from jaxmem._evaluate import (Candidate, candidate, chain_flops, evaluate, fused_values,
                               paused_gc, prefetch_point, recomputable)
 from jaxmem._graph import Graph, Residual
+from jaxmem._scan_remat import hostable
 from jaxmem.planners._base import Planner
 
 # Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
@@ -88,6 +89,9 @@ class Greedy(Planner):
     if not (self.offload or self.recompute):
       raise ValueError(f"planner {self.name!r}: expected recompute or offload moves, "
                        "got neither")
+
+  def may_offload(self) -> bool:
+    return self.offload and not self.device_profile.unified
 
   def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
     """Plans ``graph`` toward ``target`` bytes, from ``start`` if given (a
@@ -282,7 +286,11 @@ class Greedy(Planner):
     """The ways to take ``group`` off the device at the peak: rebuild it
     (``recompute``), or copy it to the host (``offload``, a lone residual
     with a buffer of its own, on a device whose memory is not the host's),
-    copied back early enough to hide the copy under compute."""
+    copied back early enough to hide the copy under compute. A stack of a
+    loop that can live in host memory one slice per iteration also moves
+    with all such stacks of its loop at once: one at a time, each frees
+    less than nesting the loop does, and nested there is nothing left to
+    host."""
     moves = []
     if self.recompute:
       moves.append([(r.value, RECOMPUTE) for r in group])
@@ -291,6 +299,9 @@ class Greedy(Planner):
       if not device.unified:
         r = group[0]
         moves.append([(r.value, Offload(at=prefetch_point(schedule, r, device)))])
+        loop = _loop_stacks(graph, r.value) - schedule.plan.values_with("offload")
+        if len(loop) > 1:
+          moves.append([(v, OFFLOAD) for v in sorted(loop)])
     return moves
 
   def _bulk(self, ranked, deficit: int, peak: int) -> list[list[Residual]]:
@@ -391,3 +402,12 @@ class Greedy(Planner):
       ranked.append((nbytes / (flops + 1.0), group, nbytes))
     ranked.sort(key=lambda item: -item[0])
     return [(group, nbytes) for _, group, nbytes in ranked]
+
+
+def _loop_stacks(graph: Graph, vid: int) -> frozenset[int]:
+  """The stacks of the loop that stacks ``vid`` that can live in host
+  memory one slice per iteration (none if ``vid`` cannot)."""
+  where = hostable(graph)
+  if vid not in where:
+    return frozenset()
+  return frozenset(v for v, (loop, _) in where.items() if loop == where[vid][0])

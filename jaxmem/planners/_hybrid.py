@@ -8,6 +8,7 @@ import time
 from jaxmem._decisions import Offload, Plan
 from jaxmem._evaluate import Candidate, evaluate, fused_values, paused_gc, prefetch_point
 from jaxmem._graph import Graph
+from jaxmem._loops import stacked_residuals
 from jaxmem.planners._base import Planner
 
 
@@ -18,7 +19,10 @@ class Hybrid(Planner):
 
   1. ``first`` (a recompute-only planner) plans toward the target.
   2. Where its plan does not fit, ``then`` (a planner that swaps: a greedy
-     with offload moves, or the vTensor planner) goes on from it.
+     with offload moves, or the vTensor planner) goes on from it, deciding
+     afresh the stacked residuals of loops: a loop ``first`` nested drops
+     every stack, which leaves nothing there to swap, while stacks kept in
+     host memory one slice per iteration can beat any recomputation.
   3. Refinement: each recomputed residual, largest first (up to
      ``swaps``), is switched to an offload copied back early enough to hide
      the copy (behind the copies already queued on the link, and ahead of
@@ -50,6 +54,9 @@ class Hybrid(Planner):
                        "device=None, expected a name in jaxmem.PROFILES or a "
                        "DeviceProfile (jaxmem.calibrate())")
 
+  def may_offload(self) -> bool:
+    return self.then.may_offload() and not self.device_profile.unified
+
   def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
     """Plans toward ``target`` bytes, from ``start`` if given (its
     recomputation and saved boundaries)."""
@@ -59,7 +66,7 @@ class Hybrid(Planner):
     found = self.first.plan(graph, target, start=kept)
     results = [found]
     if not found.fits:
-      results.append(self.then.plan(graph, target, start=found.plan))
+      results.append(self.then.plan(graph, target, start=_outside_loops(graph, found.plan)))
     with paused_gc():
       results = [self._swap(graph, r, target) for r in results]
     best = min(results, key=lambda r: (not r.fits, self.cost(r.schedule)
@@ -71,7 +78,7 @@ class Hybrid(Planner):
     """The candidates for the smallest footprint: both planners' lowest,
     ``then``'s from ``first``'s lowest plan."""
     first = self.first.lowest(graph)
-    then = self.then.lowest(graph, start=first[0].plan)
+    then = self.then.lowest(graph, start=_outside_loops(graph, first[0].plan))
     return sorted(first + then, key=lambda r: r.peak)
 
   def _swap(self, graph, result: Candidate, target: int) -> Candidate:
@@ -97,3 +104,9 @@ class Hybrid(Planner):
         plan, schedule, memory, cost = trial, t_schedule, t_memory, t_cost
     return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory,
                                fits=memory.peak <= target)
+
+
+def _outside_loops(graph: Graph, plan: Plan) -> Plan:
+  """``plan`` without its decisions on stacked residuals."""
+  stacked = stacked_residuals(graph)
+  return Plan.of({v: d for v, d in plan.items if v not in stacked})

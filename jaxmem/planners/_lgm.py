@@ -254,6 +254,9 @@ class LGM(Planner):
       return self.min_chunk
     return reservation_floor(self.device, self.efficiency)
 
+  def may_offload(self) -> bool:
+    return not self.device_profile.unified
+
   def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
     """Swaps toward ``target`` bytes on top of ``start`` (e.g. a
     recomputation plan, when LGM is the hybrid's swap step)."""

@@ -1,0 +1,167 @@
+"""Offload inside loops (``jaxmem._loop_schedule``): a scanned stack's stacked
+residuals kept in host memory one slice per iteration.
+
+XLA:CPU ignores host memory (DESIGN.md fact 2), so these checks read the
+emitted program's data flow (which values are in host memory, what copies
+them and what reads them), the memory and performance models against
+figures computed here from the graph, and the gradients against the
+untransformed step."""
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmem
+from jaxmem._decisions import OFFLOAD, RECOMPUTE, Plan
+from jaxmem._devices import get_profile
+from jaxmem._emit import emit
+from jaxmem._evaluate import evaluate
+from jaxmem._fit import xla_footprint
+from jaxmem._graph import build_graph
+from jaxmem._loops import stacked_residuals
+from jaxmem._perf import predict_schedule, schedule_transfers
+from jaxmem._scan_remat import hostable, rebuildable
+
+from helpers import assert_trees_close
+from test_loops import _flax, _plain
+from test_scan_remat import _compiled, _dropout
+
+HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
+MODELS = pytest.mark.parametrize("make", [_plain, _flax, _dropout],
+                                 ids=["lax.scan", "nn.scan", "dropout"])
+
+
+def _all_hosted(graph):
+  return {v: OFFLOAD for v in hostable(graph)}
+
+
+def _rebuilt_from_hosted_carries(graph):
+  """Stacks rebuilt per iteration from the layer inputs, kept on the host."""
+  rebuilt = rebuildable(graph)
+  return {v: RECOMPUTE if v in rebuilt else OFFLOAD for v in hostable(graph)}
+
+
+def _on_host(var) -> bool:
+  return getattr(var.aval, "memory_space", None) == HOST
+
+
+def _copies_to(eqn, space) -> bool:
+  return eqn.primitive.name == "device_put" and tuple(eqn.params["devices"]) == (space,)
+
+
+def _host_flow(jaxpr):
+  """Checks the data flow of host memory in an emitted step and returns the
+  shapes of the stacks made there. Every host value at the top level is a
+  forward scan's stacked output, made in its body by a copy to the host,
+  and read only by backward scans whose bodies copy each slice back before
+  anything else reads it; nothing is copied whole."""
+  made = []
+  for eqn in jaxpr.eqns:
+    assert eqn.primitive.name != "device_put", "a whole stack copied between memories"
+    if eqn.primitive.name != "scan":
+      assert not any(_on_host(v) for v in eqn.invars if hasattr(v, "aval")), eqn
+      continue
+    body = eqn.params["jaxpr"].jaxpr
+    producers = {v: e for e in body.eqns for v in e.outvars}
+    for out, inner in zip(eqn.outvars, body.outvars):
+      if _on_host(out):
+        assert not eqn.params["reverse"], "only a forward scan stacks on the host"
+        assert _copies_to(producers[inner], HOST), producers.get(inner)
+        made.append(out.aval.shape)
+    for var in body.invars:
+      if _on_host(var):
+        readers = [e for e in body.eqns if var in e.invars]
+        assert readers and all(_copies_to(e, DEVICE) for e in readers), readers
+  return made
+
+
+@MODELS
+@pytest.mark.parametrize("shape", [_all_hosted, _rebuilt_from_hosted_carries],
+                         ids=["hosted", "rebuilt-from-host"])
+def test_hosted_stacks_flow_through_host_memory_one_slice_at_a_time(make, shape):
+  step, args = make()
+  graph = build_graph(jax.make_jaxpr(step)(*args))
+  plan = shape(graph)
+  hosted = {v for v, d in plan.items() if d.kind == "offload"}
+  assert hosted
+  flat = jax.tree_util.tree_leaves(args)
+  schedule, _ = evaluate(graph, Plan.of(plan))
+  emitted = jax.make_jaxpr(emit(schedule))(*flat).jaxpr
+  assert sorted(_host_flow(emitted)) == sorted(graph.values[v].aval.shape for v in hosted)
+  got = jax.jit(emit(schedule))(*flat)
+  expected = jax.jit(emit(evaluate(graph, Plan())[0]))(*flat)
+  assert_trees_close(got, expected)
+  # The step as the user wrote it, not only the emitted unplanned schedule.
+  assert_trees_close(jax.tree_util.tree_unflatten(
+      jax.tree_util.tree_structure(jax.eval_shape(step, *args)), got), jax.jit(step)(*args))
+
+
+@MODELS
+def test_the_memory_model_holds_hosted_stacks_on_the_host(make):
+  step, args = make()
+  graph = build_graph(jax.make_jaxpr(step)(*args))
+  plan = _all_hosted(graph)
+  stacked = stacked_residuals(graph)
+  freed = sum(graph.values[v].nbytes for v in plan)
+  slices = sum(stacked[v].per_iteration for v in plan)
+  _, kept = evaluate(graph, Plan())
+  _, hosted = evaluate(graph, Plan.of(plan))
+  assert hosted.host_peak == freed
+  # The stacks leave the device; at most one iteration's slices stay.
+  assert freed - slices <= kept.peak - hosted.peak <= freed, (kept.peak, hosted.peak)
+
+
+def test_the_performance_model_copies_each_stack_beside_its_loop():
+  step, args = _plain()
+  graph = build_graph(jax.make_jaxpr(step)(*args))
+  plan = _all_hosted(graph)
+  freed = sum(graph.values[v].nbytes for v in plan)
+  schedule, _ = evaluate(graph, Plan.of(plan))
+  transfers = schedule_transfers(schedule)
+  assert sorted(t.direction for t in transfers) == ["d2h", "h2d"]
+  assert all(t.nbytes == freed for t in transfers)
+  scans = [pos for pos, op in enumerate(schedule.ops)
+           if op.kind == "node" and graph.nodes[op.node].prim.name == "scan"]
+  # Each copy starts with its loop and the op after the loop waits for it.
+  assert sorted((t.issue + 1, t.need - 1) for t in transfers) == [(p, p) for p in scans]
+  t4 = get_profile("t4")
+  unplanned = predict_schedule(evaluate(graph, Plan())[0], t4).seconds
+  assert predict_schedule(schedule, t4).seconds >= max(
+      unplanned, t4.transfer_seconds(freed, "h2d"))
+
+
+def test_an_offloading_planner_fits_below_what_recomputation_reaches():
+  """The 16-layer scanned MLP: recomputation alone (rebuilt per iteration,
+  or nested) reaches about 54% of XLA's footprint; with the stacks on the
+  host the hybrid planner fits 45%."""
+  step, args = _plain()
+  budget = int(0.45 * xla_footprint(_compiled(step, args)))
+  with pytest.raises(jaxmem.BudgetError):
+    jaxmem.transform(step, budget=budget).fit(*args)
+  fitted = jaxmem.transform(step, budget=budget, planner="hybrid")
+  fit = fitted.fit(*args)
+  assert fit.footprint <= budget
+  assert fit.result.plan.values_with("offload") & set(hostable(fit.graph))
+  assert fit.result.memory.schedule.hosted, "a stack is made in host memory"
+  assert "offload/iter" in fit.report()
+  assert_trees_close(fitted(*args), jax.jit(step)(*args))
+
+
+def test_the_layer_inputs_a_remat_stack_keeps_can_go_to_the_host():
+  """``nn.scan(nn.remat(Block))`` keeps only each layer's input; nesting the
+  loop is all recomputation can add (smallest: about 91% of XLA's
+  footprint). With those inputs on the host, one slice per iteration, the
+  hybrid planner fits 70% (issue 17 part 4)."""
+  from test_written_steps import _flax as transformer
+  step, args = transformer(remat=True)
+  budget = int(0.7 * xla_footprint(_compiled(step, args)))
+  with pytest.raises(jaxmem.BudgetError):
+    jaxmem.transform(step, budget=budget).fit(*args)
+  fitted = jaxmem.transform(step, budget=budget, planner="hybrid")
+  fit = fitted.fit(*args)
+  assert fit.footprint <= budget and fit.result.memory.schedule.hosted
+  params, x = args
+  for _ in range(3):  # updated parameters and gradients, step after step
+    got, expected = fitted(params, x), jax.jit(step)(params, x)
+    assert_trees_close(got, expected)
+    params = expected[0]
