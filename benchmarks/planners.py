@@ -32,6 +32,7 @@ import optax
 from jaxmem._zoo import models as _models
 models = _models()
 from jaxmem._devices import PROFILES
+from provenance import provenance
 from jaxmem._graph import build_graph
 from jaxmem._budget import format_bytes
 from jaxmem._perf import predict_schedule, schedule_transfers
@@ -139,7 +140,8 @@ def main(argv=None) -> int:
     print(compare(found, *opts.compare))
   if opts.json:
     with open(opts.json, "w") as f:
-      json.dump({"command": "python benchmarks/planners.py " + " ".join(sys.argv[1:]),
+      json.dump({"provenance": provenance("benchmarks/planners.py",
+                                          sys.argv[1:] if argv is None else argv),
                  "date": time.strftime("%Y-%m-%d %H:%M:%S"), "rows": found,
                  "profiles": {p: PROFILES[p].source for p in opts.profiles}}, f, indent=2)
   return 0

@@ -24,6 +24,7 @@ import types
 
 import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
 from jaxmem import bench
+from provenance import provenance
 
 # Small, activation-dominated configurations (activations are 75-92% of the
 # unconstrained footprint; the rest is parameters, gradients and Adam's
@@ -99,6 +100,7 @@ def main(argv=None) -> int:
                            "are the memory model's, so the default is recompute)")
   parser.add_argument("--out", default="benchmarks/results/latest")
   opts = parser.parse_args(argv)
+  source = provenance("benchmarks/suite.py", sys.argv[1:] if argv is None else argv)
   os.makedirs(opts.out, exist_ok=True)
   budgets = ([opts.budget, "50%"] if opts.suite == "maxbatch"
              else ["100%", "85%", "70%", "60%", "50%"])
@@ -107,12 +109,14 @@ def main(argv=None) -> int:
     run_opts = _opts(model, budgets, opts.out, opts.suite, opts.suite == "maxbatch",
                      opts.repeats, opts.planners)
     result = bench.run(run_opts)
+    result.update(command=source["command"], provenance=source)
     print(bench.table(result["rows"]), flush=True)
     bench.save(result, run_opts)
     results.append(result)
   text = summary(results, budgets[0], "50%")
   with open(os.path.join(opts.out, f"summary-{opts.suite}.md"), "w") as f:
-    f.write(f"Command: python benchmarks/suite.py {' '.join(sys.argv[1:])}\n\n{text}\n")
+    f.write(f"Command: `{source['command']}` at {source['commit']}"
+            f"{' (dirty tree)' if source['dirty'] else ''}\n\n{text}\n")
   print(text)
   return 0
 

@@ -16,3 +16,43 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
       np.testing.assert_allclose(x, y, rtol=0, atol=rtol * scale + atol)
     else:
       np.testing.assert_array_equal(x, y)
+
+
+def assert_updates_close(got, want, before, rtol=1e-3, floor=1e-3):
+  """Per-leaf updates (``after - before``) of two trees compared relative to
+  the update's own size, so that a gradient wrong by a fraction of itself
+  fails even where the update is small beside the parameter. A leaf whose
+  update is below ``floor`` of the largest update in the tree (rounding
+  noise in a gradient that is zero in exact arithmetic, such as attention's
+  key biases) is judged at that floor. Leaves that are not floats (step
+  counts, random keys) must be equal."""
+  lg, tg = jax.tree_util.tree_flatten(got)
+  lw, tw = jax.tree_util.tree_flatten(want)
+  lb, tb = jax.tree_util.tree_flatten(before)
+  assert tg == tw == tb, f"tree structures differ: {tg} vs {tw} vs {tb}"
+  floats = [np.issubdtype(np.asarray(w).dtype, np.floating) for w in lw]
+  moves = [np.asarray(w, np.float64) - np.asarray(b, np.float64) if f else None
+           for w, b, f in zip(lw, lb, floats)]
+  largest = max((float(np.max(np.abs(m))) for m in moves if m is not None and m.size),
+                default=0.0)
+  assert largest > 0, "the reference step changes nothing: nothing to compare"
+  for g, w, b, move in zip(lg, lw, lb, moves):
+    if move is None:
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+      continue
+    got_move = np.asarray(g, np.float64) - np.asarray(b, np.float64)
+    scale = max(float(np.max(np.abs(move))) if move.size else 0.0, floor * largest)
+    np.testing.assert_allclose(got_move, move, rtol=0, atol=rtol * scale)
+
+
+def xla_budget(step, args, budget) -> int:
+  """``budget`` in bytes as a user means it: a fraction (``"60%"`` or a
+  float) of XLA's footprint of the step as written, compiled here (not
+  jaxmem's resolution of it); bytes as they are."""
+  if isinstance(budget, int):
+    return budget
+  fraction = float(budget.rstrip("%")) / 100 if isinstance(budget, str) else budget
+  stats = jax.jit(step).lower(*args).compile().memory_analysis()
+  footprint = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
+               + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+  return int(fraction * footprint)

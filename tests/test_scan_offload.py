@@ -22,11 +22,11 @@ from jaxmem._loops import stacked_residuals
 from jaxmem._perf import predict_schedule, schedule_transfers
 from jaxmem._scan_remat import hostable, rebuildable
 
+from dataflow import assert_hosted_loops_flow
 from helpers import assert_trees_close
 from test_loops import _flax, _plain
 from test_scan_remat import _compiled, _dropout
 
-HOST, DEVICE = jax.memory.Space.Host, jax.memory.Space.Device
 MODELS = pytest.mark.parametrize("make", [_plain, _flax, _dropout],
                                  ids=["lax.scan", "nn.scan", "dropout"])
 
@@ -41,40 +41,6 @@ def _rebuilt_from_hosted_carries(graph):
   return {v: RECOMPUTE if v in rebuilt else OFFLOAD for v in hostable(graph)}
 
 
-def _on_host(var) -> bool:
-  return getattr(var.aval, "memory_space", None) == HOST
-
-
-def _copies_to(eqn, space) -> bool:
-  return eqn.primitive.name == "device_put" and tuple(eqn.params["devices"]) == (space,)
-
-
-def _host_flow(jaxpr):
-  """Checks the data flow of host memory in an emitted step and returns the
-  shapes of the stacks made there. Every host value at the top level is a
-  forward scan's stacked output, made in its body by a copy to the host,
-  and read only by backward scans whose bodies copy each slice back before
-  anything else reads it; nothing is copied whole."""
-  made = []
-  for eqn in jaxpr.eqns:
-    assert eqn.primitive.name != "device_put", "a whole stack copied between memories"
-    if eqn.primitive.name != "scan":
-      assert not any(_on_host(v) for v in eqn.invars if hasattr(v, "aval")), eqn
-      continue
-    body = eqn.params["jaxpr"].jaxpr
-    producers = {v: e for e in body.eqns for v in e.outvars}
-    for out, inner in zip(eqn.outvars, body.outvars):
-      if _on_host(out):
-        assert not eqn.params["reverse"], "only a forward scan stacks on the host"
-        assert _copies_to(producers[inner], HOST), producers.get(inner)
-        made.append(out.aval.shape)
-    for var in body.invars:
-      if _on_host(var):
-        readers = [e for e in body.eqns if var in e.invars]
-        assert readers and all(_copies_to(e, DEVICE) for e in readers), readers
-  return made
-
-
 @MODELS
 @pytest.mark.parametrize("shape", [_all_hosted, _rebuilt_from_hosted_carries],
                          ids=["hosted", "rebuilt-from-host"])
@@ -87,7 +53,7 @@ def test_hosted_stacks_flow_through_host_memory_one_slice_at_a_time(make, shape)
   flat = jax.tree_util.tree_leaves(args)
   schedule, _ = evaluate(graph, Plan.of(plan))
   emitted = jax.make_jaxpr(emit(schedule))(*flat).jaxpr
-  assert sorted(_host_flow(emitted)) == sorted(graph.values[v].aval.shape for v in hosted)
+  assert sorted(assert_hosted_loops_flow(emitted)) == sorted(graph.values[v].aval.shape for v in hosted)
   got = jax.jit(emit(schedule))(*flat)
   expected = jax.jit(emit(evaluate(graph, Plan())[0]))(*flat)
   assert_trees_close(got, expected)

@@ -10,7 +10,7 @@ import jaxmem
 from jaxmem._decisions import RECOMPUTE
 from jaxmem._fit import xla_footprint
 import jaxmem_models as models
-from tests.helpers import assert_trees_close
+from tests.helpers import assert_trees_close, xla_budget
 
 # Activation-dominated sizes (as a memory budget bites in practice): with
 # Adam's parameters and states small beside the residuals, 50% is reachable.
@@ -36,6 +36,8 @@ def check_fits_and_matches(step, args, budget, steps=3):
   compiled = fitted.lower(*args).compile()
   footprint = xla_footprint(compiled)
   assert footprint == plan.footprint
+  # The budget as the user means it, from XLA's footprint of the step.
+  assert plan.budget == xla_budget(step, args, budget)
   assert footprint <= plan.budget, (footprint, plan.budget)
   # The memory model predicts the planned step too, not only the original.
   assert abs(plan.memory.peak - footprint) <= 0.1 * footprint, (

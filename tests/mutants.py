@@ -1,0 +1,181 @@
+"""Deliberate breakages of jaxmem, each of which the suite must catch.
+
+Run ``python tests/mutants.py`` (all, a few minutes on two cores) or name
+some (``python tests/mutants.py offload-reads-original chunk-bounds``).
+Each mutant is a text change to one file of a copy of the tree (the
+tracked files, so uncommitted edits count); the named tests run on the copy
+and must fail. The table says which were caught. A mutant whose text no
+longer appears in its file is reported as stale: the list is kept by hand,
+beside the code it breaks.
+
+Not part of the suite (``pytest`` does not collect it): it runs the suite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class Mutant:
+  name: str
+  what: str  # the breakage, in words
+  path: str
+  old: str
+  new: str
+  tests: tuple  # pytest node ids or -k expressions (after "-k")
+
+
+MUTANTS = [
+    Mutant("offload-reads-original",
+           "the backward pass reads the device original of an offloaded value "
+           "instead of the copy brought back from host",
+           "jaxmem/_emit.py",
+           "      if op.kind in _SPACES:\n        outs = [jax.device_put(args[0], _SPACES[op.kind]())]\n",
+           "      if op.kind == 'offload':\n"
+           "        outs = [jax.device_put(args[0], _SPACES[op.kind]())]\n"
+           "        env['original', op.outs[0][0]] = args[0]\n"
+           "      elif op.kind == 'prefetch':\n"
+           "        outs = [env['original', op.outs[0][0]]]\n",
+           ("tests/test_offload.py", "tests/test_hybrid.py", "tests/test_vtensor.py")),
+    Mutant("copies-back-cost-nothing",
+           "the memory model charges values copied back from host 0 device bytes",
+           "jaxmem/_memory.py",
+           'host = {k for op in ops if op.kind == "offload" for k in op.outs}',
+           'host = {k for op in ops if op.kind in ("offload", "prefetch") for k in op.outs}',
+           ("tests/test_host_accounting.py", "tests/test_offload.py", "tests/test_hybrid.py")),
+    Mutant("chunk-bounds",
+           "the emitter cuts equal chunks instead of the plan's bounds",
+           "jaxmem/_emit.py",
+           "[jax.lax.slice_in_dim(args[0], start, stop, axis=axis)\n"
+           "             for start, stop in bounds]",
+           "[jax.lax.slice_in_dim(args[0], i * bounds[-1][1] // len(bounds),\n"
+           "                                  (i + 1) * bounds[-1][1] // len(bounds), axis=axis)\n"
+           "             for i in range(len(bounds))]",
+           ("tests/test_vtensor.py",)),
+    Mutant("budget-fraction-of-more",
+           "a fraction budget is resolved against 1.1x the unconstrained footprint",
+           "jaxmem/_budget.py",
+           "    return int(self.fraction * unconstrained_bytes)",
+           "    return int(self.fraction * unconstrained_bytes * 1.1)",
+           ("tests/test_transform.py::test_budget_is_met_and_numbers_match",
+            "tests/test_hybrid.py::test_offload_plans_give_the_same_numbers")),
+    Mutant("small-update-dropped",
+           "a rewritten step leaves its second parameter as it was (a small "
+           "gradient dropped entirely, as an attention key kernel's can be)",
+           "jaxmem/_emit.py",
+           "    return [read(k) for k in schedule.outputs]\n",
+           "    outs = [read(k) for k in schedule.outputs]\n"
+           "    return [flat[1] if i == 1 and flat[1].shape == o.shape else o\n"
+           "            for i, o in enumerate(outs)]\n",
+           ("tests/test_models.py::test_vtensor_and_block_plans_match_on_the_zoo[gpt2]",)),
+    Mutant("backward-matmuls-off",
+           "every backward matmul of a rewritten step is 1% off (a gradient error "
+           "small beside the parameters)",
+           "jaxmem/_emit.py",
+           "      out = node.prim.bind(*subfuns, *args, **bind_params)\n",
+           "      out = node.prim.bind(*subfuns, *args, **bind_params)\n"
+           "      if node.backward and node.prim.name == 'dot_general':\n"
+           "        out = out * 0.99\n",
+           ("tests/test_models.py::test_vtensor_and_block_plans_match_on_the_zoo",)),
+    Mutant("loop-stack-not-hosted",
+           "a stack offloaded inside its loop stays on the device",
+           "jaxmem/_scan_remat.py",
+           "if o in hosted else outs[o]",
+           "if False else outs[o]",
+           ("tests/test_scan_offload.py",)),
+    Mutant("loop-slice-not-fetched",
+           "a backward scan reads its hosted slices without copying them back",
+           "jaxmem/_scan_remat.py",
+           "if jax.typeof(x).memory_space == jax.memory.Space.Host else x for x in xs]",
+           "if False else x for x in xs]",
+           ("tests/test_scan_offload.py",)),
+    Mutant("hosted-stacks-on-device",
+           "the memory model counts stacks a loop keeps on the host as device bytes",
+           "jaxmem/_memory.py",
+           'if op.kind == "offload" for k in op.outs} | schedule.hosted',
+           'if op.kind == "offload" for k in op.outs}',
+           ("tests/test_scan_offload.py",)),
+    Mutant("loop-copies-untimed",
+           "the performance model ignores the copies a loop makes per iteration",
+           "jaxmem/_perf.py",
+           'if looped and op.kind == "node":',
+           "if False:",
+           ("tests/test_scan_offload.py",)),
+    Mutant("no-hosted-loop-variants",
+           "the lowest search never tries loops with their stacks on the host",
+           "jaxmem/_fit.py",
+           "host=self.planner.may_offload())]",
+           "host=False)]",
+           ("tests/test_scan_offload.py",)),
+]
+
+
+def _copy_tree(into: pathlib.Path) -> None:
+  files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout.split()
+  for name in files:
+    source = ROOT / name
+    if source.is_file():
+      (into / name).parent.mkdir(parents=True, exist_ok=True)
+      shutil.copy2(source, into / name)
+
+
+def run(mutant: Mutant, tree: pathlib.Path) -> tuple[str, str, float]:
+  """``(result, failing test, seconds)`` for one mutant: ``"caught"`` (a
+  test failed), ``"error"`` (the tests could not run: a broken mutant),
+  ``"MISSED"`` or ``"stale"`` (its text is no longer in its file)."""
+  target = tree / mutant.path
+  original = target.read_text()
+  if original.count(mutant.old) != 1:
+    return "stale", "", 0.0
+  target.write_text(original.replace(mutant.old, mutant.new))
+  began = time.perf_counter()
+  try:
+    env = dict(os.environ, PYTHONPATH=f"{tree}:{tree / 'tests'}")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                           *mutant.tests], cwd=tree, env=env, capture_output=True, text=True)
+  finally:
+    target.write_text(original)
+  seconds = time.perf_counter() - began
+  if done.returncode == 0:
+    return "MISSED", "", seconds
+  failed = [line.split()[1] for line in done.stdout.splitlines()
+            if line.startswith("FAILED ")]
+  errors = [line.split()[1] for line in done.stdout.splitlines()
+            if line.startswith("ERROR ")]
+  return ("caught", failed[0], seconds) if failed else ("error", "".join(errors[:1]), seconds)
+
+
+def main(names: list[str]) -> int:
+  chosen = [m for m in MUTANTS if not names or m.name in names]
+  unknown = set(names) - {m.name for m in MUTANTS}
+  if unknown:
+    print(f"unknown mutants {sorted(unknown)}; expected some of "
+          f"{[m.name for m in MUTANTS]}", file=sys.stderr)
+    return 2
+  rows = []
+  with tempfile.TemporaryDirectory() as tmp:
+    tree = pathlib.Path(tmp)
+    _copy_tree(tree)
+    for mutant in chosen:
+      result, test, seconds = run(mutant, tree)
+      rows.append((mutant, result, test))
+      print(f"{result:7s} {seconds:6.0f} s  {mutant.name}  {test}", file=sys.stderr, flush=True)
+  print("| mutant | breakage | result | first failing test |\n|---|---|---|---|")
+  for mutant, result, test in rows:
+    print(f"| {mutant.name} | {mutant.what} | {result} | {test or '-'} |")
+  return 0 if all(result == "caught" for _, result, _ in rows) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))
