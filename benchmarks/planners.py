@@ -45,8 +45,8 @@ SIZES = {
         "mlp": dict(depth=16, width=64, batch=512, features=32),
         "cnn": dict(widths=(8, 16), batch=8, size=16, blocks=6),
         "transformer": dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64),
-        "resnet18": dict(width=8, stages=[1, 1, 1, 1], size=32, batch=32),
-        "gpt2": dict(dim=64, depth=4, heads=2, seq=128, vocab=256, batch=8),
+        "resnet18": _models().CPU_SIZES["resnet18"],
+        "gpt2": _models().CPU_SIZES["gpt2"],
     },
     # Zoo models at the sizes an edge GPU trains (shallow, so that they plan
     # in minutes; each block as wide as the real one).

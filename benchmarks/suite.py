@@ -24,19 +24,11 @@ import types
 
 import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
 from jaxmem import bench
+from jaxmem._zoo import models as _models
 from provenance import provenance
 
-# Small, activation-dominated configurations (activations are 75-92% of the
-# unconstrained footprint; the rest is parameters, gradients and Adam's
-# moments): graphs of 1,500-6,500 equations that plan in about a minute on CPU.
-CPU_CONFIGS = {
-    "resnet18": dict(width=8, stages=[1, 1, 1, 1], size=32, batch=32),
-    "mobilenetv2": dict(width=0.25, size=32, batch=32),
-    "vit": dict(dim=64, depth=4, heads=2, patch=4, size=32, batch=16),
-    "gpt2": dict(dim=64, depth=4, heads=2, seq=128, vocab=256, batch=8),
-    "unet": dict(width=8, depth=2, size=64, batch=4),
-    "resnet_deep": dict(depth=12, width=8, size=32, batch=16),
-}
+# The zoo's small, activation-dominated configurations.
+CPU_CONFIGS = _models().CPU_SIZES
 
 
 def _opts(model, budgets, out, suite, max_batch, repeats, planners):

@@ -59,6 +59,20 @@ REGISTRY: dict[str, Callable] = {
 
 _classify = classify  # the name the original module used
 
+# Small, activation-dominated configurations (activations are 75-92% of the
+# unconstrained footprint; the rest is parameters, gradients and Adam's
+# moments): graphs of 1,500-6,500 equations that plan in about a minute on
+# CPU. The benchmark suite's CPU runs and the memory model's accuracy test
+# use them.
+CPU_SIZES: dict[str, dict] = {
+    "resnet18": dict(width=8, stages=[1, 1, 1, 1], size=32, batch=32),
+    "mobilenetv2": dict(width=0.25, size=32, batch=32),
+    "vit": dict(dim=64, depth=4, heads=2, patch=4, size=32, batch=16),
+    "gpt2": dict(dim=64, depth=4, heads=2, seq=128, vocab=256, batch=8),
+    "unet": dict(width=8, depth=2, size=64, batch=4),
+    "resnet_deep": dict(depth=12, width=8, size=32, batch=16),
+}
+
 
 def options(name: str) -> dict:
   """A registered model's options and their defaults.

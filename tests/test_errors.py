@@ -40,3 +40,11 @@ def test_an_argument_that_is_not_an_array_is_named_by_its_path():
   got = _message(jaxmem.transform(fine, budget="100%"), NotAPytree(), jnp.ones(3))
   assert re.search(r"passed to the function at path w\b", got)
   assert "static_argnums" in got  # says how to fix it
+
+
+def test_an_unknown_planner_is_refused_with_the_choices():
+  with pytest.raises(ValueError, match=r"unknown planner 'greedy'; expected one of "
+                                       r"\['hybrid', 'lgm'.*'recompute'\]"):
+    jaxmem.transform(step, budget="50%", planner="greedy")
+  with pytest.raises(TypeError, match="planner must be a name in .* got int"):
+    jaxmem.transform(step, budget="50%", planner=3)
