@@ -63,7 +63,10 @@ class Chunked(Decision):
   buffer (``salloc``), and each chunk gets its own decision, :class:`Keep`
   or :class:`Offload` with its own copy-back point; before the backward
   pass reads it the chunks are joined again (``merge``). Only as many
-  chunks as the peak needs leave the device.
+  chunks as the peak needs leave the device. A loop's stacked residual
+  chunked along its layer axis (axis 0) is a plan per range of layers: its
+  loop runs in segments (``_loop_segments``), and a chunk may also be
+  :class:`Recompute` (rebuilt per iteration in its segment).
 
   Attributes:
     axis: the axis cut.
@@ -85,8 +88,10 @@ class Chunked(Decision):
       raise ValueError(f"Chunked: expected one decision per chunk, got {len(self.bounds)} "
                        f"bounds and {len(self.chunks)} decisions")
     for d in self.chunks:
-      if not isinstance(d, (Keep, Offload)):
-        raise ValueError(f"Chunked: a chunk is kept or offloaded, got {d!r}")
+      if not isinstance(d, (Keep, Offload)) and not (isinstance(d, Recompute)
+                                                     and self.axis == 0):
+        raise ValueError(f"Chunked: a chunk is kept or offloaded (or, along a loop's "
+                         f"layer axis 0, recomputed), got {d!r} on axis {self.axis}")
 
   @property
   def offloaded(self) -> tuple:

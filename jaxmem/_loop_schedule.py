@@ -38,6 +38,9 @@ import dataclasses
 
 from jaxmem._decisions import Plan
 from jaxmem._graph import Graph, Node
+from jaxmem._loop_segments import (added_flops, scratch_bytes, segments_of,
+                                   backward_op as segment_backward,
+                                   forward_op as segment_forward)
 from jaxmem._loops import loops
 from jaxmem._scan_remat import (backward_nested, backward_rebuilding, carry_outputs,
                                 fetching, forward_nested, forward_without, group_size,
@@ -53,29 +56,47 @@ class InLoops:
   Attributes:
     rebuilt: recomputed per iteration (or, their loop nested, per group).
     hosted: offloaded one slice per iteration.
+    segmented: forward scan node -> its loop run in segments
+      (:class:`~jaxmem._loop_segments.Segmented`).
   """
   rebuilt: frozenset = frozenset()
   hosted: frozenset = frozenset()
+  segmented: dict = dataclasses.field(default_factory=dict)
 
   def __bool__(self) -> bool:
-    return bool(self.rebuilt or self.hosted)
+    return bool(self.rebuilt or self.hosted or self.segmented)
+
+  @property
+  def in_segments(self) -> frozenset:
+    """The stacks of the loops run in segments."""
+    return frozenset(v for seg in self.segmented.values() for v in seg.kinds)
 
 
 def split_plan(graph: Graph, plan: Plan) -> tuple[Plan, InLoops]:
   """``plan`` without its decisions on stacked residuals that are carried
   out inside their loops, and those values. A nested loop drops all its
-  stacks, so an offload among them is a rebuild too."""
+  stacks, so an offload among them is a rebuild too. A stack chunked along
+  its layer axis runs its loop in segments (``_loop_segments``); a chunk
+  rebuilt anywhere else raises ValueError."""
   rebuilt = plan.values_with("recompute") & (rebuildable(graph).keys() | nestable(graph).keys())
   nested = {nestable(graph)[v][0] for v in rebuilt if v in nestable(graph)}
   in_nested = {s.value for loop in loops(graph) if loop.forward in nested
                for s in loop.stacked}
+  segmented = segments_of(graph, plan, nested)
+  in_segments = {v for seg in segmented.values() for v in seg.kinds}
+  rebuilt -= in_segments
   hosted = {v for v in plan.values_with("offload") & hostable(graph).keys()
-            if v not in in_nested}
-  moved = rebuilt | hosted | (in_nested & plan.values_with("offload"))
+            if v not in in_nested} - in_segments
+  moved = rebuilt | hosted | in_segments | (in_nested & (
+      plan.values_with("offload") | plan.values_with("chunked")))
+  for vid, d in plan.with_kind("chunked").items():
+    if vid not in moved and any(c.kind == "recompute" for c in d.chunks):
+      raise ValueError(f"value {vid}: only a loop's stack, chunked along its layer axis "
+                       f"(axis 0), can have chunks rebuilt; got {d!r}")
   if not moved:
     return plan, InLoops()
   return (Plan.of({v: d for v, d in plan.items if v not in moved}),
-          InLoops(frozenset(rebuilt), frozenset(hosted)))
+          InLoops(frozenset(rebuilt), frozenset(hosted), segmented))
 
 
 def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedule:
@@ -91,20 +112,39 @@ def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedul
   looped = in_loops.rebuilt | {s.value for loop in loops(graph) if loop.forward in nested
                                for s in loop.stacked}
   hosted = in_loops.hosted
+  segmented, in_segments, host_keys = in_loops.segmented, in_loops.in_segments, set()
+  where_seg = {v: f for f, seg in segmented.items() for v in seg.kinds}
   changed_at: dict[int, dict[int, int]] = {}
   for vid in looped | hosted:
     forward, output = where.get(vid) or hostable(graph)[vid]
     changed_at.setdefault(forward, {})[vid] = output
   forward_ops, ops, flops, sizes = {}, [], schedule.recompute_flops, dict(schedule.sizes)
+  gone_from_barriers = looped | hosted | in_segments
   for op in schedule.ops:
-    if op.node is None and any(_of(k) in looped | hosted for k in op.ins):
-      live = [i for i, k in enumerate(op.ins) if _of(k) not in looped | hosted]
+    if op.node is None and any(_of(k) in gone_from_barriers for k in op.ins):
+      live = [i for i, k in enumerate(op.ins) if _of(k) not in gone_from_barriers]
       if live:  # a barrier copy of values rebuilt or hosted drops them
         ops.append(Op(op.kind, None, tuple(op.ins[i] for i in live),
                       tuple(op.outs[i] for i in live), op.params))
       continue
     if op.kind != "node":
       ops.append(op)
+      continue
+    if op.node in segmented:
+      new, made, host = segment_forward(graph, graph.nodes[op.node], op,
+                                            segmented[op.node])
+      forward_ops[op.node] = new
+      sizes.update(made)
+      host_keys |= host
+      ops.append(new)
+      continue
+    seg = next((segmented[where_seg[_of(k)]] for k in op.ins if _of(k) in where_seg), None)
+    if seg is not None:
+      node = graph.nodes[op.node]
+      new = segment_backward(graph, node, op, forward_ops[seg.forward], seg)
+      flops += added_flops(graph, seg)
+      ops.append(_with_scratch(new, op, []))
+      sizes[ops[-1].outs[-1]] = scratch_bytes(graph, node, seg)
       continue
     if op.node in changed_at:
       node = graph.nodes[op.node]
@@ -135,7 +175,7 @@ def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedul
     ops.append(_with_scratch(new, op, gone))
     sizes[ops[-1].outs[-1]] = _scratch_bytes(graph, new, op, gone, hosted, group)
   return dataclasses.replace(schedule, plan=plan, ops=ops, recompute_flops=flops, sizes=sizes,
-                             hosted=frozenset((v, 0) for v in hosted))
+                             hosted=frozenset({(v, 0) for v in hosted} | host_keys))
 
 
 def _of(key) -> int | None:

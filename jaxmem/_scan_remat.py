@@ -130,6 +130,12 @@ def hostable(graph: Graph) -> dict[int, tuple[int, int]]:
   return found
 
 
+def _whole(length: int) -> Callable:
+  """The loop over all its iterations: ``jax.lax.scan``."""
+  return lambda step, init, xs, reverse: jax.lax.scan(step, init, xs, length=length,
+                                                      reverse=reverse)
+
+
 def _on_device(xs: Sequence) -> list:
   """Slices of stacks in host memory copied to the device (the others as
   they are): what a backward body reads first each iteration."""
@@ -174,14 +180,16 @@ def nestable(graph: Graph) -> dict[int, tuple[int, int]]:
 
 
 def forward_without(node: Node, dropped: frozenset[int],
-                    hosted: frozenset[int] = frozenset()) -> Callable:
+                    hosted: frozenset[int] = frozenset(), scan: Callable | None = None) -> Callable:
   """The forward scan without the stacked outputs at ``dropped``, and with
   those at ``hosted`` stacked in host memory (each slice copied there as it
   is made): ``run(*ins) -> outs`` with None where an output is dropped,
   then, where an output is dropped, the stacked carry-ins of the carries
   it does not stack itself (:func:`unstacked_carries`): a rebuild reads
-  them."""
+  them. ``scan(step, init, xs, reverse) -> (carry, ys)`` runs the loop
+  (``jax.lax.scan`` by default; a segment of it, ``_loop_segments``)."""
   consts, carries, length = scan_shape(node)
+  scan = scan or _whole(length)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
   kept = [o for o in range(len(node.outs)) if o >= carries and o not in dropped]
   extra = unstacked_carries(node) if dropped else []  # to rebuild from
@@ -195,8 +203,7 @@ def forward_without(node: Node, dropped: frozenset[int],
             for o in kept]
       return list(outs[:carries]), ys + [carry[c] for c in extra]
 
-    carry, ys = jax.lax.scan(step, list(carry_in), list(xs), length=length,
-                             reverse=node.params["reverse"])
+    carry, ys = scan(step, list(carry_in), list(xs), node.params["reverse"])
     out = list(carry) + [None] * (len(node.outs) - carries)
     for o, y in zip(kept, ys):
       out[o] = y
@@ -205,14 +212,16 @@ def forward_without(node: Node, dropped: frozenset[int],
   return run
 
 
-def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int]) -> Callable:
+def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int],
+                        scan: Callable | None = None) -> Callable:
   """The backward scan ``node`` with some of its ``xs`` rebuilt per
   iteration: ``rebuilt`` maps an input position of ``node`` to the forward
   scan's output position that made it. ``run(ins, forward_ins,
   carry_stacks) -> outs``, where ``ins`` has None at the rebuilt positions
   and ``carry_stacks`` are the forward body's carry-ins stacked, in carry
-  order."""
+  order; ``scan`` as in :func:`forward_without`."""
   consts, carries, length = scan_shape(node)
+  scan = scan or _whole(length)
   f_consts, f_carries, _ = scan_shape(forward)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
   f_body = jex.jaxpr_as_fun(forward.params["jaxpr"])
@@ -234,18 +243,18 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int]) -> C
       return list(outs[:carries]), list(outs[carries:])
 
     xs = [ins[i] for i in xs_positions] + f_xs + list(f_carry_stacks)
-    carry, ys = jax.lax.scan(step, list(b_carry), xs, length=length,
-                             reverse=node.params["reverse"])
+    carry, ys = scan(step, list(b_carry), xs, node.params["reverse"])
     return list(carry) + list(ys)
 
   return run
 
 
-def fetching(node: Node) -> Callable:
+def fetching(node: Node, scan: Callable | None = None) -> Callable:
   """The backward scan ``node`` reading its ``xs`` slices that are stacked
   in host memory through a copy to the device per iteration:
-  ``run(*ins) -> outs``."""
+  ``run(*ins) -> outs``; ``scan`` as in :func:`forward_without`."""
   consts, carries, length = scan_shape(node)
+  scan = scan or _whole(length)
   body = jex.jaxpr_as_fun(node.params["jaxpr"])
 
   def run(*ins):
@@ -253,9 +262,8 @@ def fetching(node: Node) -> Callable:
       outs = body(*ins[:consts], *carry, *_on_device(x))
       return list(outs[:carries]), list(outs[carries:])
 
-    carry, ys = jax.lax.scan(step, list(ins[consts:consts + carries]),
-                             list(ins[consts + carries:]), length=length,
-                             reverse=node.params["reverse"])
+    carry, ys = scan(step, list(ins[consts:consts + carries]), list(ins[consts + carries:]),
+                     node.params["reverse"])
     return list(carry) + list(ys)
 
   return run

@@ -16,6 +16,7 @@ LAYERS = [
     {"_xla_cpu_fusion", "_loops"},
     {"_schedule"},
     {"_scan_remat"},
+    {"_loop_segments"},
     {"_loop_schedule"},
     {"_memory", "_perf", "_emit"},
     {"_evaluate"},

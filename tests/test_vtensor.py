@@ -118,7 +118,7 @@ def test_bad_options_are_refused():
   with pytest.raises(ValueError, match="one decision per chunk"):
     Chunked(0, ((0, 2),), (KEEP, KEEP))
   with pytest.raises(ValueError, match="kept or offloaded"):
-    Chunked(0, ((0, 2),), (RECOMPUTE,))
+    Chunked(1, ((0, 2),), (RECOMPUTE,))
 
 
 def test_unified_memory_never_swaps(mlp):

@@ -7,12 +7,13 @@ import logging
 import time
 
 from jaxmem._blocks import block_candidates, block_plans, checkpoint_moves, segments
-from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Offload, Plan
+from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem._devices import PROFILES, get_profile
 from jaxmem._evaluate import (Candidate, candidate, chain_flops, evaluate, fused_values,
                               paused_gc, prefetch_point, recomputable)
 from jaxmem._graph import Graph, Residual
-from jaxmem._scan_remat import hostable
+from jaxmem._loop_segments import segmentable
+from jaxmem._scan_remat import hostable, rebuildable
 from jaxmem.planners._base import Planner
 
 # Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
@@ -130,7 +131,10 @@ class Greedy(Planner):
     first, then one by one, the costliest rebuilds per byte first (matmul
     and convolution outputs before elementwise ones), within ``refine``
     evaluations. A plan that overshot (a ladder or block plan taken for a
-    looser target) gives back the recomputation it does not need."""
+    looser target) gives back the recomputation it does not need. A loop
+    whose stacks are rebuilt per iteration first keeps its last layers'
+    stacks again, as many as the target allows (:meth:`_layers_back`)."""
+    result = self._layers_back(graph, result, target)
     plan, schedule, memory = result.plan, result.schedule, result.memory
     dropped = plan.values_with("recompute")
     blocks = [[v for v in seg.drops if v in dropped] for seg in segments(graph)]
@@ -151,6 +155,31 @@ class Greedy(Planner):
       if t_memory.peak <= target:
         plan, schedule, memory = trial, t_schedule, t_memory
     return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory)
+
+  def _layers_back(self, graph, result: Candidate, target: int) -> Candidate:
+    """Per-layer plans: for each loop whose stacks ``result`` rebuilds
+    (per iteration or nested), the first layers' rebuildable stacks are
+    rebuilt and the rest kept (the loop then runs in two segments,
+    ``_loop_segments``), with the fewest rebuilt layers that keep the peak
+    within ``target``."""
+    rebuilt_ok = rebuildable(graph)
+    for forward, stacks in segmentable(graph).items():
+      plan = result.plan
+      rebuilt = [v for v in stacks if v in rebuilt_ok]
+      if not rebuilt or not any(plan[v].kind == "recompute" for v in stacks):
+        continue
+      length = graph.nodes[forward].params["length"]
+      # A layer input the plan rebuilt (the loop nested) is kept again.
+      carries = {v: KEEP for v in stacks if v not in rebuilt_ok and plan[v].kind == "recompute"}
+      for cut in sorted({length // 4, length // 2, 3 * length // 4} - {0, length}):
+        chunks = Chunked(0, ((0, cut), (cut, length)), (RECOMPUTE, KEEP))
+        trial = Plan.of({**plan.as_dict(), **carries, **{v: chunks for v in rebuilt}})
+        found = candidate(graph, trial, target)
+        if found.fits:
+          result = dataclasses.replace(result, plan=trial, schedule=found.schedule,
+                                       memory=found.memory)
+          break
+    return result
 
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
     """The ladder's plans, lowest predicted peak first: the candidates for

@@ -1,0 +1,118 @@
+"""Per-layer plans (``jaxmem._loop_segments``): a scanned stack whose stacked
+residuals are chunked along the layer axis runs in segments, each with its
+own decisions, gives the untransformed step's gradients, frees each
+rebuilt segment's share in XLA's footprint, and stays one scan per
+segment."""
+
+import jax
+import pytest
+
+import jaxmem
+from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Plan
+from jaxmem._emit import emit
+from jaxmem._evaluate import evaluate
+from jaxmem._fit import xla_footprint
+from jaxmem._graph import build_graph
+from jaxmem._loops import loops, stacked_residuals
+from jaxmem._scan_remat import hostable, rebuildable
+
+from dataflow import assert_hosted_loops_flow
+from helpers import assert_trees_close
+from test_loops import L, _flax, _plain
+from test_scan_remat import _compiled, _dropout
+
+MODELS = pytest.mark.parametrize("make", [_plain, _flax, _dropout],
+                                 ids=["lax.scan", "nn.scan", "dropout"])
+
+
+def _rebuilt_first(graph, cut):
+  """The first ``cut`` layers of every rebuildable stack rebuilt, the rest
+  kept."""
+  chunks = Chunked(0, ((0, cut), (cut, L)), (RECOMPUTE, KEEP))
+  return Plan.of({v: chunks for v in rebuildable(graph)})
+
+
+def _top_level_scans(schedule, flat) -> int:
+  return sum(e.primitive.name == "scan" for e in jax.make_jaxpr(emit(schedule))(*flat).eqns)
+
+
+@MODELS
+def test_rebuilding_some_layers_frees_their_share_and_gives_the_same_gradients(make):
+  step, args = make()
+  graph = build_graph(jax.make_jaxpr(step)(*args))
+  flat = jax.tree_util.tree_leaves(args)
+  stacked = stacked_residuals(graph)
+  freed = sum(graph.values[v].nbytes for v in rebuildable(graph))
+  slices = sum(stacked[v].per_iteration for v in rebuildable(graph))
+  plain_schedule = evaluate(graph, Plan())[0]
+  expected = jax.jit(emit(plain_schedule))(*flat)
+  before = xla_footprint(_compiled(emit(plain_schedule), flat))
+  footprints = []
+  for cut in (L // 4, L // 2):
+    schedule, memory = evaluate(graph, _rebuilt_first(graph, cut))
+    assert _top_level_scans(schedule, flat) == 4, "two segments, forward and backward"
+    assert_trees_close(jax.jit(emit(schedule))(*flat), expected)
+    after = xla_footprint(_compiled(emit(schedule), flat))
+    # The rebuilt layers' stacks go; one iteration's rebuilt slices come.
+    assert before - after >= cut / L * freed - 2 * slices, (cut, before, after, freed)
+    assert abs(memory.peak - after) <= 0.1 * after, (memory.peak, after)
+    assert schedule.recompute_flops == pytest.approx(
+        cut / L * graph.nodes[loops(graph)[0].forward].flops)
+    footprints.append(after)
+  assert footprints[1] < footprints[0] < before
+
+
+@MODELS
+def test_each_segment_keeps_rebuilds_or_hosts_on_its_own(make):
+  """Three segments: the first rebuilt, the middle in host memory one slice
+  per iteration, the last kept; layer inputs hosted in the first half."""
+  step, args = make()
+  graph = build_graph(jax.make_jaxpr(step)(*args))
+  flat = jax.tree_util.tree_leaves(args)
+  rebuilt = rebuildable(graph)
+  layered = Chunked(0, ((0, 4), (4, 12), (12, L)), (RECOMPUTE, OFFLOAD, KEEP))
+  inputs = Chunked(0, ((0, 8), (8, L)), (OFFLOAD, KEEP))
+  plan = Plan.of({v: layered if v in rebuilt else inputs for v in hostable(graph)})
+  schedule, memory = evaluate(graph, plan)
+  emitted = jax.make_jaxpr(emit(schedule))(*flat)
+  # Segments at the union of the bounds: 0-4, 4-8, 8-12, 12-16.
+  assert sum(e.primitive.name == "scan" for e in emitted.eqns) == 8
+  on_host = sorted(assert_hosted_loops_flow(emitted.jaxpr))
+  per_layer = {v: graph.values[v].aval.shape[1:] for v in hostable(graph)}
+  want = sorted([(4, *per_layer[v]) for v in rebuilt for _ in range(2)]
+                + [(4, *per_layer[v]) for v in per_layer if v not in rebuilt for _ in range(2)])
+  assert on_host == want
+  assert memory.host_peak == sum(graph.values[v].nbytes // 2 for v in hostable(graph))
+  assert_trees_close(jax.jit(emit(schedule))(*flat),
+                     jax.jit(emit(evaluate(graph, Plan())[0]))(*flat))
+
+
+def test_a_budget_between_kept_and_rebuilt_rebuilds_only_the_layers_it_needs():
+  """At 80% of XLA's footprint the 16-layer scanned MLP rebuilt every layer
+  (a third more FLOPs); now the planner keeps the last layers' stacks."""
+  step, args = _plain()
+  budget = int(0.8 * xla_footprint(_compiled(step, args)))
+  fitted = jaxmem.transform(step, budget=budget)
+  fit = fitted.fit(*args)
+  assert fit.footprint <= budget
+  graph = fit.graph
+  every_layer = evaluate(graph, Plan.of({v: RECOMPUTE for v in rebuildable(graph)}))[0]
+  assert fit.added_flops < 0.75 * every_layer.recompute_flops
+  assert any(d.kind == "chunked" for _, d in fit.plan)
+  params, x = args
+  for _ in range(3):
+    got, want = fitted(params, x), jax.jit(step)(params, x)
+    assert_trees_close(got, want)
+    params = want
+
+
+def test_a_chunk_no_loop_can_rebuild_is_refused():
+  step, args = _plain()
+  graph = build_graph(jax.make_jaxpr(step)(*args))
+  carry = next(v for v in hostable(graph) if v not in rebuildable(graph))
+  with pytest.raises(ValueError, match="never rebuilt"):
+    evaluate(graph, Plan.of({carry: Chunked(0, ((0, 8), (8, L)), (RECOMPUTE, KEEP))}))
+  plain = next(r.value for r in graph.residuals if r.value not in stacked_residuals(graph))
+  n = graph.values[plain].aval.shape[0]
+  with pytest.raises(ValueError, match="only a loop's stack"):
+    evaluate(graph, Plan.of({plain: Chunked(0, ((0, 1), (1, n)), (RECOMPUTE, KEEP))}))
