@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 
-from provenance import provenance  # benchmarks/, the script's folder, is on sys.path
+from jaxmem._provenance import provenance
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

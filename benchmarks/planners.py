@@ -32,7 +32,7 @@ import optax
 from jaxmem._zoo import models as _models
 models = _models()
 from jaxmem._devices import PROFILES
-from provenance import provenance
+from jaxmem._provenance import provenance
 from jaxmem._graph import build_graph
 from jaxmem._budget import format_bytes
 from jaxmem._perf import predict_schedule, schedule_transfers

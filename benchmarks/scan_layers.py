@@ -30,7 +30,7 @@ from jaxmem._fit import xla_footprint
 from jaxmem._flags import compiler_options
 from jaxmem._zoo import models as _models
 
-from provenance import provenance
+from jaxmem._provenance import provenance
 
 CONFIG = dict(dim=64, heads=2, seq=64, vocab=256, batch=8)
 

@@ -25,7 +25,7 @@ import types
 import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
 from jaxmem import bench
 from jaxmem._zoo import models as _models
-from provenance import provenance
+from jaxmem._provenance import provenance
 
 # The zoo's small, activation-dominated configurations.
 CPU_CONFIGS = _models().CPU_SIZES

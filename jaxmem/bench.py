@@ -32,6 +32,7 @@ import jax
 from jaxmem._benchmark import SERIES, Bench, Method, Row, default_methods
 from jaxmem import _zoo
 from jaxmem._budget import Budget, format_bytes
+from jaxmem._provenance import provenance
 from jaxmem._devices import PROFILES
 from jaxmem.planners import DEFAULT_DEVICE
 
@@ -142,6 +143,7 @@ def run(opts) -> dict:
       "rows": rows, "seconds": time.time() - started,
       "device_profile": None if bench.device is None else dataclasses.asdict(bench.device),
       "command": " ".join(["jaxmem-bench"] + sys.argv[1:]),
+      "provenance": provenance("-m jaxmem.bench", sys.argv[1:]),
       "date": time.strftime("%Y-%m-%d %H:%M:%S"),
       "machine": {"backend": jax.default_backend(),
                   "devices": [d.device_kind for d in jax.devices()],

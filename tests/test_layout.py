@@ -11,7 +11,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 
 # Lowest first: a module imports only from layers below its own.
 LAYERS = [
-    {"_flags", "_budget", "_primitives", "_devices", "_decisions", "_arguments", "_batching"},
+    {"_flags", "_provenance", "_budget", "_primitives", "_devices", "_decisions", "_arguments", "_batching"},
     {"_graph", "_calibrate"},
     {"_xla_cpu_fusion", "_loops"},
     {"_schedule"},

@@ -1,8 +1,10 @@
 """Where a result comes from: the exact command, the commit and whether the
 working tree was dirty, written by the tool that made the result.
 
-``JAXMEM_COMMIT`` / ``JAXMEM_DIRTY`` stand in for git where the tree travels
-without its history (a GPU machine gets a copy of the working tree).
+The commit is the source checkout's that jaxmem runs from (None for an
+installed copy). ``JAXMEM_COMMIT`` / ``JAXMEM_DIRTY`` stand in for git where
+the tree travels without its history (a GPU machine gets a copy of the
+working tree).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def provenance(script: str, argv) -> dict:
   """``{"command", "commit", "dirty", "date"}`` for ``python <script> <argv>``."""
   def git(*args):
+    if not os.path.exists(os.path.join(ROOT, ".git")):
+      return None  # not a source checkout: a repository around it is not ours
     try:
       return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True,
                             timeout=30).stdout.strip() or None
