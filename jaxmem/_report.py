@@ -13,6 +13,20 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
   return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
+def decision_label(decision) -> str:
+  """A decision as the residual table shows it; a chunked one lists each
+  chunk's kind and bounds (along a loop's layer axis, the layers).
+
+  Example:
+    >>> from jaxmem._decisions import KEEP, RECOMPUTE, Chunked
+    >>> decision_label(Chunked(0, ((0, 4), (4, 16)), (RECOMPUTE, KEEP)))
+    'recompute[0:4] keep[4:16]'
+  """
+  if decision.kind != "chunked":
+    return decision.kind
+  return " ".join(f"{c.kind}[{a}:{b}]" for (a, b), c in zip(decision.bounds, decision.chunks))
+
+
 def residual_table(graph: Graph, top: int | None = 30, decisions=None) -> str:
   """Residuals sorted by size, like ``jax.ad_checkpoint.print_saved_residuals``
   but with bytes, lifetimes (forward position -> backward uses) and layers.

@@ -23,7 +23,7 @@ from jaxmem._fit import Fitter, runtime_reserve, xla_footprint
 from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._inner import body_graph, embedded, inner_loop
 from jaxmem._memory import Liveness
-from jaxmem._report import residual_table
+from jaxmem._report import decision_label, residual_table
 from jaxmem.planners import Planner, get_planner
 
 _Tracer = jax.core.Tracer
@@ -86,7 +86,7 @@ class Fit:
   def report(self, top: int | None = 20) -> str:
     """A readable summary of the budget, the plan and the residuals."""
     p = self.memory
-    decisions = {vid: d.kind for vid, d in self.plan}
+    decisions = {vid: decision_label(d) for vid, d in self.plan}
     # Stacks kept in host memory one slice per iteration of their loop.
     decisions.update({k[0]: "offload/iter" for k in p.schedule.hosted})
     fp = "n/a" if self.footprint is None else format_bytes(self.footprint)

@@ -99,6 +99,7 @@ def test_a_budget_between_kept_and_rebuilt_rebuilds_only_the_layers_it_needs():
   every_layer = evaluate(graph, Plan.of({v: RECOMPUTE for v in rebuildable(graph)}))[0]
   assert fit.added_flops < 0.75 * every_layer.recompute_flops
   assert any(d.kind == "chunked" for _, d in fit.plan)
+  assert f"keep[{L // 4}:{L}]" in fit.report() or f"keep[{L // 2}:{L}]" in fit.report()
   params, x = args
   for _ in range(3):
     got, want = fitted(params, x), jax.jit(step)(params, x)
