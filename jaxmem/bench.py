@@ -102,6 +102,7 @@ def _parser(models) -> argparse.ArgumentParser:
 
 def run(opts) -> dict:
   """Measures what ``opts`` asks for; returns the JSON-ready result."""
+  source = provenance("-m jaxmem.bench", sys.argv[1:])  # the code as the run starts
   models = _zoo.models()
   progress = (lambda line: None) if opts.quiet else (
       lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr,
@@ -143,7 +144,7 @@ def run(opts) -> dict:
       "rows": rows, "seconds": time.time() - started,
       "device_profile": None if bench.device is None else dataclasses.asdict(bench.device),
       "command": " ".join(["jaxmem-bench"] + sys.argv[1:]),
-      "provenance": provenance("-m jaxmem.bench", sys.argv[1:]),
+      "provenance": source,
       "date": time.strftime("%Y-%m-%d %H:%M:%S"),
       "machine": {"backend": jax.default_backend(),
                   "devices": [d.device_kind for d in jax.devices()],
