@@ -65,7 +65,16 @@ CONFIGS = {
     "resnet18": dict(width=64, size=224, batch=64),
     "mobilenetv2": dict(width=1.0, size=224, batch=64),
     "unet": dict(width=32, depth=4, size=256, batch=16),
+    # The same GPT-2 with its blocks in one nn.scan: jaxmem plans inside the
+    # loop (rebuilt or hosted per iteration; per-layer plans), the remat
+    # policies are nn.scan(nn.remat(Block, policy)).
+    "gpt2-scan": dict(zoo="gpt2", dim=512, depth=6, heads=8, seq=512, vocab=8192, batch=16,
+                      scan=True),
 }
+# Same numbers: each run's update norms (per float leaf, then the loss)
+# within this relative tolerance of the unmodified step's, judged against
+# the largest update where a leaf's own is rounding noise.
+NUMBERS_RTOL = 1e-3
 BUDGETS = ("70%", "50%", "33%")
 REMAT = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
          "offload_dot_with_no_batch_dims", "save_and_offload_only_these_names")
@@ -202,10 +211,23 @@ def assemble(rows: list[dict]) -> dict:
     unmodified = base.get(row["model"], {})
     if row.get("step_ms") and unmodified.get("step_ms"):
       row["time_ratio"] = row["step_ms"] / unmodified["step_ms"]
+    if row["kind"] == "measure" and row.get("update_norms") and unmodified.get("update_norms"):
+      row["numbers_error"] = numbers_error(row["update_norms"], unmodified["update_norms"])
+      row["same_numbers"] = row["numbers_error"] <= NUMBERS_RTOL
   provenance = {k: first("provenance").get(k) for k in ("command", "commit", "dirty", "date")}
   return {"provenance": provenance, "plan": first("provenance").get("plan"),
           "environment": first("env"), "profile": first("calibrate").get("profile"),
           "rows": measured}
+
+
+def numbers_error(got: list, want: list) -> float:
+  """Largest relative difference of two runs' update norms (see
+  ``NUMBERS_RTOL``); infinite where they do not line up."""
+  if len(got) != len(want):
+    return math.inf
+  floor = 1e-3 * max(abs(w) for w in want) if want else 0.0
+  return max((abs(g - w) / max(abs(w), floor, 1e-30) for g, w in zip(got, want)),
+             default=0.0)
 
 
 def write(result: dict, out: str) -> str:
@@ -239,7 +261,9 @@ def _cells(r: dict) -> list[str]:
           _gib(r.get("host_bytes")), number("hlo_host_annotations", "d"),
           number("step_ms", ".1f"), number("time_ratio", ".2f"),
           f"{number('predicted_ms_calibrated', '.1f')} / {number('predicted_ms_preset', '.1f')}",
-          number("planning_s", ".0f")]
+          number("planning_s", ".0f"),
+          "-" if r.get("same_numbers") is None else ("yes" if r["same_numbers"] else
+                                                      f"**no** ({r['numbers_error']:.1e})")]
 
 
 def markdown(result: dict) -> str:
@@ -247,7 +271,7 @@ def markdown(result: dict) -> str:
   env, prov = result["environment"], result["provenance"]
   header = ["model", "method", "budget (GiB)", "status", "compiled (GiB)",
             "measured peak (GiB)", "within budget", "host (GiB)", "S(5)", "step ms",
-            "x unmodified", "predicted ms (calibrated / h100)", "planning s"]
+            "x unmodified", "predicted ms (calibrated / h100)", "planning s", "same numbers"]
   lines = [f"# jaxmem on {env.get('device_kind')} ({env.get('backend')})", "",
            f"Command: `{prov['command']}`; commit {prov['commit']} "
            f"(dirty: {prov['dirty']}); {prov['date']}; JAX {env.get('jax')}.", "",
@@ -279,6 +303,9 @@ def problems(result: dict) -> list[str]:
     if r.get("fits_measured") is False and r.get("method", "").startswith("jaxmem"):
       found.append(f"- {name}: measured peak {_gib(r['peak_bytes'])} GiB over the "
                    f"budget {_gib(r['budget_bytes'])} GiB")
+    if r.get("same_numbers") is False:
+      found.append(f"- {name}: its update norms differ from the unmodified step's by "
+                   f"{r['numbers_error']:.1e} (relative): wrong numbers")
     offloads = r.get("plan_offloads") or "offload" in r.get("method", "")
     if r["status"] == "ok" and offloads and r.get("hlo_host_annotations") == 0 \
         and result["environment"].get("backend") != "cpu":

@@ -40,6 +40,7 @@ import traceback
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 
 import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
 from jaxmem._devices import DeviceProfile, get_profile  # noqa: E402
@@ -89,6 +90,19 @@ def _peak() -> int | None:
   return stats.get("peak_bytes_in_use")
 
 
+def _update_norms(args, out) -> list[float]:
+  """The step's numbers in brief: the norm of each float leaf's update
+  (output state less input state), then the loss. Runs of the same model
+  and batch compare them with the unmodified step's (``gpu.py``): a wrong
+  gradient moves its leaf's norm (offload inside loops has given wrong
+  gradients in XLA releases, DESIGN.md)."""
+  state, new = args[0], out[0]
+  norms = [float(jnp.linalg.norm((b - a).astype(jnp.float32)))
+           for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(new))
+           if jnp.issubdtype(a.dtype, jnp.floating)]
+  return norms + [float(jax.tree_util.tree_leaves(out[1])[0])]
+
+
 def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
   """Runs a compiled step: the allocator's peak after warm-up steps and the
   median step time. The peak before the first run (compilation's autotuning
@@ -96,8 +110,10 @@ def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
   own peak is hidden under it (``peak_masked``)."""
   with _gpu_lock(lock):
     before = _peak()
-    for _ in range(2):  # each result dropped before the next call, as in a loop
-      jax.block_until_ready(compiled(*args))
+    out = jax.block_until_ready(compiled(*args))
+    moves = _update_norms(args, out)
+    del out  # each result dropped before the next call, as in a loop
+    jax.block_until_ready(compiled(*args))
     peak = _peak()
     times, loss = [], None
     for _ in range(max(repeats, 1)):
@@ -107,7 +123,7 @@ def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
       if isinstance(out, tuple) and len(out) > 1:
         loss = jax.tree_util.tree_leaves(out[1])[0]
       del out
-  return {"peak_bytes": peak, "peak_before_run": before,
+  return {"peak_bytes": peak, "peak_before_run": before, "update_norms": moves,
           "peak_masked": peak is not None and before is not None and peak <= before,
           "step_ms": statistics.median(times) * 1e3,
           "loss_finite": None if loss is None else bool(math.isfinite(float(loss)))}
@@ -170,7 +186,8 @@ def _task(job, batch: int | None = None):
   method = job["method"]
   remat = method.split(":", 1)[1] if method.startswith("remat:") else None
   config = dict(job["config"], **({} if batch is None else {"batch": batch}))
-  return _models().get(job["model"], remat=remat, **config)
+  zoo = config.pop("zoo", job["model"])  # a configuration's zoo model, where named
+  return _models().get(zoo, remat=remat, **config)
 
 
 def _arguments(task, dry_run: bool):

@@ -44,7 +44,8 @@ MUTANTS = [
            "      if op.kind == 'offload':\n"
            "        outs = [jax.device_put(args[0], _SPACES[op.kind]())]\n"
            "        env['original', op.outs[0][0]] = args[0]\n"
-           "      elif op.kind == 'prefetch':\n"
+           "      elif op.kind == 'prefetch':  # the copy is made, and not read\n"
+           "        jax.device_put(args[0], _SPACES[op.kind]())\n"
            "        outs = [env['original', op.outs[0][0]]]\n",
            ("tests/test_offload.py", "tests/test_hybrid.py", "tests/test_vtensor.py")),
     Mutant("copies-back-cost-nothing",

@@ -97,3 +97,28 @@ def test_xla_memory_limit_percentage_stays_under_the_budget():
   assert gpu._slop(int(0.8 * memory * 0.05), memory) == 5
   assert gpu._slop(int(0.8 * memory * 0.0499), memory) == 4
   assert gpu._slop(GIB, memory) == 1 and gpu._slop(GIB, None) == 1
+
+
+def test_report_names_a_run_whose_numbers_differ():
+  """Each run's update norms (per float leaf, then the loss) are judged
+  against the unmodified step's: a leaf moved 1% off is wrong numbers;
+  rounding noise on a leaf whose update is near zero is not."""
+  rows = _rows()
+  want = [1.0, 0.5, 2e-9, 3.2]
+  rows[2]["update_norms"] = want
+  rows[3]["update_norms"] = [1.0, 0.505, 3e-9, 3.2]  # 1% off on a real update
+  rows[4]["update_norms"] = [1.0 + 1e-6, 0.5, 5e-9, 3.2]  # rounding, and noise on ~0
+  result = gpu.assemble(rows)
+  judged = {r["method"]: r.get("same_numbers") for r in result["rows"]}
+  assert judged == {"unconstrained": True, "jaxmem:recompute": False,
+                    "jaxmem:hybrid": True, "jaxmem:lgm": None}
+  assert "m jaxmem:recompute 50%: its update norms differ" in "\n".join(gpu.problems(result))
+  assert "**no** (1.0e-02)" in gpu.markdown(result)
+
+
+def test_the_worker_sums_up_a_step_by_its_update_norms():
+  import jax.numpy as jnp
+  import gpu_worker
+  state = {"w": jnp.ones(4), "step": jnp.array(3)}
+  new = ({"w": jnp.ones(4) + jnp.array([3.0, 4.0, 0.0, 0.0]), "step": jnp.array(4)}, 2.5)
+  assert gpu_worker._update_norms((state, None), new) == [5.0, 2.5]
