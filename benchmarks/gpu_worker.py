@@ -91,16 +91,23 @@ def _peak() -> int | None:
 
 
 def _update_norms(args, out) -> list[float]:
-  """The step's numbers in brief: the norm of each float leaf's update
-  (output state less input state), then the loss. Runs of the same model
-  and batch compare them with the unmodified step's (``gpu.py``): a wrong
-  gradient moves its leaf's norm (offload inside loops has given wrong
+  """The step's numbers in brief: for each float leaf of the state, its
+  update's (output less input) norm and its dot product with a fixed random
+  probe; then the loss. Runs of the same model and batch compare them with
+  the unmodified step's (``gpu.py``). The state holds the optimizer's
+  moments (Adam's first is a tenth of the gradient), so a gradient wrong
+  in scale moves a norm and one wrong in direction (permuted, a slice
+  shifted) moves a probe's product (offload inside loops has given wrong
   gradients in XLA releases, DESIGN.md)."""
-  state, new = args[0], out[0]
-  norms = [float(jnp.linalg.norm((b - a).astype(jnp.float32)))
-           for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(new))
-           if jnp.issubdtype(a.dtype, jnp.floating)]
-  return norms + [float(jax.tree_util.tree_leaves(out[1])[0])]
+  figures = []
+  pairs = zip(jax.tree_util.tree_leaves(args[0]), jax.tree_util.tree_leaves(out[0]))
+  for i, (before, after) in enumerate(pairs):
+    if not jnp.issubdtype(before.dtype, jnp.floating):
+      continue
+    move = (after - before).astype(jnp.float32)
+    probe = jax.random.normal(jax.random.key(i), move.shape, jnp.float32)
+    figures += [float(jnp.linalg.norm(move)), float(jnp.vdot(move, probe))]
+  return figures + [float(jax.tree_util.tree_leaves(out[1])[0])]
 
 
 def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
@@ -110,10 +117,8 @@ def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
   own peak is hidden under it (``peak_masked``)."""
   with _gpu_lock(lock):
     before = _peak()
-    out = jax.block_until_ready(compiled(*args))
-    moves = _update_norms(args, out)
-    del out  # each result dropped before the next call, as in a loop
-    jax.block_until_ready(compiled(*args))
+    for _ in range(2):  # each result dropped before the next call, as in a loop
+      jax.block_until_ready(compiled(*args))
     peak = _peak()
     times, loss = [], None
     for _ in range(max(repeats, 1)):
@@ -123,6 +128,8 @@ def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
       if isinstance(out, tuple) and len(out) > 1:
         loss = jax.tree_util.tree_leaves(out[1])[0]
       del out
+    # After the peak is read: summing up the numbers holds both states.
+    moves = _update_norms(args, compiled(*args))
   return {"peak_bytes": peak, "peak_before_run": before, "update_norms": moves,
           "peak_masked": peak is not None and before is not None and peak <= before,
           "step_ms": statistics.median(times) * 1e3,

@@ -8,7 +8,7 @@ a stacked residual is read one slice per backward iteration, this pass
 rewrites the schedule's scans instead (the re-emitted scans are
 ``_scan_remat``'s):
 
-* a recomputed one is no longer made by its forward scan but rebuilt per
+* a recomputed one is not made by its forward scan but rebuilt per
   iteration inside the backward scans (or the loop runs nested in groups
   of about sqrt(L) layers: :func:`~jaxmem._scan_remat.nestable`);
 * an offloaded one is stacked in host memory one slice per iteration and
@@ -38,9 +38,8 @@ import dataclasses
 
 from jaxmem._decisions import Plan
 from jaxmem._graph import Graph, Node
-from jaxmem._loop_segments import (added_flops, scratch_bytes, segments_of,
-                                   backward_op as segment_backward,
-                                   forward_op as segment_forward)
+from jaxmem._loop_segments import (added_flops, scratch_bytes, segmented_backward,
+                                   segmented_forward, segments_of)
 from jaxmem._loops import loops
 from jaxmem._scan_remat import (backward_nested, backward_rebuilding, carry_outputs,
                                 fetching, forward_nested, forward_without, group_size,
@@ -77,7 +76,10 @@ def split_plan(graph: Graph, plan: Plan) -> tuple[Plan, InLoops]:
   out inside their loops, and those values. A nested loop drops all its
   stacks, so an offload among them is a rebuild too. A stack chunked along
   its layer axis runs its loop in segments (``_loop_segments``); a chunk
-  rebuilt anywhere else raises ValueError."""
+  rebuilt anywhere else raises ValueError. A single chunk is its decision
+  whole."""
+  plan = Plan.of({v: d.chunks[0] if d.kind == "chunked" and len(d.chunks) == 1 else d
+                  for v, d in plan.items})
   rebuilt = plan.values_with("recompute") & (rebuildable(graph).keys() | nestable(graph).keys())
   nested = {nestable(graph)[v][0] for v in rebuilt if v in nestable(graph)}
   in_nested = {s.value for loop in loops(graph) if loop.forward in nested
@@ -91,8 +93,11 @@ def split_plan(graph: Graph, plan: Plan) -> tuple[Plan, InLoops]:
       plan.values_with("offload") | plan.values_with("chunked")))
   for vid, d in plan.with_kind("chunked").items():
     if vid not in moved and any(c.kind == "recompute" for c in d.chunks):
-      raise ValueError(f"value {vid}: only a loop's stack, chunked along its layer axis "
-                       f"(axis 0), can have chunks rebuilt; got {d!r}")
+      raise ValueError(
+          f"value {vid}: chunks are rebuilt only along the layers of a loop that can run "
+          "in segments (a forward lax.scan whose stacks only backward scans in reverse "
+          f"read, one slice per iteration); this value is not such a stack. Got {d!r}; "
+          "recompute it whole, or keep and offload its chunks")
   if not moved:
     return plan, InLoops()
   return (Plan.of({v: d for v, d in plan.items if v not in moved}),
@@ -101,7 +106,7 @@ def split_plan(graph: Graph, plan: Plan) -> tuple[Plan, InLoops]:
 
 def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedule:
   """The schedule with ``in_loops`` carried out (module docstring). A
-  rebuilt stack is no longer made by its forward scan: each backward scan
+  rebuilt stack is not made by its forward scan: each backward scan
   that reads it reads the forward scan's constants and ``xs`` and its
   stacked (or, nested, its groups' first) carries instead. A hosted stack
   is made in host memory and read through a copy per iteration. Barrier
@@ -131,7 +136,7 @@ def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedul
       ops.append(op)
       continue
     if op.node in segmented:
-      new, made, host = segment_forward(graph, graph.nodes[op.node], op,
+      new, made, host = segmented_forward(graph, graph.nodes[op.node], op,
                                             segmented[op.node])
       forward_ops[op.node] = new
       sizes.update(made)
@@ -141,10 +146,11 @@ def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedul
     seg = next((segmented[where_seg[_of(k)]] for k in op.ins if _of(k) in where_seg), None)
     if seg is not None:
       node = graph.nodes[op.node]
-      new = segment_backward(graph, node, op, forward_ops[seg.forward], seg)
-      flops += added_flops(graph, seg)
+      stacks = {_of(k) for k in op.ins if _of(k) in seg.kinds}
+      new = segmented_backward(graph, node, op, forward_ops[seg.forward], seg)
+      flops += added_flops(graph, seg, stacks)
       ops.append(_with_scratch(new, op, []))
-      sizes[ops[-1].outs[-1]] = scratch_bytes(graph, node, seg)
+      sizes[ops[-1].outs[-1]] = scratch_bytes(graph, node, seg, stacks)
       continue
     if op.node in changed_at:
       node = graph.nodes[op.node]
@@ -206,6 +212,8 @@ def _scratch_bytes(graph: Graph, new: Op, op: Op, gone: list, hosted, group) -> 
 _START = -1  # a nested loop's group-start carries
 _SCRATCH = -2  # the slices held on the device inside a backward loop
 _STACK = -3  # a carry-in the forward scan did not stack, stacked to rebuild from
+# A loop run in segments adds versions -100 - k and -200 - k for segment k
+# (``_loop_segments``): apart from these, and keyed by the stacks' own ids.
 
 
 def _forward_op(node: Node, op: Op, changed: dict[int, int], looped, group: int | None) -> Op:

@@ -9,7 +9,7 @@ chunks' bounds), all in one op of the schedule: the forward op runs them in
 turn, chaining the carry, and stacks per segment only what that segment
 keeps (its own buffer, on the device or on the host); each backward op
 runs its segments in reverse, each rebuilding or fetching its own slices,
-and joins their stacked outputs. The program holds one scan per segment (a
+and writes their stacked outputs in place. The program holds one scan per segment (a
 few), whatever the depth, and a budget between "every layer kept" and
 "every layer rebuilt" is met by rebuilding only as many layers as it needs.
 
@@ -113,14 +113,27 @@ def segmentable(graph: Graph) -> dict[int, tuple[int, ...]]:
 
 def segments_of(graph: Graph, plan: Plan, nested: set) -> dict[int, Segmented]:
   """The loops ``plan`` runs in segments: those (not ``nested``) with a
-  stack chunked along its layer axis. A whole decision applies to every
-  segment. Raises ValueError for a chunk no loop can carry out."""
+  stack chunked along its layer axis, in two chunks or more. A whole
+  decision (keep, recompute, offload) applies to every segment. Raises
+  ValueError for what a segmented loop cannot carry out: chunks that do
+  not cover the layers once, in order; a layer input rebuilt; any other
+  decision on one of its stacks."""
   found = {}
   rebuilt, carries = rebuildable(graph), set()
   for forward, stacks in segmentable(graph).items():
-    chunked = {v: plan[v] for v in stacks if plan[v].kind == "chunked" and plan[v].axis == 0}
+    chunked = {v: plan[v] for v in stacks if plan[v].kind == "chunked" and plan[v].axis == 0
+               and len(plan[v].chunks) > 1}
     if not chunked or forward in nested:
       continue
+    length = graph.nodes[forward].params["length"]
+    for v in stacks:
+      d = plan[v]
+      if v in chunked:
+        _check_layers(v, d.bounds, length)
+      elif d.kind not in KINDS:
+        raise ValueError(f"value {v}: a stack of a loop run in segments (another stack of "
+                         f"it is chunked along its layers) is kept, recomputed or offloaded, "
+                         f"whole or by layers; got {d!r}")
     cuts = sorted({edge for d in chunked.values() for bound in d.bounds for edge in bound})
     bounds = tuple(zip(cuts[:-1], cuts[1:]))
     kinds = {}
@@ -140,7 +153,18 @@ def segments_of(graph: Graph, plan: Plan, nested: set) -> dict[int, Segmented]:
   return found
 
 
-def forward_op(graph: Graph, node: Node, op: Op, seg: Segmented) -> tuple[Op, dict, set]:
+def _check_layers(vid: int, bounds: tuple, length: int) -> None:
+  """Chunks along a loop's layers must cover ``0..length`` once, in order."""
+  edges = [0] + [b for _, b in bounds]
+  if [a for a, _ in bounds] != edges[:-1] or edges[-1] != length or any(
+      a >= b for a, b in bounds):
+    raise ValueError(f"value {vid}: chunks along a loop's layers must cover layers 0 to "
+                     f"{length} once, in order; got bounds {bounds}. Pass consecutive "
+                     f"(start, stop) pairs from 0 to {length}")
+
+
+def segmented_forward(graph: Graph, node: Node, op: Op,
+                      seg: Segmented) -> tuple[Op, dict, set]:
   """The forward scan's op run in segments, with the sizes of the keys it
   adds and those of them in host memory. Outputs: the final carries; each
   stacked output not handled per segment, joined; each handled one's
@@ -188,7 +212,8 @@ def forward_op(graph: Graph, node: Node, op: Op, seg: Segmented) -> tuple[Op, di
   return Op("node", op.node, op.ins, tuple(outs), (call,)), sizes, host
 
 
-def backward_op(graph: Graph, node: Node, op: Op, forward_op_: Op, seg: Segmented) -> Op:
+def segmented_backward(graph: Graph, node: Node, op: Op, forward_op: Op,
+                       seg: Segmented) -> Op:
   """The backward scan ``node``'s op run in segments, last first: each
   reads its pieces of the forward scan's stacks and rebuilds the rest from
   the forward scan's constants and ``xs`` and its carry pieces; its
@@ -249,21 +274,23 @@ def backward_op(graph: Graph, node: Node, op: Op, forward_op_: Op, seg: Segmente
     return list(carry) + list(ys)
 
   ins = (tuple(op.ins[i] for i in own) + tuple(seg.piece(stack_at[i], k) for i, k in pieces)
-         + tuple(forward_op_.ins[i] for i in f_in) + tuple(carry_keys.values()))
+         + tuple(forward_op.ins[i] for i in f_in) + tuple(carry_keys.values()))
   return Op("node", op.node, ins, op.outs, (call,))
 
 
-def scratch_bytes(graph: Graph, node: Node, seg: Segmented) -> int:
-  """Slices a segmented backward op holds on the device per iteration:
-  those of the stacks it does not read kept."""
+def scratch_bytes(graph: Graph, node: Node, seg: Segmented, stacks: set) -> int:
+  """Slices a segmented backward op that reads ``stacks`` holds on the
+  device per iteration: those of the stacks it does not read kept."""
   length = scan_shape(node)[2]
-  return sum(graph.values[v].nbytes // length for v, kinds in seg.kinds.items()
-             if any(k != "keep" for k in kinds))
+  return sum(graph.values[v].nbytes // length for v in stacks
+             if any(k != "keep" for k in seg.kinds[v]))
 
 
-def added_flops(graph: Graph, seg: Segmented) -> float:
-  """FLOPs one backward op adds rebuilding its segments."""
+def added_flops(graph: Graph, seg: Segmented, stacks: set) -> float:
+  """FLOPs a backward op that reads ``stacks`` adds rebuilding them: the
+  forward body once per layer of each segment where one of them is
+  rebuilt."""
   forward = graph.nodes[seg.forward]
   length = scan_shape(forward)[2]
   return forward.flops * sum(b - a for k, (a, b) in enumerate(seg.bounds)
-                             if seg.rebuilds(k)) / length
+                             if any(seg.kinds[v][k] == "recompute" for v in stacks)) / length

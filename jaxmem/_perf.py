@@ -136,8 +136,8 @@ def schedule_transfers(schedule) -> list[Transfer]:
   last = len(schedule.ops) - 1
   for pos, op in enumerate(schedule.ops):
     for direction, keys in (("d2h", op.outs), ("h2d", op.ins)):
-      looped = sum(schedule.nbytes(k) for k in keys
-                   if isinstance(k, tuple) and k in schedule.hosted)
+      looped = sum(schedule.nbytes(k) for k in {k for k in keys if isinstance(k, tuple)}
+                   if k in schedule.hosted)
       if looped and op.kind == "node":
         transfers.append(Transfer(direction, looped, pos - 1, pos + 1 if pos < last else None))
     if op.kind in ("offload", "prefetch"):

@@ -232,9 +232,15 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int],
     f_const_in = forward_ins[:f_consts]
     f_xs = list(forward_ins[f_consts + f_carries:])
     n_xs, n_fxs = len(xs_positions), len(f_xs)
+    xs = [ins[i] for i in xs_positions] + f_xs + list(f_carry_stacks)
+    # A stack read twice (a layer input the backward body reads, which the
+    # rebuild starts from too) is scanned, and copied back, once.
+    unique = [x for i, x in enumerate(xs) if not any(x is y for y in xs[:i])]
+    where = [next(j for j, u in enumerate(unique) if u is x) for x in xs]
 
     def step(carry, x):
-      x = _on_device(x)
+      fetched = _on_device(x)
+      x = [fetched[j] for j in where]
       own, fx, fcarry = x[:n_xs], x[n_xs:n_xs + n_fxs], x[n_xs + n_fxs:]
       f_outs = f_body(*f_const_in, *fcarry, *fx)
       full = dict(zip(xs_positions, own))
@@ -242,8 +248,7 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int],
       outs = body(*b_consts, *carry, *(full[i] for i in range(consts + carries, len(ins))))
       return list(outs[:carries]), list(outs[carries:])
 
-    xs = [ins[i] for i in xs_positions] + f_xs + list(f_carry_stacks)
-    carry, ys = scan(step, list(b_carry), xs, node.params["reverse"])
+    carry, ys = scan(step, list(b_carry), unique, node.params["reverse"])
     return list(carry) + list(ys)
 
   return run

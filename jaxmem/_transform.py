@@ -87,8 +87,9 @@ class Fit:
     """A readable summary of the budget, the plan and the residuals."""
     p = self.memory
     decisions = {vid: decision_label(d) for vid, d in self.plan}
-    # Stacks kept in host memory one slice per iteration of their loop.
-    decisions.update({k[0]: "offload/iter" for k in p.schedule.hosted})
+    # Stacks kept in host memory one slice per iteration of their loop
+    # (pieces of stacks, version < 0, keep their chunks' labels).
+    decisions.update({k[0]: "offload/iter" for k in p.schedule.hosted if k[1] == 0})
     fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
     saved = self.plan.values_with("save")
     saved_bytes = sum(self.graph.values[v].nbytes for v in saved)

@@ -123,10 +123,11 @@ def chunk_merges(jaxpr) -> list[tuple]:
 
 def assert_hosted_loops_flow(jaxpr) -> list:
   """Every host value at the top level is a forward scan's stacked output,
-  made in its body by a copy to the host, and read only by backward scans
-  whose bodies copy each slice back before anything else reads it; nothing
-  is copied whole. Returns the shapes of the stacks made on the host."""
-  made = []
+  made in its body by a copy to the host, and read only by backward scans,
+  each passing it once, whose bodies copy each slice back once before
+  anything else reads it; nothing is copied whole. Returns the shapes of
+  the stacks made on the host."""
+  made, read = [], set()
   for eqn in jaxpr.eqns:
     assert eqn.primitive.name != "device_put", "a whole stack copied between memories"
     if eqn.primitive.name != "scan":
@@ -139,8 +140,13 @@ def assert_hosted_loops_flow(jaxpr) -> list:
         assert not eqn.params["reverse"], "only a forward scan stacks on the host"
         assert copies_to(producers[inner], HOST), producers.get(inner)
         made.append(out.aval.shape)
+    outer = [v for v in eqn.invars if on_host(v)]
+    assert len(set(outer)) == len(outer), "a host stack passed twice: copied back twice"
+    read |= set(outer)
     for var in body.invars:
       if on_host(var):
         readers = [e for e in body.eqns if var in e.invars]
-        assert readers and all(copies_to(e, DEVICE) for e in readers), readers
+        assert len(readers) == 1 and copies_to(readers[0], DEVICE), readers
+  stacks = {v for e in jaxpr.eqns for v in e.outvars if on_host(v)}
+  assert stacks <= read, "a stack made on the host that no backward scan reads"
   return made

@@ -143,6 +143,20 @@ MUTANTS = [
            "    result = self._layers_back(graph, result, target)\n",
            "",
            ("tests/test_loop_segments.py",)),
+    Mutant("layer-input-fetched-twice",
+           "a hosted layer input that the backward body and the rebuild both read is "
+           "scanned and copied back twice per iteration",
+           "jaxmem/_scan_remat.py",
+           "    unique = [x for i, x in enumerate(xs) if not any(x is y for y in xs[:i])]\n"
+           "    where = [next(j for j, u in enumerate(unique) if u is x) for x in xs]\n",
+           "    unique, where = list(xs), list(range(len(xs)))\n",
+           ("tests/test_scan_offload.py",)),
+    Mutant("partial-layer-chunks",
+           "chunks along a loop's layers that leave layers out are accepted",
+           "jaxmem/_loop_segments.py",
+           "        _check_layers(v, d.bounds, length)\n",
+           "        pass\n",
+           ("tests/test_loop_segments.py",)),
 ]
 
 

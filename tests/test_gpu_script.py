@@ -100,14 +100,14 @@ def test_xla_memory_limit_percentage_stays_under_the_budget():
 
 
 def test_report_names_a_run_whose_numbers_differ():
-  """Each run's update norms (per float leaf, then the loss) are judged
-  against the unmodified step's: a leaf moved 1% off is wrong numbers;
-  rounding noise on a leaf whose update is near zero is not."""
+  """Each run's update figures (per float leaf, then the loss) are judged
+  against the unmodified step's: a figure 1% off is wrong numbers; rounding
+  noise on one near zero is not, and a large loss loosens nothing."""
   rows = _rows()
-  want = [1.0, 0.5, 2e-9, 3.2]
+  want = [1.0, 0.5, 2e-9, 300.0]
   rows[2]["update_norms"] = want
-  rows[3]["update_norms"] = [1.0, 0.505, 3e-9, 3.2]  # 1% off on a real update
-  rows[4]["update_norms"] = [1.0 + 1e-6, 0.5, 5e-9, 3.2]  # rounding, and noise on ~0
+  rows[3]["update_norms"] = [1.0, 0.505, 3e-9, 300.0]  # 1% off on a real figure
+  rows[4]["update_norms"] = [1.0 + 1e-6, 0.5, 5e-9, 300.0]  # rounding, and noise on ~0
   result = gpu.assemble(rows)
   judged = {r["method"]: r.get("same_numbers") for r in result["rows"]}
   assert judged == {"unconstrained": True, "jaxmem:recompute": False,
@@ -116,9 +116,13 @@ def test_report_names_a_run_whose_numbers_differ():
   assert "**no** (1.0e-02)" in gpu.markdown(result)
 
 
-def test_the_worker_sums_up_a_step_by_its_update_norms():
+def test_the_worker_sums_up_a_step_by_update_norms_and_probes():
+  """A permuted update keeps its norm but not its probe's product."""
   import jax.numpy as jnp
   import gpu_worker
   state = {"w": jnp.ones(4), "step": jnp.array(3)}
-  new = ({"w": jnp.ones(4) + jnp.array([3.0, 4.0, 0.0, 0.0]), "step": jnp.array(4)}, 2.5)
-  assert gpu_worker._update_norms((state, None), new) == [5.0, 2.5]
+  moved = lambda d: ({"w": jnp.ones(4) + jnp.array(d), "step": jnp.array(4)}, 2.5)
+  got = gpu_worker._update_norms((state, None), moved([3.0, 4.0, 0.0, 0.0]))
+  permuted = gpu_worker._update_norms((state, None), moved([0.0, 0.0, 4.0, 3.0]))
+  assert len(got) == 3 and got[0] == 5.0 and got[2] == 2.5
+  assert permuted[0] == 5.0 and abs(permuted[1] - got[1]) > 1e-3 * abs(got[1])

@@ -8,7 +8,6 @@ figures computed here from the graph, and the gradients against the
 untransformed step."""
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 import jaxmem
@@ -22,8 +21,8 @@ from jaxmem._loops import stacked_residuals
 from jaxmem._perf import predict_schedule, schedule_transfers
 from jaxmem._scan_remat import hostable, rebuildable
 
-from dataflow import assert_hosted_loops_flow
-from helpers import assert_trees_close
+from tests.dataflow import assert_hosted_loops_flow
+from tests.helpers import assert_trees_close
 from test_loops import _flax, _plain
 from test_scan_remat import _compiled, _dropout
 
@@ -77,10 +76,14 @@ def test_the_memory_model_holds_hosted_stacks_on_the_host(make):
   assert freed - slices <= kept.peak - hosted.peak <= freed, (kept.peak, hosted.peak)
 
 
-def test_the_performance_model_copies_each_stack_beside_its_loop():
+@pytest.mark.parametrize("shape", [_all_hosted, _rebuilt_from_hosted_carries],
+                         ids=["hosted", "rebuilt-from-host"])
+def test_the_performance_model_copies_each_stack_beside_its_loop(shape):
+  """Each stack on the host goes out once and comes back once, also the
+  layer input that the backward body and the rebuild both read."""
   step, args = _plain()
   graph = build_graph(jax.make_jaxpr(step)(*args))
-  plan = _all_hosted(graph)
+  plan = {v: d for v, d in shape(graph).items() if d.kind == "offload"}
   freed = sum(graph.values[v].nbytes for v in plan)
   schedule, _ = evaluate(graph, Plan.of(plan))
   transfers = schedule_transfers(schedule)
