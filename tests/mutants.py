@@ -157,6 +157,13 @@ MUTANTS = [
            "        _check_layers(v, d.bounds, length)\n",
            "        pass\n",
            ("tests/test_loop_segments.py",)),
+    Mutant("offload-plans-unrefined",
+           "an offload-only plan taken from the ladder keeps every copy it made",
+           "jaxmem/planners/_greedy.py",
+           "        best = (self._refine(graph, best, target) if self.recompute\n"
+           "                else self._keep_copies(graph, best, target))\n",
+           "        best = self._refine(graph, best, target) if self.recompute else best\n",
+           ("tests/test_hybrid.py",)),
 ]
 
 

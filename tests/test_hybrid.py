@@ -8,8 +8,9 @@ import pytest
 
 import jaxmem
 from jaxmem._devices import get_profile
-from jaxmem._evaluate import prefetch_point
-from jaxmem.planners import Greedy, hybrid
+from jaxmem._decisions import KEEP
+from jaxmem._evaluate import evaluate, prefetch_point
+from jaxmem.planners import Greedy, hybrid, offload_only
 from jaxmem._emit import emit
 from tests.dataflow import assert_offloads_flow
 from tests.helpers import assert_trees_close, xla_budget
@@ -101,3 +102,18 @@ def test_copy_back_is_ready_for_the_recomputation_that_reads_it(mlp):
       at = prefetch_point(schedule, r, profile, late=True)
       assert not any(op.kind == "node"
                      for op in schedule.ops[rebuilt_from[r.value]:position[at]])
+
+
+def test_offload_only_moves_no_more_than_the_target_needs(mlp):
+  """Where the offload-only greedy reaches the target only on its ladder,
+  the plan the ladder hands over keeps on the device again every copy the
+  target does not need, largest first."""
+  _, _, graph, base = mlp
+  planner = offload_only()
+  lowest = min(planner.lowest(graph), key=lambda r: r.peak)
+  target = (lowest.peak + base) // 2
+  found = planner.plan(graph, target)
+  assert found.fits and found.memory.host_peak < lowest.memory.host_peak
+  for vid in found.plan.values_with("offload"):  # each copy left is needed
+    _, memory = evaluate(graph, found.plan.with_decision(vid, KEEP))
+    assert memory.peak > target or len(found.plan) > planner.refine

@@ -119,11 +119,27 @@ class Greedy(Planner):
           best = result
         if best.fits:
           break
-    if best.fits and self.recompute:
+    if best.fits:
       with paused_gc():
-        best = self._refine(graph, best, target)
+        best = (self._refine(graph, best, target) if self.recompute
+                else self._keep_copies(graph, best, target))
     best.seconds = time.perf_counter() - began
     return best
+
+  def _keep_copies(self, graph, result: Candidate, target: int) -> Candidate:
+    """The refinement of an offload-only plan that fits: offloaded residuals
+    are kept on the device again wherever the peak stays within
+    ``target``, the largest copies first, within ``refine`` evaluations. A
+    ladder plan taken for a looser target otherwise moves every byte it
+    moved on its way to the lowest peak."""
+    plan, schedule, memory = result.plan, result.schedule, result.memory
+    moved = sorted(plan.values_with("offload"), key=lambda v: (-graph.values[v].nbytes, v))
+    for vid in moved[:self.refine]:
+      trial = plan.with_decision(vid, KEEP)
+      t_schedule, t_memory = evaluate(graph, trial)
+      if t_memory.peak <= target:
+        plan, schedule, memory = trial, t_schedule, t_memory
+    return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory)
 
   def _refine(self, graph, result: Candidate, target: int) -> Candidate:
     """Libra's greedy refinement of a plan that fits: recomputed residuals
