@@ -134,3 +134,18 @@ def test_the_layer_inputs_a_remat_stack_keeps_can_go_to_the_host():
     got, expected = fitted(params, x), jax.jit(step)(params, x)
     assert_trees_close(got, expected)
     params = expected[0]
+
+
+def test_an_offload_plan_hosts_only_the_layers_a_budget_needs():
+  """At 80% of XLA's footprint the offload planner keeps the first layers'
+  stacks on the host and the last ones on the device: fewer bytes copied
+  than hosting every layer."""
+  step, args = _plain()
+  budget = int(0.8 * xla_footprint(_compiled(step, args)))
+  fitted = jaxmem.transform(step, budget=budget, planner="offload")
+  fit = fitted.fit(*args)
+  assert fit.footprint <= budget
+  every_layer = sum(fit.graph.values[v].nbytes for v in hostable(fit.graph))
+  assert 0 < fit.result.memory.host_peak < every_layer
+  assert any(d.kind == "chunked" and d.chunks[0].kind == "offload" for _, d in fit.plan)
+  assert_trees_close(fitted(*args), jax.jit(step)(*args))

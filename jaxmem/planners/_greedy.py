@@ -131,7 +131,9 @@ class Greedy(Planner):
     are kept on the device again wherever the peak stays within
     ``target``, the largest copies first, within ``refine`` evaluations. A
     ladder plan taken for a looser target otherwise moves every byte it
-    moved on its way to the lowest peak."""
+    moved on its way to the lowest peak. A loop's hosted stacks first give
+    back their last layers (:meth:`_layers_back`)."""
+    result = self._layers_back(graph, result, target)
     plan, schedule, memory = result.plan, result.schedule, result.memory
     moved = sorted(plan.values_with("offload"), key=lambda v: (-graph.values[v].nbytes, v))
     for vid in moved[:self.refine]:
@@ -174,27 +176,33 @@ class Greedy(Planner):
 
   def _layers_back(self, graph, result: Candidate, target: int) -> Candidate:
     """Per-layer plans: for each loop whose stacks ``result`` rebuilds
-    (per iteration or nested), the first layers' rebuildable stacks are
-    rebuilt and the rest kept (the loop then runs in two segments,
-    ``_loop_segments``), with the fewest rebuilt layers that keep the peak
-    within ``target``."""
+    (per iteration or nested), or keeps in host memory, only the first
+    layers' stacks are rebuilt (hosted) and the rest kept (the loop then
+    runs in two segments, ``_loop_segments``): the fewest such layers that
+    keep the peak within ``target``."""
     rebuilt_ok = rebuildable(graph)
     for forward, stacks in segmentable(graph).items():
-      plan = result.plan
-      rebuilt = [v for v in stacks if v in rebuilt_ok]
-      if not rebuilt or not any(plan[v].kind == "recompute" for v in stacks):
-        continue
       length = graph.nodes[forward].params["length"]
-      # A layer input the plan rebuilt (the loop nested) is kept again.
-      carries = {v: KEEP for v in stacks if v not in rebuilt_ok and plan[v].kind == "recompute"}
-      for cut in sorted({length // 4, length // 2, 3 * length // 4} - {0, length}):
-        chunks = Chunked(0, ((0, cut), (cut, length)), (RECOMPUTE, KEEP))
-        trial = Plan.of({**plan.as_dict(), **carries, **{v: chunks for v in rebuilt}})
-        found = candidate(graph, trial, target)
-        if found.fits:
-          result = dataclasses.replace(result, plan=trial, schedule=found.schedule,
-                                       memory=found.memory)
-          break
+      for decision in (RECOMPUTE, OFFLOAD):
+        plan = result.plan
+        if decision is RECOMPUTE:
+          moved = ([v for v in stacks if v in rebuilt_ok]
+                   if any(plan[v].kind == "recompute" for v in stacks) else [])
+          # A layer input the plan rebuilt (the loop nested) is kept again.
+          back = {v: KEEP for v in stacks
+                  if v not in rebuilt_ok and plan[v].kind == "recompute"}
+        else:
+          moved, back = [v for v in stacks if plan[v].kind == "offload"], {}
+        for cut in sorted({length // 4, length // 2, 3 * length // 4} - {0, length}):
+          if not moved:
+            break
+          chunks = Chunked(0, ((0, cut), (cut, length)), (decision, KEEP))
+          trial = Plan.of({**plan.as_dict(), **back, **{v: chunks for v in moved}})
+          found = candidate(graph, trial, target)
+          if found.fits:
+            result = dataclasses.replace(result, plan=trial, schedule=found.schedule,
+                                         memory=found.memory)
+            break
     return result
 
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
