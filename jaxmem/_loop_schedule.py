@@ -57,10 +57,13 @@ class InLoops:
     hosted: offloaded one slice per iteration.
     segmented: forward scan node -> its loop run in segments
       (:class:`~jaxmem._loop_segments.Segmented`).
+    nested: the forward scan nodes of the loops run nested (a carry stack
+      among ``rebuilt``): all their stacks are dropped.
   """
   rebuilt: frozenset = frozenset()
   hosted: frozenset = frozenset()
   segmented: dict = dataclasses.field(default_factory=dict)
+  nested: frozenset = frozenset()
 
   def __bool__(self) -> bool:
     return bool(self.rebuilt or self.hosted or self.segmented)
@@ -101,7 +104,7 @@ def split_plan(graph: Graph, plan: Plan) -> tuple[Plan, InLoops]:
   if not moved:
     return plan, InLoops()
   return (Plan.of({v: d for v, d in plan.items if v not in moved}),
-          InLoops(frozenset(rebuilt), frozenset(hosted), segmented))
+          InLoops(frozenset(rebuilt), frozenset(hosted), segmented, frozenset(nested)))
 
 
 def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedule:
@@ -113,7 +116,7 @@ def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedul
   copies of either go (the backward scan reads the forward scan's own)."""
   graph = schedule.graph
   where = {**rebuildable(graph), **nestable(graph)}
-  nested = {where[v][0] for v in in_loops.rebuilt if v in nestable(graph)}
+  nested = in_loops.nested
   looped = in_loops.rebuilt | {s.value for loop in loops(graph) if loop.forward in nested
                                for s in loop.stacked}
   hosted = in_loops.hosted

@@ -9,9 +9,10 @@ chunks' bounds), all in one op of the schedule: the forward op runs them in
 turn, chaining the carry, and stacks per segment only what that segment
 keeps (its own buffer, on the device or on the host); each backward op
 runs its segments in reverse, each rebuilding or fetching its own slices,
-and writes their stacked outputs in place. The program holds one scan per segment (a
-few), whatever the depth, and a budget between "every layer kept" and
-"every layer rebuilt" is met by rebuilding only as many layers as it needs.
+and writes their stacked outputs in place. The program holds one scan per
+segment (a few), whatever the depth, and a budget between "every layer
+kept" and "every layer rebuilt" is met by rebuilding only as many layers as
+it needs.
 
 Only a loop whose every stacked residual is read one slice per backward
 iteration, run forward, and not nested can be segmented; a carry stack (a
@@ -217,9 +218,10 @@ def segmented_backward(graph: Graph, node: Node, op: Op, forward_op: Op,
   """The backward scan ``node``'s op run in segments, last first: each
   reads its pieces of the forward scan's stacks and rebuilds the rest from
   the forward scan's constants and ``xs`` and its carry pieces; its
-  stacked outputs are written in place, segment by segment. Inputs: its own (less the stacks), the
-  pieces, then (where a segment rebuilds) the forward scan's constants and
-  ``xs`` and each rebuilding segment's carry pieces."""
+  stacked outputs are written in place, segment by segment. Inputs: its own
+  (less the stacks), the pieces, then (where a segment rebuilds) the
+  forward scan's constants and ``xs`` and each rebuilding segment's carry
+  pieces."""
   consts, carries, length = scan_shape(node)
   forward = graph.nodes[seg.forward]
   f_consts, f_carries, _ = scan_shape(forward)

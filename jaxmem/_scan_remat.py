@@ -99,18 +99,10 @@ def rebuildable(graph: Graph) -> dict[int, tuple[int, int]]:
   those that can be rebuilt in their backward scans (module docstring):
   not a carry slice, read only by backward scans as ``xs``, once per scan.
   The carries are kept stacked to rebuild from (a carry the scan does not
-  stack already becomes an output of the re-emitted scan)."""
-  found = {}
-  for loop in loops(graph):
-    forward = graph.nodes[loop.forward]
-    carries = carry_outputs(forward)
-    if forward.params.get("unroll", 1) not in (1, True, False):
-      continue
-    keep = set(carries.values())
-    for stacked in loop.stacked:
-      if stacked.output not in keep and _read_per_iteration(graph, forward, stacked.value):
-        found[stacked.value] = (forward.index, stacked.output)
-  return found
+  stack already becomes an output of the re-emitted scan): the
+  :func:`hostable` stacks less the carry stacks."""
+  return {vid: (forward, output) for vid, (forward, output) in hostable(graph).items()
+          if output not in carry_outputs(graph.nodes[forward]).values()}
 
 
 @analysis

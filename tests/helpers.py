@@ -52,7 +52,5 @@ def xla_budget(step, args, budget) -> int:
   if isinstance(budget, int):
     return budget
   fraction = float(budget.rstrip("%")) / 100 if isinstance(budget, str) else budget
-  stats = jax.jit(step).lower(*args).compile().memory_analysis()
-  footprint = (stats.temp_size_in_bytes + stats.argument_size_in_bytes
-               + stats.output_size_in_bytes - stats.alias_size_in_bytes)
-  return int(fraction * footprint)
+  from jaxmem._fit import xla_footprint  # temp + arguments + outputs - aliases
+  return int(fraction * xla_footprint(jax.jit(step).lower(*args).compile()))

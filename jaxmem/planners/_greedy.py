@@ -134,14 +134,9 @@ class Greedy(Planner):
     moved on its way to the lowest peak. A loop's hosted stacks first give
     back their last layers (:meth:`_layers_back`)."""
     result = self._layers_back(graph, result, target)
-    plan, schedule, memory = result.plan, result.schedule, result.memory
-    moved = sorted(plan.values_with("offload"), key=lambda v: (-graph.values[v].nbytes, v))
-    for vid in moved[:self.refine]:
-      trial = plan.with_decision(vid, KEEP)
-      t_schedule, t_memory = evaluate(graph, trial)
-      if t_memory.peak <= target:
-        plan, schedule, memory = trial, t_schedule, t_memory
-    return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory)
+    moved = sorted(result.plan.values_with("offload"),
+                   key=lambda v: (-graph.values[v].nbytes, v))
+    return self._give_back(graph, result, target, "offload", [[v] for v in moved])
 
   def _refine(self, graph, result: Candidate, target: int) -> Candidate:
     """Libra's greedy refinement of a plan that fits: recomputed residuals
@@ -153,16 +148,24 @@ class Greedy(Planner):
     whose stacks are rebuilt per iteration first keeps its last layers'
     stacks again, as many as the target allows (:meth:`_layers_back`)."""
     result = self._layers_back(graph, result, target)
-    plan, schedule, memory = result.plan, result.schedule, result.memory
-    dropped = plan.values_with("recompute")
+    dropped = result.plan.values_with("recompute")
     blocks = [[v for v in seg.drops if v in dropped] for seg in segments(graph)]
     costly = sorted(dropped, key=lambda v: (-graph.producer(v).flops
                                              / max(graph.values[v].nbytes, 1), v))
+    return self._give_back(graph, result, target, "recompute",
+                           [b for b in blocks if b] + [[v] for v in costly])
+
+  def _give_back(self, graph, result: Candidate, target: int, kind: str,
+                 groups: list) -> Candidate:
+    """``result`` with each group's residuals still of ``kind`` kept on the
+    device again, in order, wherever the peak stays within ``target``,
+    within ``refine`` evaluations."""
+    plan, schedule, memory = result.plan, result.schedule, result.memory
     tries = 0
-    for group in [b for b in blocks if b] + [[v] for v in costly]:
+    for group in groups:
       if tries >= self.refine:
         break
-      group = [v for v in group if plan[v].kind == "recompute"]
+      group = [v for v in group if plan[v].kind == kind]
       if not group:
         continue
       tries += 1
