@@ -43,9 +43,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
-from jaxmem._devices import DeviceProfile, get_profile  # noqa: E402
+from jaxmem.targets import DeviceProfile, get_profile  # noqa: E402
 from jaxmem._evaluate import unplanned  # noqa: E402
-from jaxmem._fit import xla_footprint  # noqa: E402
+from jaxmem.targets import xla_footprint  # noqa: E402
 from jaxmem._perf import predict_schedule  # noqa: E402
 from jaxmem._zoo import models as _models  # noqa: E402
 from jaxmem.planners import PLANNERS  # noqa: E402

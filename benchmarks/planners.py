@@ -31,7 +31,7 @@ import optax
 
 from jaxmem._zoo import models as _models
 models = _models()
-from jaxmem._devices import PROFILES
+from jaxmem.targets import PROFILES
 from jaxmem._provenance import provenance
 from jaxmem._graph import build_graph
 from jaxmem._budget import format_bytes

@@ -26,7 +26,7 @@ import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
 import jax
 
 from jaxmem._budget import format_bytes
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 from jaxmem._flags import compiler_options
 from jaxmem._zoo import models as _models
 

@@ -12,8 +12,9 @@ The public face, in one screen:
 * the planners: :class:`Planner` (the contract), :class:`Greedy`,
   :class:`Hybrid`, :class:`LGM`, the factory :func:`hybrid` and the
   registry :data:`PLANNERS`;
-* device profiles: :class:`DeviceProfile`, :data:`PROFILES`,
-  :func:`calibrate`;
+* targets, the GPUs plans are made and compiled for
+  (:mod:`jaxmem.targets`): :class:`DeviceProfile` with its
+  :class:`GpuDescription`, :data:`PROFILES`, :func:`calibrate`;
 * :func:`enable_cpu_remat`, the XLA:CPU flag set on import.
 
 Internals stay importable from their modules (``jaxmem._graph``, ...).
@@ -32,16 +33,15 @@ from jaxmem import _flags
 _flags.enable_cpu_remat(warn=False)
 
 from jaxmem._budget import Budget, BudgetError  # noqa: E402
-from jaxmem._calibrate import calibrate  # noqa: E402
 from jaxmem._decisions import Chunked, Decision, Keep, Offload, Plan, Recompute, Save  # noqa: E402
-from jaxmem._devices import PROFILES, DeviceProfile  # noqa: E402
 from jaxmem._flags import enable_cpu_remat  # noqa: E402
 from jaxmem._transform import Analysis, Fit, Transformed, analyze, transform  # noqa: E402
 from jaxmem.planners import LGM, PLANNERS, Greedy, Hybrid, Planner, hybrid  # noqa: E402
+from jaxmem.targets import PROFILES, DeviceProfile, GpuDescription, calibrate  # noqa: E402
 
 __all__ = [
     "Analysis", "Budget", "BudgetError", "Chunked", "Decision", "DeviceProfile", "Fit",
-    "Greedy", "Hybrid", "Keep", "LGM", "Offload", "PLANNERS", "PROFILES", "Plan",
+    "GpuDescription", "Greedy", "Hybrid", "Keep", "LGM", "Offload", "PLANNERS", "PROFILES", "Plan",
     "Planner", "Recompute", "Save", "Transformed", "analyze", "calibrate",
     "enable_cpu_remat", "hybrid", "transform",
 ]

@@ -18,9 +18,9 @@ import jax
 
 from jaxmem import _zoo
 from jaxmem._budget import BudgetError
-from jaxmem._devices import get_profile
+from jaxmem.targets import get_profile
 from jaxmem._evaluate import unplanned
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 from jaxmem._perf import predict_schedule
 from jaxmem._transform import transform
 from jaxmem.planners import ABLATIONS, PLANNERS

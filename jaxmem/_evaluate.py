@@ -15,7 +15,7 @@ import dataclasses
 import gc
 
 from jaxmem._decisions import Keep, Plan
-from jaxmem._devices import DeviceProfile
+from jaxmem.targets._profiles import DeviceProfile
 from jaxmem._graph import Graph, Residual, analysis
 from jaxmem._memory import Liveness, simulate
 from jaxmem._perf import schedule_costs

@@ -1,9 +1,9 @@
 """The fit loop: plan, compile, and keep what XLA says fits the budget.
 
 The memory model and XLA disagree by a few percent, so a planned step is
-judged by its compiled footprint (DESIGN.md fact 4; on a backend that
-ignores host memory, an offload plan's device footprint is the model's,
-fact 2). :class:`Fitter` runs the loop for one graph:
+judged by its compiled footprint on the target (XLA:GPU's for a GPU
+target, compiled here where the GPU is not; on a backend that ignores host
+memory, XLA:CPU, an offload plan's device footprint is the model's). :class:`Fitter` runs the loop for one graph:
 
 1. *Tighten*: plan toward the budget scaled by model/XLA on the
    untransformed step; while XLA is over the budget, aim the model lower.
@@ -27,53 +27,7 @@ from jaxmem._evaluate import Candidate, candidate, unplanned, unplanned_liveness
 from jaxmem._graph import Graph
 from jaxmem._scan_remat import loop_variants
 from jaxmem.planners import Planner
-
-
-# Bytes the GPU runtime allocates beyond XLA's compiled footprint (cuDNN and
-# cuBLAS workspaces, allocator rounding). Measured on an H200 with JAX 0.11.2
-# (benchmarks/results/2026-11-23-nvidia-h200): 0.01-0.04 GiB on unmodified zoo
-# steps, up to 92 MB on a ResNet-18 plan. XLA:CPU's footprint is what the
-# process allocates.
-GPU_RUNTIME_RESERVE = 128 * 2**20
-
-
-def runtime_reserve(platform: str) -> int:
-  """Bytes kept free under the budget for what the runtime allocates outside
-  XLA's footprint on ``platform`` (none on CPU).
-
-  Example:
-    >>> runtime_reserve("cpu"), runtime_reserve("gpu") // 2**20
-    (0, 128)
-  """
-  return 0 if platform == "cpu" else GPU_RUNTIME_RESERVE
-
-
-def xla_footprint(compiled) -> int | None:
-  """Device bytes of a compiled step: temp + arguments + outputs - aliases.
-
-  This is how DESIGN.md fact 4 reads ``Compiled.memory_analysis()``; on CPU
-  its ``peak_memory_in_bytes`` leaves temporaries out. Returns None where the
-  backend gives no analysis.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> c = jax.jit(lambda x: x * 2).lower(jnp.ones(256)).compile()
-    >>> xla_footprint(c)
-    2048
-  """
-  stats = compiled.memory_analysis()
-  if stats is None:
-    return None
-  return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
-             + stats.output_size_in_bytes - stats.alias_size_in_bytes)
-
-
-def holds_host_memory(compiled) -> bool:
-  """Whether a compiled program puts anything in host memory."""
-  stats = compiled.memory_analysis()
-  return stats is not None and bool(
-      stats.host_temp_size_in_bytes or stats.host_output_size_in_bytes
-      or stats.host_argument_size_in_bytes)
+from jaxmem.targets import holds_host_memory, xla_footprint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,7 +66,9 @@ class Fitter:
       ``candidate -> compiled``.
     max_rounds: planning rounds while XLA is over the budget.
     reserve: bytes kept free for the runtime beyond the footprint
-      (:func:`runtime_reserve`); errors name budgets with it added back.
+      (:func:`~jaxmem.targets.runtime_reserve`); errors name budgets with it
+      added back.
+    where: the target's name, for errors (``"t4 (XLA:GPU ...)"``).
   """
   graph: Graph
   planner: Planner
@@ -122,6 +78,7 @@ class Fitter:
   jit: Callable[[Candidate], tuple]
   max_rounds: int = 4
   reserve: int = 0
+  where: str = ""
 
   def fit(self, find_smallest: bool = True) -> tuple[Trial, int] | None:
     """The trial that fits and the planning rounds it took. Where none fits,
@@ -246,7 +203,8 @@ class Fitter:
     return BudgetError(
         f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
         f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
-        f"by planner {self.planner.name!r}: the smallest footprint it reaches "
-        f"for this step is {format_bytes(smallest)} ({smallest} bytes, "
+        f"by planner {self.planner.name!r}"
+        f"{f' on target {self.where}' if self.where else ''}: the smallest "
+        f"footprint it reaches for this step is {format_bytes(smallest)} ({smallest} bytes, "
         f"{smallest / unconstrained:.0%}){kept}. Pass budget >= {least} bytes, "
         "or shrink the batch.", smallest=least)

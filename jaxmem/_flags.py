@@ -22,6 +22,7 @@ may run:
 
 from __future__ import annotations
 
+import glob
 import importlib.util
 import os
 import pkgutil
@@ -33,15 +34,34 @@ CPU_REMAT_FLAG = f"--xla_disable_hlo_passes={CPU_REMAT_PASS}"
 
 def compiler_options(platform: str) -> dict[str, str]:
   """``jax.jit`` compiler options that keep recomputation on ``platform``:
-  the barrier pass off on CPU, nothing elsewhere.
+  the barrier pass off on CPU. Elsewhere nothing, unless ``XLA_FLAGS``
+  disables that pass (a CPU-only process, :func:`enable_cpu_remat`): then
+  the list of disabled passes is given again without it, since a
+  compilation's option replaces the flag's list. That is what lets a
+  CPU-only process compile for a GPU target (a compile-only device).
 
   Example:
     >>> compiler_options("cpu")
     {'xla_disable_hlo_passes': 'cse_barrier_expander'}
-    >>> compiler_options("gpu")
-    {}
+    >>> import os
+    >>> compiler_options("gpu") == ({'xla_disable_hlo_passes': ''} if flag_is_set() else {})
+    True
   """
-  return {"xla_disable_hlo_passes": CPU_REMAT_PASS} if platform == "cpu" else {}
+  if platform == "cpu":
+    return {"xla_disable_hlo_passes": CPU_REMAT_PASS}
+  if not flag_is_set():
+    return {}
+  return {"xla_disable_hlo_passes": ",".join(
+      p for p in _disabled_passes() if p != CPU_REMAT_PASS)}
+
+
+def _disabled_passes() -> list[str]:
+  """The passes ``XLA_FLAGS`` disables (its last ``--xla_disable_hlo_passes``)."""
+  found: list[str] = []
+  for flag in os.environ.get("XLA_FLAGS", "").split():
+    if flag.startswith("--xla_disable_hlo_passes="):
+      found = [p for p in flag.split("=", 1)[1].split(",") if p]
+  return found
 
 
 def measuring_options(platform: str) -> dict[str, object]:
@@ -53,8 +73,8 @@ def measuring_options(platform: str) -> dict[str, object]:
   time. The step the user runs is compiled with :func:`compiler_options`.
 
   Example:
-    >>> measuring_options("gpu")
-    {}
+    >>> measuring_options("cpu")["xla_backend_optimization_level"]
+    0
   """
   fast = {"xla_backend_optimization_level": 0} if platform == "cpu" else {}
   return {**compiler_options(platform), **fast}
@@ -82,13 +102,23 @@ def _accelerator_plugins() -> list[str]:
   return found
 
 
+def _accelerator_present() -> bool:
+  """Whether this machine shows an accelerator's device files (NVIDIA's,
+  AMD's ``/dev/kfd``, a TPU's ``/dev/accel*`` or ``/dev/vfio``). A CUDA plugin
+  installed on a machine without a GPU only compiles for GPU targets."""
+  return any(glob.glob(pattern) for pattern in
+             ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel*", "/dev/vfio/[0-9]*"))
+
+
 def cpu_only() -> bool:
   """Whether this process can run JAX on nothing but the CPU:
-  ``JAX_PLATFORMS`` names only ``cpu``, or no accelerator plugin is installed."""
+  ``JAX_PLATFORMS`` names only ``cpu``, or no accelerator plugin is
+  installed, or no accelerator is present (a plugin installed to compile
+  for GPU targets, on a machine without one)."""
   platforms = os.environ.get("JAX_PLATFORMS") or os.environ.get("JAX_PLATFORM_NAME")
   if platforms:
     return {p.strip().lower() for p in platforms.split(",") if p.strip()} <= {"cpu"}
-  return not _accelerator_plugins()
+  return not _accelerator_plugins() or not _accelerator_present()
 
 
 def flag_is_set() -> bool:

@@ -9,7 +9,7 @@ until the copy is done (``ready <= start``; the wait is a *stall*). The step
 time is when the last op or copy finishes.
 
 Example:
-  >>> from jaxmem._devices import get_profile
+  >>> from jaxmem.targets._profiles import get_profile
   >>> ops = [OpCost("a", 1e9, 0), OpCost("b", 1e9, 0)]
   >>> t = predict(ops, [], get_profile("t4"))
   >>> round(t.seconds * 1e3, 3), t.stall
@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem import _primitives
-from jaxmem._devices import DeviceProfile
+from jaxmem.targets._profiles import DeviceProfile
 
 
 @dataclasses.dataclass(frozen=True)

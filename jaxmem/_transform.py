@@ -19,12 +19,13 @@ from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
 from jaxmem._evaluate import Candidate, evaluate
-from jaxmem._fit import Fitter, runtime_reserve, xla_footprint
+from jaxmem._fit import Fitter
 from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._inner import body_graph, embedded, inner_loop
 from jaxmem._memory import Liveness
 from jaxmem._report import decision_label, residual_table
 from jaxmem.planners import Planner, get_planner
+from jaxmem.targets import Target, platform_of, resolve, xla_footprint
 
 _Tracer = jax.core.Tracer
 
@@ -38,7 +39,9 @@ class Fit:
     result: the plan taken (with its schedule and memory model).
     planner: the planner that proposed it.
     budget: the budget in bytes.
-    unconstrained: XLA's footprint of the untransformed step.
+    target: the device the fit compiled for (:class:`~jaxmem.targets.Target`):
+      its compiler's footprints are the ones below.
+    unconstrained: XLA's footprint of the untransformed step on the target.
     unconstrained_model: the memory model's footprint of the untransformed step.
     footprint: XLA's footprint of the transformed step (for an offload plan
       on a backend that ignores host memory, the model's; None if
@@ -49,7 +52,7 @@ class Fit:
     seconds: planning time, compilation included.
     jitted: the ``jax.jit``-wrapped transformed step.
     reserve: bytes of the budget kept free for the runtime beyond XLA's
-      footprint (:func:`~jaxmem._fit.runtime_reserve`).
+      footprint (:func:`~jaxmem.targets.runtime_reserve`).
     nested: the same step without per-compilation options, for calls under
       an outer transformation (``jax.jit`` takes ``compiler_options`` only at
       the top level; there the outer compilation is the one XLA runs).
@@ -57,11 +60,15 @@ class Fit:
       over a ``lax.scan``), the loop's source line: ``graph``, the plan and
       the FLOPs are then one iteration's (``_inner``); else None.
     out_tree: the tree of the step's outputs.
+    run: the emitted step over flat leaves (what every ``jax.jit`` above wraps).
+    runners: its ``jax.jit`` per platform it is called or lowered on
+      (``jitted`` for the platform of the call that fitted it).
   """
   graph: Graph
   result: Candidate
   planner: Planner
   budget: int
+  target: Target
   unconstrained: int
   unconstrained_model: int
   footprint: int | None
@@ -74,6 +81,8 @@ class Fit:
   reserve: int = 0
   loop: str | None = None
   out_tree: Any = None
+  run: Callable | None = dataclasses.field(repr=False, default=None)
+  runners: dict = dataclasses.field(repr=False, default_factory=dict)
 
   @property
   def plan(self) -> Plan:
@@ -100,6 +109,7 @@ class Fit:
         f"unconstrained     {format_bytes(self.unconstrained)} (XLA), "
         f"{format_bytes(self.unconstrained_model)} (model)",
         f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
+        f"target            {self.target.name}",
         f"planner           {self.planner.describe()}",
         *([f"planned per pass  inside the loop at {self.loop}: one iteration's forward "
            "and backward pass (residuals, decisions and FLOPs below are one "
@@ -123,8 +133,8 @@ class Fit:
 
 
 def _signature(arguments: Arguments, args, kwargs):
-  """The cache key (static values, tree and avals of the dynamic arguments),
-  the dynamic arguments and their leaves."""
+  """The cache key (static values, tree and avals of the dynamic
+  arguments), the dynamic arguments and their leaves."""
   statics, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
   leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
   return (statics, tree, tuple(jax.typeof(x) for x in leaves)), leaves
@@ -140,10 +150,14 @@ class Transformed:
   """
 
   def __init__(self, fun, budget, planner, static_argnums, static_argnames,
-               jit_kwargs, max_rounds, reserve=None):
+               jit_kwargs, max_rounds, reserve=None, target=None):
     self.fun = fun
     self.budget = Budget.parse(budget)
-    self.planner = get_planner(planner)
+    self.target = target
+    if target is not None:
+      resolve(target, ())  # an unknown or undescribed target fails here
+    self.planner = get_planner(planner)  # a bad planner fails here
+    self._planner_spec = planner
     jit_kwargs = dict(jit_kwargs)
     self.arguments = Arguments.resolve(
         fun, static_argnums, static_argnames,
@@ -166,7 +180,7 @@ class Transformed:
   def __call__(self, *args, **kwargs):
     fit = self.fit(*args, **kwargs)
     if not any(isinstance(leaf, _Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
-      return fit.jitted(*args, **kwargs)
+      return self._runner(fit, args, kwargs)(*args, **kwargs)
     # Under an outer transformation; under jax.vmap, planned again for the
     # batched shapes (_batching).
     statics, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
@@ -184,6 +198,13 @@ class Transformed:
       return jax.tree_util.tree_leaves(fun(*args, **kwargs))
     return flat
 
+  def _placed(self, target: Target, args, kwargs) -> tuple[tuple, dict]:
+    """The call's arguments as the target compiles them (dynamic ones
+    abstract on its compile-only device, where it has one)."""
+    statics, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
+    leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+    return self.arguments.merge(statics, *tree.unflatten(target.place(leaves)))
+
   def _vmapped(self, statics, tree, in_batched: tuple[bool, ...]) -> "Transformed":
     """This step vmapped over the flat leaves ``in_batched`` marks, fitted
     to the same budget (one per static values, tree and batching)."""
@@ -192,13 +213,23 @@ class Transformed:
       step = self._over_leaves(self.fun, statics, tree)
       axes = tuple(0 if batched else None for batched in in_batched)
       vmapped = functools.wraps(self.fun)(jax.vmap(step, in_axes=axes))
-      self._batched[key] = Transformed(vmapped, self.budget, self.planner, (), (), {},
-                                       self.max_rounds, self.reserve)
+      self._batched[key] = Transformed(vmapped, self.budget, self._planner_spec, (), (),
+                                       {}, self.max_rounds, self.reserve, self.target)
     return self._batched[key]
 
   def lower(self, *args, **kwargs):
     """``jax.jit``'s ``lower`` for the transformed step."""
-    return self.fit(*args, **kwargs).jitted.lower(*args, **kwargs)
+    return self._runner(self.fit(*args, **kwargs), args, kwargs).lower(*args, **kwargs)
+
+  def _runner(self, fit: Fit, args, kwargs):
+    """The fit's ``jax.jit`` for the platform these arguments are on or
+    placed on (a fit for a target runs here as it lowers there)."""
+    _, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
+    platform = platform_of(jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
+    if platform not in fit.runners:
+      fit.runners[platform] = self._jit(fit.run, fit.out_tree,
+                                        _flags.compiler_options(platform))
+    return fit.runners[platform]
 
   def report(self, *args, **kwargs) -> str:
     return self.fit(*args, **kwargs).report()
@@ -236,26 +267,30 @@ class Transformed:
       # An argument that is not an array: jax.jit's error names its path.
       self.arguments.tracing(self.fun).trace(*args, **kwargs)
       raise
+    target = resolve(self.target, leaves)
+    key = (*key, target.name)  # arguments placed elsewhere: another target
     if key not in self._fits:
-      fit = self._build(args, kwargs, leaves, find_smallest)
+      fit = self._build(args, kwargs, leaves, target, find_smallest)
       if fit is None:
         return None
       self._fits[key] = fit
     return self._fits[key]
 
-  def _build(self, args, kwargs, leaves,
+  def _build(self, args, kwargs, leaves, target: Target,
              find_smallest: bool = True) -> Fit | None:
     """Traces, analyzes and runs the fit loop (:class:`~jaxmem._fit.Fitter`)."""
     start = time.perf_counter()
     self.arguments = self.arguments.with_donations(
         *inherited_donations(self.fun, args, kwargs, self.arguments))
-    platform = _platform(leaves)
+    planner = get_planner(self._planner_spec, target.profile)
+    platform = platform_of(leaves)  # where the step runs, which the target may not be
     options = _flags.compiler_options(platform)
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
     graph = build_graph(closed)
     _no_collectives(graph, self.__name__)
-    baseline = jax.jit(jex.jaxpr_as_fun(closed), compiler_options=options or None
-                       ).lower(*leaves).compile()
+    placed_args, placed_kwargs = self._placed(target, args, kwargs)
+    baseline = jax.jit(jex.jaxpr_as_fun(closed), compiler_options=target.options() or None
+                       ).lower(*target.place(leaves)).compile()
     base_memory = evaluate(graph, Plan())[1]
     unconstrained = xla_footprint(baseline)
     if unconstrained is None:
@@ -276,12 +311,14 @@ class Transformed:
           "is compiled unchanged.", stacklevel=4)
 
     def jit(candidate: Candidate):
-      measuring = self._jit(emitter(candidate), out_tree,
-                            _flags.measuring_options(platform))
-      return measuring.lower(*args, **kwargs).compile()
+      measuring = self._jit(emitter(candidate), out_tree, target.options(measuring=True))
+      return measuring.lower(*placed_args, **placed_kwargs).compile()
 
     budget = self.budget.resolve(unconstrained)
-    reserve = runtime_reserve(platform) if self.reserve is None else self.reserve
+    # A fraction is of XLA's footprint, which the runtime's workspaces add to
+    # as much for the step as written: only a budget in bytes keeps a reserve.
+    reserve = self.reserve if self.reserve is not None else (
+        0 if self.budget.fraction is not None else target.reserve())
     if budget <= reserve:
       raise BudgetError(
           f"jaxmem: budget {format_bytes(budget)} leaves nothing for the step once "
@@ -289,19 +326,21 @@ class Transformed:
           f"budget above {reserve} bytes, or a smaller transform(..., reserve=).",
           smallest=reserve + 1)
     model = base_memory if loop is None else evaluate(planned, Plan())[1]
-    fitter = Fitter(planned, self.planner, budget - reserve, unconstrained,
-                    model.peak / unconstrained, jit, self.max_rounds, reserve)
+    fitter = Fitter(planned, planner, budget - reserve, unconstrained,
+                    model.peak / unconstrained, jit, self.max_rounds, reserve,
+                    target.name)
     found = fitter.fit(find_smallest)
     if found is None:
       return None
     trial, attempts = found
     run_flat = emitter(trial.candidate)
     jitted = self._jit(run_flat, out_tree, options)
-    return Fit(planned, trial.candidate, self.planner, budget, unconstrained,
+    return Fit(planned, trial.candidate, planner, budget, target, unconstrained,
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
-               reserve, None if loop is None else graph.nodes[loop].source, out_tree)
+               reserve, None if loop is None else graph.nodes[loop].source, out_tree,
+               run_flat, {platform: jitted})
 
   def _jit(self, run_flat: Callable, out_tree, options: dict):
     """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
@@ -333,16 +372,7 @@ def _no_collectives(graph: Graph, name: str) -> None:
         "jaxmem.transform(per_device_step, budget=...).")
 
 
-def _platform(leaves) -> str:
-  """The platform the step's concrete array arguments live on (the default
-  backend's where none is concrete, e.g. under an outer ``jax.jit``)."""
-  for leaf in leaves:
-    if isinstance(leaf, jax.Array) and not isinstance(leaf, _Tracer):
-      return next(iter(leaf.devices())).platform
-  return jax.default_backend()
-
-
-def transform(fun: Callable, budget, *, planner="recompute",
+def transform(fun: Callable, budget, *, planner="recompute", target=None,
               static_argnums=(), static_argnames=(), max_rounds: int = 4,
               reserve: int | None = None, **jit_kwargs) -> Transformed:
   """Fits a training step into a device-memory budget.
@@ -394,7 +424,7 @@ def transform(fun: Callable, budget, *, planner="recompute",
     True
   """
   return Transformed(fun, budget, planner, static_argnums, static_argnames,
-                     jit_kwargs, max_rounds, reserve)
+                     jit_kwargs, max_rounds, reserve, target)
 
 
 @dataclasses.dataclass

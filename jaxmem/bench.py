@@ -33,7 +33,7 @@ from jaxmem._benchmark import SERIES, Bench, Method, Row, default_methods
 from jaxmem import _zoo
 from jaxmem._budget import Budget, format_bytes
 from jaxmem._provenance import provenance
-from jaxmem._devices import PROFILES
+from jaxmem.targets import PROFILES
 from jaxmem.planners import DEFAULT_DEVICE
 
 

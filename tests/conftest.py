@@ -1,8 +1,12 @@
-"""Test setup: jaxmem sets the XLA:CPU flag that keeps remat (DESIGN.md
-fact 1) on import, so it is imported before JAX starts its backend."""
+"""Test setup: the tests run on the CPU (JAX's CUDA plugin, installed to
+compile for GPU targets, would otherwise try to start a GPU backend), and
+jaxmem sets the XLA:CPU flag that keeps remat on import, so it is imported
+before JAX starts its backend."""
 
 import os
 import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jaxmem  # noqa: F401  (sets XLA_FLAGS before any computation)
 import pytest

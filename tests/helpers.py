@@ -52,5 +52,5 @@ def xla_budget(step, args, budget) -> int:
   if isinstance(budget, int):
     return budget
   fraction = float(budget.rstrip("%")) / 100 if isinstance(budget, str) else budget
-  from jaxmem._fit import xla_footprint  # temp + arguments + outputs - aliases
+  from jaxmem.targets import xla_footprint  # temp + arguments + outputs - aliases
   return int(fraction * xla_footprint(jax.jit(step).lower(*args).compile()))

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import jaxmem
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 import jaxmem_models as models
 from jaxmem._emit import emit
 from jaxmem._blocks import block_plans, segments

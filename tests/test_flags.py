@@ -17,10 +17,34 @@ from jaxmem import _flags
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_compiler_options_only_on_cpu():
+def test_compiler_options_only_on_cpu(monkeypatch):
+  monkeypatch.setenv("XLA_FLAGS", "")
   assert _flags.compiler_options("cpu") == {"xla_disable_hlo_passes": "cse_barrier_expander"}
   assert _flags.compiler_options("gpu") == {}
   assert _flags.compiler_options("tpu") == {}
+
+
+def test_flag_set_for_cpu_remat_is_taken_back_on_gpu_compilations(monkeypatch):
+  """``XLA_FLAGS`` disabling the CPU barrier pass (``import jaxmem`` sets it
+  in CPU-only processes) would make XLA:GPU refuse every barrier; a GPU
+  compilation's options give the list of disabled passes again without it
+  (tests/test_target.py compiles for a T4 in this process)."""
+  monkeypatch.setenv("XLA_FLAGS", _flags.CPU_REMAT_FLAG)
+  assert _flags.compiler_options("gpu") == {"xla_disable_hlo_passes": ""}
+  monkeypatch.setenv("XLA_FLAGS", "--xla_disable_hlo_passes=cse_barrier_expander,foo")
+  assert _flags.compiler_options("gpu") == {"xla_disable_hlo_passes": "foo"}
+
+
+def test_a_plugin_without_an_accelerator_is_cpu_only(monkeypatch):
+  """JAX's CUDA plugin installed to compile for GPU targets, on a machine
+  with no GPU: the process runs on the CPU alone."""
+  monkeypatch.delenv("JAX_PLATFORMS", raising=False)
+  monkeypatch.delenv("JAX_PLATFORM_NAME", raising=False)
+  monkeypatch.setattr(_flags, "_accelerator_plugins", lambda: ["xla_cuda13"])
+  monkeypatch.setattr(_flags, "_accelerator_present", lambda: False)
+  assert _flags.cpu_only()
+  monkeypatch.setattr(_flags, "_accelerator_present", lambda: True)
+  assert not _flags.cpu_only()
 
 
 @pytest.mark.parametrize("platforms, expected", [
@@ -46,7 +70,7 @@ def test_fitted_step_keeps_recomputation_without_the_global_flag():
       import os, jax, jax.numpy as jnp
       jnp.ones(1).block_until_ready()  # the backend starts here
       import jaxmem
-      from jaxmem._fit import xla_footprint
+      from jaxmem.targets import xla_footprint
       assert "cse_barrier_expander" not in os.environ.get("XLA_FLAGS", "")
 
       def step(w, x):
@@ -79,7 +103,7 @@ def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config):
   """The fit loop reads footprints from compilations without LLVM's
   optimization; the step the user runs is compiled with it."""
   import jax
-  from jaxmem._fit import xla_footprint
+  from jaxmem.targets import xla_footprint
   from jaxmem._zoo import models
   task = models().get(name, **config)
   shapes = jax.eval_shape(task.init)

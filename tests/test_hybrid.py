@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import jaxmem
-from jaxmem._devices import get_profile
+from jaxmem.targets import get_profile
 from jaxmem._decisions import KEEP
 from jaxmem._evaluate import evaluate, prefetch_point
 from jaxmem.planners import Greedy, hybrid, offload_only

@@ -11,8 +11,12 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 
 # Lowest first: a module imports only from layers below its own.
 LAYERS = [
-    {"_flags", "_provenance", "_budget", "_primitives", "_devices", "_decisions", "_arguments", "_batching"},
-    {"_graph", "_calibrate"},
+    {"_flags", "_provenance", "_budget", "_primitives", "_decisions", "_arguments", "_batching",
+     "targets._description"},
+    {"targets._profiles"},
+    {"targets._compile", "targets._calibrate"},
+    {"targets"},
+    {"_graph"},
     {"_xla_cpu_fusion", "_loops"},
     {"_schedule"},
     {"_scan_remat"},

@@ -11,7 +11,7 @@ import jaxmem
 from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Plan
 from jaxmem._emit import emit
 from jaxmem._evaluate import evaluate
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 from jaxmem._graph import build_graph
 from jaxmem._loops import loops, stacked_residuals
 from jaxmem._scan_remat import hostable, rebuildable

@@ -13,7 +13,7 @@ import pytest
 
 import jaxmem
 import jaxmem_models as models
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 
 # model / XLA, measured on XLA:CPU (jax 0.10.2): gpt2 0.80, vit 0.89,
 # mobilenetv2 0.90, unet 0.94, resnet18 0.97, resnet_deep 0.99.

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem._devices import PROFILES, DeviceProfile, get_profile
+from jaxmem.targets import PROFILES, DeviceProfile, get_profile
 from jaxmem._graph import build_graph
 from jaxmem._primitives import is_free
 from jaxmem._perf import OpCost, Transfer, predict, predict_schedule, schedule_costs

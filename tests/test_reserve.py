@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem._fit import runtime_reserve, xla_footprint
+from jaxmem.targets import runtime_reserve, xla_footprint
 
 
 def _step(w, x):

@@ -12,10 +12,10 @@ import pytest
 
 import jaxmem
 from jaxmem._decisions import OFFLOAD, RECOMPUTE, Plan
-from jaxmem._devices import get_profile
+from jaxmem.targets import get_profile
 from jaxmem._emit import emit
 from jaxmem._evaluate import evaluate
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 from jaxmem._graph import build_graph
 from jaxmem._loops import stacked_residuals
 from jaxmem._perf import predict_schedule, schedule_transfers

@@ -10,7 +10,7 @@ import pytest
 from jaxmem._decisions import RECOMPUTE, Plan
 from jaxmem._emit import emit
 from jaxmem._evaluate import evaluate
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 from jaxmem._flags import compiler_options
 from jaxmem._graph import build_graph
 from jaxmem._loops import loops

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jaxmem
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 from jaxmem._flags import compiler_options
 
 

@@ -8,7 +8,7 @@ import pytest
 
 import jaxmem
 from jaxmem._decisions import RECOMPUTE
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 import jaxmem_models as models
 from tests.helpers import assert_trees_close, xla_budget
 

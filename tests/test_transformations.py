@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 from jaxmem._flags import compiler_options
 
 from helpers import assert_trees_close
@@ -108,7 +108,7 @@ SHARD_MAP = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax, jax.numpy as jnp, jaxmem
     from jax.sharding import Mesh, PartitionSpec as P
-    from jaxmem._fit import xla_footprint
+    from jaxmem.targets import xla_footprint
     from test_transformations import step
     try:
       from jax import shard_map

@@ -13,7 +13,7 @@ import pytest
 import jaxmem
 import jaxmem_models as models
 from jaxmem._decisions import KEEP, RECOMPUTE, Chunked, Offload, Plan
-from jaxmem._devices import get_profile
+from jaxmem.targets import get_profile
 from jaxmem._emit import emit
 from jaxmem._evaluate import fused_values
 from jaxmem._memory import simulate

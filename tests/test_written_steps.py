@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem._fit import xla_footprint
+from jaxmem.targets import xla_footprint
 from jaxmem._flags import compiler_options
 
 from helpers import assert_trees_close

@@ -84,14 +84,15 @@ PLANNERS: dict[str, Callable[..., Planner]] = {
 ABLATIONS = frozenset({"lgm-whole", "lgm-unreserved"})
 
 
-def get_planner(planner) -> Planner:
-  """A planner from a name in :data:`PLANNERS` or a :class:`Planner`."""
+def get_planner(planner, device=None) -> Planner:
+  """A planner from a name in :data:`PLANNERS` (set up for ``device``, a
+  profile, where one is given) or a :class:`Planner` (as it is)."""
   if isinstance(planner, str):
     if planner not in PLANNERS:
       raise ValueError(
           f"jaxmem: unknown planner {planner!r}; expected one of {sorted(PLANNERS)} "
           "or a jaxmem.Planner instance.")
-    return PLANNERS[planner]()
+    return PLANNERS[planner]() if device is None else PLANNERS[planner](device)
   if not isinstance(planner, Planner):
     raise TypeError(
         f"jaxmem: planner must be a name in {sorted(PLANNERS)} or a jaxmem.Planner "

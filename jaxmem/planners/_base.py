@@ -10,7 +10,7 @@ methods have defaults.
 from __future__ import annotations
 
 from jaxmem._decisions import Plan
-from jaxmem._devices import DeviceProfile, get_profile
+from jaxmem.targets._profiles import DeviceProfile, get_profile
 from jaxmem._evaluate import Candidate
 from jaxmem._graph import Graph
 from jaxmem._perf import predict_schedule

@@ -8,7 +8,7 @@ import time
 
 from jaxmem._blocks import block_candidates, block_plans, checkpoint_moves, segments
 from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Offload, Plan
-from jaxmem._devices import PROFILES, get_profile
+from jaxmem.targets._profiles import PROFILES, get_profile
 from jaxmem._evaluate import (Candidate, candidate, chain_flops, evaluate, fused_values,
                               paused_gc, prefetch_point, recomputable)
 from jaxmem._graph import Graph, Residual

@@ -57,7 +57,7 @@ import time
 
 from jaxmem._budget import format_bytes
 from jaxmem._decisions import KEEP, RECOMPUTE, Chunked, Offload, Plan
-from jaxmem._devices import DeviceProfile, get_profile
+from jaxmem.targets._profiles import DeviceProfile, get_profile
 from jaxmem._evaluate import (Candidate, Details, evaluate, fused_values, paused_gc,
                               prefetch_point, recomputable)
 from jaxmem._graph import Graph

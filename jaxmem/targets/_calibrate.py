@@ -5,6 +5,10 @@ It times a square matmul (compute throughput), a large elementwise op
 from ``pinned_host`` memory across transfer sizes; a least-squares line
 through (bytes, seconds) gives each direction's bandwidth (the slope) and
 the per-copy latency (the intercept, shared as the larger of the two).
+On a GPU it also records XLA's description of the device (the
+``GpuTargetConfig`` of its topology), so the profile can be a compilation
+target elsewhere: ``transform(..., target=profile)`` on a machine without
+that GPU compiles for it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem._devices import DeviceProfile
+from jaxmem.targets._description import GpuDescription, parse
+from jaxmem.targets._profiles import DeviceProfile
 
 # Boards whose GPU shares the host's DRAM (offload frees nothing there).
 UNIFIED_KINDS = ("orin", "xavier", "tegra", "jetson")
@@ -91,10 +96,20 @@ def calibrate(device=None, *, matmul: int | None = None,
   return DeviceProfile(
       kind.lower().replace(" ", "-"), flops=flops, memory_bandwidth=bandwidth,
       h2d_bandwidth=h2d, d2h_bandwidth=d2h, link_latency=latency, memory=memory,
-      unified=unified,
+      unified=unified, description=None if cpu else described(device),
       source=f"jaxmem.calibrate() on {kind} ({device.platform}), "
              f"{time.strftime('%Y-%m-%d')}: {n}x{n} fp32 matmul, "
              f"{elementwise}-byte elementwise op, copies of {list(sizes)} bytes")
+
+
+def described(device) -> GpuDescription | None:
+  """XLA's description of a GPU present (its topology's ``target_config``);
+  None where the backend has none (CPU, TPU, or a JAX that moved it)."""
+  try:
+    from jax._src.lib import xla_client
+    return parse(str(xla_client.get_topology_for_devices([device]).target_config))
+  except Exception:  # private API; several error types across releases
+    return None
 
 
 def _host_memory() -> int:

@@ -1,0 +1,31 @@
+"""Targets: the GPU a step is planned for, as data, and where it compiles.
+
+* :class:`DeviceProfile` and the presets :data:`PROFILES` (``t4``,
+  ``rtx3060``, ``orin-nano``, ``a100``, ``h100``, ``h200``): the figures
+  plans are timed on and, in :class:`GpuDescription`, XLA's description of
+  the GPU, each with its source;
+* :func:`calibrate`: a profile measured on the device present (with its real
+  description on a GPU);
+* :class:`Target` and :func:`resolve`: the device a fit compiles for (a
+  compile-only GPU made from a description, or the device present) and how
+  its footprint is read (:func:`xla_footprint`, :func:`host_bytes`).
+
+Example:
+  >>> from jaxmem.targets import PROFILES
+  >>> PROFILES["t4"].description.compute_capability
+  (7, 5)
+"""
+
+from jaxmem.targets._calibrate import calibrate, described
+from jaxmem.targets._compile import (
+    GPU_RUNTIME_RESERVE, PLUGIN_HINT, Target, holds_host_memory, host_bytes, placed,
+    placement_key, platform_of, resolve, runtime_reserve, xla_footprint)
+from jaxmem.targets._description import GpuDescription, parse
+from jaxmem.targets._profiles import PROFILES, DeviceProfile, get_profile, profile_for_kind
+
+__all__ = [
+    "DeviceProfile", "GPU_RUNTIME_RESERVE", "GpuDescription", "PLUGIN_HINT", "PROFILES",
+    "Target", "calibrate", "described", "get_profile", "holds_host_memory", "host_bytes",
+    "parse", "placed", "placement_key", "platform_of", "profile_for_kind", "resolve",
+    "runtime_reserve", "xla_footprint",
+]

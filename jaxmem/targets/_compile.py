@@ -1,0 +1,227 @@
+"""Where a step is compiled to be measured, and how its footprint is read.
+
+A :class:`Target` is the GPU (or CPU) a fit plans for: the profile plans are
+timed on, and the device its compilations are made for. A target named by a
+profile (``transform(..., target="t4")``) compiles on a *compile-only*
+device made from the profile's :class:`~jaxmem.targets.GpuDescription`
+(``jax.experimental.topologies``): XLA:GPU's own program for that GPU,
+compiled on whatever machine jaxmem runs on, with the footprint
+``memory_analysis()`` gives, host memory included. Arguments placed on such
+a device by the user (``jax.ShapeDtypeStruct`` with a sharding on a
+topology's mesh) make their device the target. Otherwise the target is
+where the arguments live: the GPU present, or the CPU.
+
+Compile-only devices need JAX's CUDA plugin, not a GPU or CUDA's libraries:
+``pip install "jax[cuda13-local]"`` (about 130 MB).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+
+from jaxmem import _flags
+from jaxmem.targets._profiles import PROFILES, DeviceProfile, get_profile, profile_for_kind
+
+# Bytes the GPU runtime allocates beyond XLA's compiled footprint (cuDNN and
+# cuBLAS workspaces, allocator rounding). Measured on an H200 with JAX 0.11.2:
+# 0.01-0.04 GiB on unmodified zoo steps, up to 92 MB on a ResNet-18 plan.
+# XLA:CPU's footprint is what the process allocates.
+GPU_RUNTIME_RESERVE = 128 * 2**20
+
+PLUGIN_HINT = ('install JAX\'s CUDA plugin, which compiles for GPUs without one: '
+               'pip install "jax[cuda13-local]" (or jaxmem\'s extra: pip install '
+               '"jaxmem[target]")')
+
+
+def runtime_reserve(platform: str) -> int:
+  """Bytes kept free under an absolute budget for what the runtime allocates
+  outside XLA's footprint on ``platform`` (none on CPU).
+
+  Example:
+    >>> runtime_reserve("cpu"), runtime_reserve("gpu") // 2**20
+    (0, 128)
+  """
+  return 0 if platform == "cpu" else GPU_RUNTIME_RESERVE
+
+
+def xla_footprint(compiled) -> int | None:
+  """Device bytes of a compiled step: temp + arguments + outputs - aliases.
+
+  ``memory_analysis()``'s ``peak_memory_in_bytes`` leaves temporaries out on
+  CPU, so the footprint is summed from its parts. Returns None where the
+  backend gives no analysis.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> c = jax.jit(lambda x: x * 2).lower(jnp.ones(256)).compile()
+    >>> xla_footprint(c)
+    2048
+  """
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return None
+  return int(stats.temp_size_in_bytes + stats.argument_size_in_bytes
+             + stats.output_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def host_bytes(compiled) -> int:
+  """Bytes a compiled program keeps in host memory (temporaries, arguments
+  and outputs in ``pinned_host``); 0 where the backend ignores host memory."""
+  stats = compiled.memory_analysis()
+  if stats is None:
+    return 0
+  return int(stats.host_temp_size_in_bytes + stats.host_output_size_in_bytes
+             + stats.host_argument_size_in_bytes)
+
+
+def holds_host_memory(compiled) -> bool:
+  """Whether a compiled program puts anything in host memory."""
+  return host_bytes(compiled) > 0
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_only_sharding(description_text: str) -> jax.sharding.NamedSharding:
+  """A sharding on one compile-only GPU made from its description."""
+  from jax.experimental import topologies
+  try:
+    topology = topologies.get_topology_desc(
+        platform="cuda", target_config=description_text, topology="1x1x1")
+  except Exception as err:  # the plugin raises several types
+    raise RuntimeError(
+        f"jaxmem: cannot make a compile-only GPU device ({type(err).__name__}: "
+        f"{str(err).splitlines()[0] if str(err) else ''}); to plan for a GPU "
+        f"target, {PLUGIN_HINT}.") from err
+  mesh = topologies.make_mesh(topology, (1,), ("x",))
+  return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+
+def _compile_only(device) -> bool:
+  """Whether ``device`` is a compile-only device (on no backend of this
+  process)."""
+  try:
+    local = jax.devices(device.platform)
+  except RuntimeError:
+    return True
+  return device not in local
+
+
+def _placed_device(leaf):
+  """The device an abstract argument is placed on, or None."""
+  sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.ShapeDtypeStruct) else None
+  devices = getattr(sharding, "device_set", None)
+  return next(iter(devices)) if devices else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """The device a fit compiles for, and the profile its plans are timed on.
+
+  Attributes:
+    platform: the compiler's platform (``"cpu"``, ``"gpu"``, ...).
+    profile: the profile plans are timed on (None: the planner's own).
+    sharding: where the fit loop places abstract copies of the arguments to
+      compile them (a compile-only device); None: the arguments as given.
+    name: how reports name it (``"t4 (XLA:GPU, compile-only)"``).
+  """
+  platform: str
+  profile: DeviceProfile | None = None
+  sharding: jax.sharding.Sharding | None = None
+  name: str = ""
+
+  @property
+  def compile_only(self) -> bool:
+    return self.sharding is not None
+
+  def place(self, leaves: Sequence) -> list:
+    """The argument leaves as the fit loop compiles them: abstract, on the
+    compile-only device, where there is one; else as given."""
+    if self.sharding is None:
+      return list(leaves)
+    avals = [jax.typeof(x) for x in leaves]
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding,
+                                 weak_type=a.weak_type) for a in avals]
+
+  def options(self, measuring: bool = False) -> dict:
+    """Compiler options for this target's compilations (see ``_flags``)."""
+    return (_flags.measuring_options if measuring else _flags.compiler_options)(self.platform)
+
+  def reserve(self) -> int:
+    return runtime_reserve(self.platform)
+
+
+def resolve(target, leaves: Sequence) -> Target:
+  """The :class:`Target` of a fit: ``target`` as given to ``transform``
+  (None, a name in ``jaxmem.PROFILES`` or a :class:`DeviceProfile` with a
+  description), for arguments ``leaves``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> resolve(None, [jnp.ones(2)]).platform
+    'cpu'
+  """
+  if target is not None:
+    profile = get_profile(target)
+    if profile.description is None:
+      raise ValueError(
+          f"jaxmem: target {profile.name!r} has no GPU description to compile for "
+          "(DeviceProfile.description is None); pass a profile with one "
+          f"(jaxmem.PROFILES: {sorted(n for n, p in PROFILES.items() if p.description)}, or "
+          "jaxmem.calibrate() run on the GPU), or plan it as a planner's target "
+          "instead: transform(..., planner=jaxmem.hybrid(target=profile)).")
+    return Target("gpu", profile, _compile_only_sharding(profile.description.text()),
+                  f"{profile.name} (XLA:GPU for {profile.description.name}, compiled here)")
+  for leaf in leaves:
+    device = _placed_device(leaf)
+    if device is not None and _compile_only(device):
+      return Target(device.platform, profile_for_kind(device.device_kind), None,
+                    f"{device.device_kind} (compile-only device of the arguments)")
+  platform = platform_of(leaves)
+  profile = None
+  if platform != "cpu":
+    device = jax.devices(platform)[0]
+    profile = profile_for_kind(device.device_kind)
+  return Target(platform, profile, None, platform if profile is None else
+                f"{profile.name} ({platform}, this machine)")
+
+
+def platform_of(leaves) -> str:
+  """The platform the arguments live on or are placed on (the default
+  backend's where none says, e.g. under an outer ``jax.jit``)."""
+  for leaf in leaves:
+    if isinstance(leaf, jax.Array) and not isinstance(leaf, jax.core.Tracer):
+      return next(iter(leaf.devices())).platform
+    device = _placed_device(leaf)
+    if device is not None:
+      return device.platform
+  return jax.default_backend()
+
+
+def placement_key(leaves) -> tuple:
+  """What of the arguments' placement a fit depends on: the compile-only
+  devices abstract arguments are placed on (a fit for those is not one for
+  this machine's arrays of the same shapes)."""
+  devices = {_placed_device(leaf) for leaf in leaves} - {None}
+  return tuple(sorted(str(d) for d in devices if _compile_only(d)))
+
+
+def placed(tree, target):
+  """``tree``'s arrays as abstract arguments (``jax.ShapeDtypeStruct``) on
+  the compile-only device of ``target`` (a name in ``jaxmem.PROFILES`` or a
+  profile with a description), for ``fitted.lower(*placed(args, "t4"))``:
+  planned and lowered for that GPU; ``.compile()`` gives its executable,
+  which ``jax.experimental.serialize_executable`` can carry to it.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from jaxmem.targets import placed
+    >>> w = placed(jnp.ones((4, 4)), "t4")  # doctest: +SKIP
+    >>> w.sharding.device_set  # doctest: +SKIP
+    {Tesla T4_0(process=0,(0))}
+  """
+  where = resolve(target, ())
+  leaves, treedef = jax.tree_util.tree_flatten(tree)
+  return jax.tree_util.tree_unflatten(treedef, where.place(leaves))

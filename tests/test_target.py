@@ -1,0 +1,169 @@
+"""Planning for a GPU that is not here: ``transform(..., target="t4")`` plans
+and judges every candidate by XLA:GPU's own compilation for a T4, made on
+this CPU-only machine (a compile-only device from the profile's description,
+JAX's CUDA plugin without CUDA's libraries). Budgets are resolved in the
+tests from XLA:GPU's footprint of the step as written, compiled here for the
+T4; numbers are compared with the untransformed step run on the CPU."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jaxmem
+import jaxmem_models as models
+from jaxmem import _flags
+from jaxmem.targets import PROFILES, GpuDescription, host_bytes, parse, placed, xla_footprint
+from tests.helpers import assert_updates_close
+
+T4 = "t4"
+# Activation-dominated sizes, as in tests/test_transform.py.
+SMALL = {
+    "mlp": dict(depth=16, width=64, batch=512, features=32),
+    "cnn": dict(widths=(8, 16), batch=8, size=16, blocks=6),
+    "transformer": dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64),
+}
+
+
+def t4_footprint(fun, args, target=T4) -> int:
+  """XLA:GPU's footprint of ``jax.jit(fun)`` for a T4 (or ``target``),
+  compiled here."""
+  compiled = jax.jit(fun, compiler_options=_flags.compiler_options("gpu") or None).lower(
+      *placed(args, target)).compile()
+  return xla_footprint(compiled)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, p in PROFILES.items() if p.description))
+def test_each_preset_is_a_gpu_xla_compiles_for(name):
+  """Each preset's description is one XLA:GPU accepts, names its GPU, and
+  agrees with the profile's own figures."""
+  profile = PROFILES[name]
+  description = profile.description
+  assert parse(description.text()) == description
+  assert profile.flops == pytest.approx(description.fp32_flops)
+  assert profile.memory == description.device_memory_size
+  w = placed(jnp.ones((64, 64)), name)
+  assert next(iter(w.sharding.device_set)).device_kind == description.name
+  step = lambda w: w - jax.grad(lambda w: jnp.sum(jnp.tanh(w @ w)))(w)
+  compiled = jax.jit(step, compiler_options=_flags.compiler_options("gpu") or None
+                     ).lower(w).compile()
+  assert xla_footprint(compiled) >= 2 * 64 * 64 * 4  # the argument and the output
+
+
+def test_description_parses_what_xla_prints():
+  """A real GPU's ``target_config`` as XLA prints it (fields in its order,
+  nested messages, fields the description does not hold) reads back."""
+  text = PROFILES["h100"].description.text().replace(
+      'platform_name: "CUDA"', 'platform_name: "CUDA"\nautotune_results {\n  version: 3\n}')
+  assert parse(text) == PROFILES["h100"].description
+  with pytest.raises(ValueError, match="core_count"):
+    parse(re.sub(r"\s*core_count: \d+", "", text))
+
+
+@pytest.fixture(scope="module", params=sorted(SMALL))
+def task(request):
+  task = models.get(request.param, optimizer=optax.adam(1e-3, eps=1e-3),
+                    **SMALL[request.param])
+  return task, task.init()
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.7, 0.5])
+def test_fits_the_t4_budget_and_runs_here_with_the_same_numbers(task, fraction):
+  """XLA:GPU's footprint of the fitted step, lowered for a T4, is within the
+  fraction of the step as written compiled for the T4; where the budget is
+  below what the planner reaches, the error names a smallest footprint that
+  itself fits. The fitted step runs here with the untransformed step's
+  updates."""
+  task, args = task
+  budget = int(fraction * t4_footprint(task.step, args))
+  fitted = jaxmem.transform(task.step, budget=f"{fraction:.0%}", target=T4)
+  try:
+    fit = fitted.fit(*args)
+  except jaxmem.BudgetError as err:
+    assert fraction < 1.0 and err.smallest > budget
+    fitted = jaxmem.transform(task.step, budget=err.smallest, target=T4, reserve=0)
+    fit, budget = fitted.fit(*args), err.smallest
+  assert fit.budget == budget
+  assert fit.target.compile_only and fit.target.platform == "gpu"
+  lowered = xla_footprint(fitted.lower(*placed(args, T4)).compile())
+  assert lowered <= budget, (lowered, budget)
+  if fraction == 1.0:
+    assert not len(fit.plan) and lowered == budget
+  state, batch = args
+  want, got = jax.jit(task.step)(state, batch), fitted(state, batch)
+  assert_updates_close(got[0], want[0], state)
+
+
+def test_lowering_on_t4_plans_for_the_t4_not_for_this_machine():
+  """Arguments placed on a T4 make it the target (no ``target=``): the fit
+  is judged by XLA:GPU, whose footprint differs from XLA:CPU's, and the
+  same transform called with arrays here plans for the CPU."""
+  task = models.get("mlp", **SMALL["mlp"])
+  args = task.init()
+  fitted = jaxmem.transform(task.step, budget="70%")
+  on_t4 = fitted.fit(*placed(args, T4))
+  here = fitted.fit(*args)
+  assert on_t4.target.platform == "gpu" and here.target.platform == "cpu"
+  assert on_t4.unconstrained == t4_footprint(task.step, args)
+  assert here.unconstrained == xla_footprint(jax.jit(task.step).lower(*args).compile())
+  assert on_t4.unconstrained != here.unconstrained
+  assert xla_footprint(fitted.lower(*placed(args, T4)).compile()) <= on_t4.budget
+
+
+def _offloaded(fit) -> list:
+  """The values the fit's plan keeps in host memory."""
+  return [fit.graph.values[v] for v in fit.plan.values_with("offload")]
+
+
+def test_an_offload_plan_holds_host_memory_in_xla_gpu_program(mlp):
+  """XLA:GPU's program for a T4 holds every value the plan offloads in host
+  memory (``S(5)``), and its host bytes cover them: the compiler, not the
+  memory model, confirms the plan's offload (XLA:CPU ignores memory
+  kinds)."""
+  task, args, _, _ = mlp
+  fitted = jaxmem.transform(task.step, budget="70%", planner="offload", target=T4)
+  fit = fitted.fit(*args)
+  offloaded = _offloaded(fit)
+  assert offloaded, "the plan offloads nothing: nothing to check"
+  compiled = fitted.lower(*placed(args, T4)).compile()
+  hlo = compiled.as_text()
+  on_host = re.findall(r"(\w+)\[([\d,]*)\]\{[\d,]*:[^}]*S\(5\)", hlo)
+  for value in offloaded:
+    dims = ",".join(map(str, value.aval.shape))
+    assert any(d == dims for _, d in on_host), (value.aval, sorted(set(on_host)))
+  assert host_bytes(compiled) >= max(v.nbytes for v in offloaded)
+  assert xla_footprint(compiled) <= fit.budget
+  state, batch = args
+  assert_updates_close(fitted(state, batch)[0], jax.jit(task.step)(state, batch)[0], state)
+
+
+def test_a_profile_without_description_is_refused_as_a_target():
+  bare = jaxmem.DeviceProfile("mine", flops=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10,
+                              d2h_bandwidth=1e10, link_latency=1e-5, memory=2**30)
+  with pytest.raises(ValueError, match="has no GPU description"):
+    jaxmem.transform(lambda w: w, budget="50%", target=bare)
+  with pytest.raises(ValueError, match="unknown device profile 'k80'"):
+    jaxmem.transform(lambda w: w, budget="50%", target="k80")
+
+
+def test_a_calibrated_description_round_trips_through_a_profile():
+  """A description made from figures (as ``calibrate()`` records a real
+  GPU's) is a target: XLA:GPU compiles for it."""
+  description = GpuDescription(
+      "NVIDIA L4", (8, 9), core_count=58, fpus_per_core=128, clock_rate_ghz=2.04,
+      device_memory_size=23034 * 2**20, memory_bandwidth=300e9, l2_cache_size=48 * 2**20,
+      shared_memory_per_core=100 * 2**10, shared_memory_per_block_optin=99 * 2**10,
+      threads_per_core_limit=1536)
+  l4 = jaxmem.DeviceProfile("l4", flops=description.fp32_flops, memory_bandwidth=300e9,
+                            h2d_bandwidth=24e9, d2h_bandwidth=24e9, link_latency=1e-5,
+                            memory=description.device_memory_size, description=description)
+  step = lambda w, x: w - 0.1 * jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w)
+  w, x = jnp.eye(64), jnp.ones((128, 64))
+  fit = jaxmem.transform(step, budget="100%", target=l4).fit(w, x)
+  assert fit.unconstrained == t4_footprint(step, (w, x), l4)
+  np.testing.assert_allclose(jaxmem.transform(step, budget="100%", target=l4)(w, x),
+                             jax.jit(step)(w, x), rtol=1e-6)
+
