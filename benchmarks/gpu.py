@@ -51,6 +51,7 @@ import tempfile
 import time
 
 from jaxmem._provenance import provenance
+from jaxmem.targets import PROFILES
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -94,8 +95,9 @@ class Runner:
   """Launches worker processes (see ``gpu_worker.py``)."""
 
   def __init__(self, dry_run: bool, repeats: int, timeout: float, lock: str | None,
-               log=print):
+               log=print, target: str | None = None):
     self.dry_run, self.repeats, self.timeout, self.lock = dry_run, repeats, timeout, lock
+    self.target = target
     self.log = log
     self.partial = None  # a JSON-lines file each record is appended to as it comes
     self.env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false",
@@ -110,7 +112,8 @@ class Runner:
         handle.write(json.dumps(row, default=str) + "\n")
 
   def __call__(self, job: dict) -> dict:
-    job = dict(job, dry_run=self.dry_run, repeats=self.repeats, lock=self.lock)
+    job = dict(job, dry_run=self.dry_run, repeats=self.repeats, lock=self.lock,
+               target=self.target)
     label = " ".join(str(job[k]) for k in ("model", "method", "budget") if k in job)
     start = time.perf_counter()
     try:
@@ -321,6 +324,10 @@ def parse(argv):
                       help="two models, one budget, fewer methods (<= 5 minutes on a GPU)")
   parser.add_argument("--dry-run", action="store_true",
                       help="lower and plan only; nothing runs (works on CPU)")
+  parser.add_argument("--target", choices=sorted(n for n, p in PROFILES.items() if p.description),
+                      help="with --dry-run: compile every method for this GPU on this "
+                           "machine (XLA:GPU's footprints, no GPU needed; needs JAX's CUDA "
+                           "plugin). On a GPU, the GPU present is the target.")
   parser.add_argument("--models", nargs="*", choices=sorted(CONFIGS))
   parser.add_argument("--budgets", nargs="+")
   parser.add_argument("--max-batch", nargs="*", choices=sorted(CONFIGS),
@@ -344,6 +351,9 @@ def parse(argv):
 def main(argv=None) -> int:
   argv = sys.argv[1:] if argv is None else argv
   args = parse(argv)
+  if args.target and not args.dry_run:
+    raise SystemExit("gpu.py: --target plans for a GPU that is not here, so it needs "
+                     "--dry-run; on a GPU, the GPU present is the target.")
   plan = dict(QUICK) if args.quick else dict(
       models=tuple(CONFIGS), budgets=BUDGETS, remat=REMAT, planners=PLANNERS,
       max_batch=MAX_BATCH)
@@ -364,7 +374,8 @@ def main(argv=None) -> int:
   start = time.perf_counter()
   with tempfile.TemporaryDirectory() as scratch:
     runner = Runner(args.dry_run, args.repeats, args.timeout,
-                    None if args.dry_run else os.path.join(scratch, "gpu.lock"))
+                    None if args.dry_run else os.path.join(scratch, "gpu.lock"),
+                    target=args.target)
     rows, out = run(plan, runner, workers, args.out, provenance("benchmarks/gpu.py", argv))
   result = assemble(rows)
   result["seconds"] = time.perf_counter() - start

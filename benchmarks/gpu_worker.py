@@ -45,7 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
 from jaxmem.targets import DeviceProfile, get_profile  # noqa: E402
 from jaxmem._evaluate import unplanned  # noqa: E402
-from jaxmem.targets import xla_footprint  # noqa: E402
+from jaxmem import _flags  # noqa: E402
+from jaxmem.targets import placed, xla_footprint  # noqa: E402
 from jaxmem._perf import predict_schedule  # noqa: E402
 from jaxmem._zoo import models as _models  # noqa: E402
 from jaxmem.planners import PLANNERS  # noqa: E402
@@ -186,7 +187,7 @@ def _profile(job) -> DeviceProfile:
 
 def _planner(job):
   """The jaxmem planner of a ``jaxmem:<name>`` job, for the job's profile."""
-  return PLANNERS[job["method"].split(":", 1)[1]](device=_profile(job))
+  return PLANNERS[job["method"].split(":", 1)[1]](target=_profile(job))
 
 
 def _task(job, batch: int | None = None):
@@ -197,13 +198,16 @@ def _task(job, batch: int | None = None):
   return _models().get(zoo, remat=remat, **config)
 
 
-def _arguments(task, dry_run: bool):
-  """Real arrays on the device, or shapes only for a dry run. The arrays are
-  made on the host and copied over: made on the device, the initializer's
-  own temporaries (6 GiB for the U-Net's batch) would set the allocator's
-  peak above the step's."""
-  if dry_run:
-    return jax.eval_shape(task.init)
+def _arguments(task, job):
+  """Real arrays on the device, or shapes only for a dry run (placed on the
+  job's GPU target, a compile-only device, where it names one: every
+  method then compiles for that GPU here). The arrays are made on the host
+  and copied over: made on the device, the initializer's own temporaries
+  (6 GiB for the U-Net's batch) would set the allocator's peak above the
+  step's."""
+  if job["dry_run"]:
+    shapes = jax.eval_shape(task.init)
+    return placed(shapes, job["target"]) if job.get("target") else shapes
   with jax.default_device(jax.devices("cpu")[0]):
     args = task.init()
   return jax.device_put(args, jax.devices()[0])
@@ -213,9 +217,9 @@ def _predictions(schedule, graph, profile) -> dict:
   """Predicted step time of a schedule on the calibrated profile and the
   preset, with the untransformed step's beside them."""
   record = {}
-  for label, device in (("calibrated", profile), ("preset", get_profile(PRESET))):
-    seconds = predict_schedule(schedule, device).seconds
-    base = predict_schedule(unplanned(graph, 0).schedule, device).seconds
+  for label, timed_on in (("calibrated", profile), ("preset", get_profile(PRESET))):
+    seconds = predict_schedule(schedule, timed_on).seconds
+    base = predict_schedule(unplanned(graph, 0).schedule, timed_on).seconds
     record[f"predicted_ms_{label}"] = seconds * 1e3
     record[f"predicted_ratio_{label}"] = seconds / base if base else None
   return record
@@ -244,11 +248,11 @@ def _compile(job, step, args, record):
   method = job["method"]
   if method.startswith("jaxmem:"):
     return _compile_jaxmem(job, step, args, record)
-  lowered = jax.jit(step).lower(*args)
+  lowered = _jit(job, step).lower(*args)
   if method == "xla:remat":
     # XLA:GPU's own rematerialization, its limit scaled to the budget as
     # closely as the integer percentage flag allows.
-    return _xla_remat(lowered, job["slop"], job["budget_bytes"], record)
+    return _xla_remat(job, lowered, job["slop"], job["budget_bytes"], record)
   compiled = lowered.compile()
   if method == "unconstrained":
     analysis = jaxmem.analyze(step, *args)
@@ -256,12 +260,23 @@ def _compile(job, step, args, record):
   return compiled
 
 
-def _xla_remat(lowered, slop: int, budget: int, record, tries: int = 3):
+def _options(job) -> dict:
+  """Compiler options for plain ``jax.jit`` compilations of the job: a GPU
+  target's (which take back the XLA:CPU flag a CPU-only process sets), or
+  this machine's."""
+  return _flags.compiler_options("gpu" if job.get("target") else jax.default_backend())
+
+
+def _jit(job, step):
+  return jax.jit(step, compiler_options=_options(job) or None)
+
+
+def _xla_remat(job, lowered, slop: int, budget: int, record, tries: int = 3):
   """XLA:GPU's own rematerialization at the largest memory-limit percentage
   (``xla_gpu_memory_limit_slop_factor``) near ``slop`` whose compiled
   footprint is within ``budget``; the smallest tried where none is."""
   compile_at = lambda s: lowered.compile(
-      compiler_options={"xla_gpu_memory_limit_slop_factor": s})
+      compiler_options={**_options(job), "xla_gpu_memory_limit_slop_factor": s})
   tried = {slop: compile_at(slop)}
   fits = lambda s: (xla_footprint(tried[s]) or 0) <= budget
   step = 1 if fits(slop) else -1
@@ -280,7 +295,7 @@ def measure(job) -> dict:
   """One model x method x budget (see the module docstring)."""
   record = {"status": "ok"}
   task = _task(job)
-  args = _arguments(task, job["dry_run"])
+  args = _arguments(task, job)
   start = time.perf_counter()
   compiled = _compile(job, task.step, args, record)
   if compiled is None:
@@ -305,7 +320,7 @@ def _stepper(job, batch: int):
   task = _task(job, batch)
   if job["method"].startswith("jaxmem:"):
     return task, jaxmem.transform(task.step, budget=job["budget_bytes"], planner=_planner(job))
-  return task, jax.jit(task.step)
+  return task, _jit(job, task.step)
 
 
 def _fits(stepper, shapes, budget: int) -> bool:
@@ -325,7 +340,7 @@ def max_batch(job) -> dict:
   while high - low > 1:
     mid = (low + high) // 2
     task, stepper = _stepper(job, mid * unit)
-    shapes = jax.eval_shape(task.init)
+    shapes = _arguments(task, dict(job, dry_run=True))
     ok = _fits(stepper, shapes, job["budget_bytes"])
     probes.append((mid * unit, ok))
     low, high = (mid, high) if ok else (low, mid)

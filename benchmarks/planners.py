@@ -1,10 +1,11 @@
-"""Planners compared by predicted step time on device profiles.
+"""Planners compared by predicted step time on targets' profiles.
 
-For each model, device profile and budget (a fraction of the memory model's
-unconstrained peak), every planner plans for that profile and the table gives
-whether its plan fits, its predicted step time over the unconstrained step's
-(both predicted on the same profile), its stall time, its pinned host bytes,
-the bytes it copies to the host and back, and what it decided. Planning only:
+For each model, target (a profile in ``jaxmem.PROFILES``) and budget (a
+fraction of the memory model's unconstrained peak), every planner plans for
+that target and the table gives whether its plan fits, its predicted step
+time over the unconstrained step's (both predicted on the same profile), its
+stall time, its pinned host bytes, the bytes it copies to the host and back,
+and what it decided. Planning only:
 nothing is compiled or run (the step is traced from shapes), so edge-GPU
 sizes plan on a CPU in minutes; the times are the performance model's, not
 measured.
@@ -69,10 +70,10 @@ def rows(name: str, config: dict, profiles, budgets, planners):
     profile = PROFILES[profile_name]
     base_seconds = predict_schedule(base.schedule, profile).seconds
     for fraction in budgets:
-      target = int(base.peak * fraction)
+      aim = int(base.peak * fraction)
       for planner_name in planners:
         began = time.perf_counter()
-        result = PLANNERS[planner_name](device=profile).plan(graph, target)
+        result = PLANNERS[planner_name](target=profile).plan(graph, aim)
         timing = predict_schedule(result.schedule, profile)
         moved = sum(t.nbytes for t in schedule_transfers(result.schedule))
         yield dict(model=name, profile=profile_name, budget=fraction,

@@ -37,7 +37,7 @@ def _opts(model, budgets, out, suite, max_batch, repeats, planners):
   return types.SimpleNamespace(
       model=model, config=[f"{k}={json.dumps(v)}" for k, v in CPU_CONFIGS[model].items()],
       budgets=budgets, methods=methods, repeats=repeats, max_batch=max_batch,
-      at_baselines=suite == "maxbatch", device=None,
+      at_baselines=suite == "maxbatch", target=None,
       json=os.path.join(out, f"{suite}-{model}.json"),
       plot=os.path.join(out, "plots") if suite == "sweep" else None, quiet=False)
 

@@ -138,20 +138,20 @@ class Bench:
     config: the model's options (``batch`` included or the factory's).
     repeats: timed runs per step (median reported).
     progress: called with a line of text as work proceeds.
-    device: a device profile (name in ``jaxmem.PROFILES`` or a
+    target: the GPU to plan for (a name in ``jaxmem.PROFILES`` or a
       ``DeviceProfile``): every jaxmem planner plans for it, and jaxmem rows
-      carry the step time it predicts beside the measured one.
+      carry the step time its profile predicts beside the measured one.
   """
 
   def __init__(self, model: str, config: dict, repeats: int = 5,
-               progress: Callable[[str], None] = lambda line: None, device=None):
+               progress: Callable[[str], None] = lambda line: None, target=None):
     models = _zoo.models()
     self.models = models
     self.model = model
     self.config = dict(config)
     self.repeats = repeats
     self.progress = progress
-    self.device = None if device is None else get_profile(device)
+    self.target = None if target is None else get_profile(target)
     self.base = self.task(Method("unconstrained"))
     self.args = self.base.init()
     compiled = jax.jit(self.base.step).lower(*self.args).compile()
@@ -195,13 +195,13 @@ class Bench:
 
   def _describe(self, row: Row, fit) -> None:
     """Fills ``row`` with what the model says of a jaxmem fit: its peak,
-    timelines, copies and, with a device, the predicted step time."""
+    timelines, copies and, with a target, the predicted step time."""
     memory = fit.memory
     row.model_bytes, row.planning_s = memory.peak, fit.seconds
-    if self.device is not None:
-      predicted = predict_schedule(memory.schedule, self.device).seconds
+    if self.target is not None:
+      predicted = predict_schedule(memory.schedule, self.target).seconds
       unplanned_seconds = predict_schedule(unplanned(fit.graph, 0).schedule,
-                                           self.device).seconds
+                                           self.target).seconds
       row.predicted_ms = predicted * 1e3
       row.predicted_ratio = predicted / unplanned_seconds
     row.timeline = list(memory.timeline)
@@ -214,10 +214,10 @@ class Bench:
       row.vtensors = fit.result.details.rows()
 
   def planner(self, method: Method):
-    """The planner of a jaxmem method, set up for this run's device."""
-    if self.device is None:
+    """The planner of a jaxmem method, set up for this run's target."""
+    if self.target is None:
       return method.option
-    return PLANNERS[method.option](device=self.device)
+    return PLANNERS[method.option](target=self.target)
 
   def footprint(self, method: Method) -> int:
     """XLA's footprint of a method that does not depend on the budget

@@ -44,8 +44,8 @@ class Candidate:
     plan: the decisions.
     schedule: the rewritten step.
     memory: the memory model's prediction for ``schedule``.
-    target: the peak the planner aimed at, in model bytes.
-    fits: whether ``memory.peak <= target``.
+    aim: the peak the planner aimed at, in model bytes.
+    fits: whether ``memory.peak <= aim``.
     seconds: planning time.
     steps: number of greedy choices made.
     details: what the planner reports beyond the plan, or None.
@@ -53,7 +53,7 @@ class Candidate:
   plan: Plan
   schedule: Schedule
   memory: Liveness
-  target: int
+  aim: int
   fits: bool
   seconds: float = 0.0
   steps: int = 0
@@ -63,9 +63,9 @@ class Candidate:
   def peak(self) -> int:
     return self.memory.peak
 
-  def aimed(self, target: int) -> "Candidate":
-    """This candidate judged against ``target``."""
-    return dataclasses.replace(self, target=target, fits=self.peak <= target)
+  def aimed(self, aim: int) -> "Candidate":
+    """This candidate judged against ``aim``."""
+    return dataclasses.replace(self, aim=aim, fits=self.peak <= aim)
 
 
 def evaluate(graph: Graph, plan: Plan) -> tuple[Schedule, Liveness]:
@@ -80,18 +80,19 @@ def evaluate(graph: Graph, plan: Plan) -> tuple[Schedule, Liveness]:
   return schedule, simulate(schedule)
 
 
-def candidate(graph: Graph, plan: Plan, target: int = 0) -> Candidate:
-  """``plan`` evaluated and judged against ``target``."""
+def candidate(graph: Graph, plan: Plan, aim: int = 0) -> Candidate:
+  """``plan`` evaluated and judged against ``aim``."""
   schedule, memory = evaluate(graph, plan)
-  return Candidate(plan, schedule, memory, target, memory.peak <= target)
+  return Candidate(plan, schedule, memory, aim, memory.peak <= aim)
 
 
-def unplanned(graph: Graph, target: int) -> Candidate:
+def unplanned(graph: Graph, aim: int) -> Candidate:
   """The untransformed step as a :class:`Candidate` (every residual kept,
-  no backward read separated: the step as written)."""
+  no backward read separated: the step as written), judged against
+  ``aim``."""
   schedule = build_schedule(graph, Plan(), fused_values(graph), separate=False)
   memory = simulate(schedule)
-  return Candidate(Plan(), schedule, memory, target, memory.peak <= target)
+  return Candidate(Plan(), schedule, memory, aim, memory.peak <= aim)
 
 
 @analysis
@@ -160,13 +161,13 @@ def chain_flops(graph: Graph, vid: int, dropped) -> float:
   return total
 
 
-def prefetch_point(schedule: Schedule, residual: Residual, device: DeviceProfile,
+def prefetch_point(schedule: Schedule, residual: Residual, profile: DeviceProfile,
                    nbytes: int | None = None, costs: list | None = None,
                    after: int = -1, late: bool = False, queue: bool = False) -> int | None:
   """The latest backward node before ``residual`` is first needed in the
   backward pass (:func:`first_backward_need`: its reader, or a
-  recomputation that reads it) such that the predicted compute in between
-  covers the copy back of ``nbytes`` (the residual's by default; a
+  recomputation that reads it) such that the compute in between, as
+  ``profile`` times it, covers the copy back of ``nbytes`` (the residual's by default; a
   vTensor's chunks queue on one link, so a later chunk passes the bytes of
   those before it too): the copy is then ready when needed.
 
@@ -179,7 +180,7 @@ def prefetch_point(schedule: Schedule, residual: Residual, device: DeviceProfile
   copy that frees memory at a peak must not come back before it.
   """
   graph = schedule.graph
-  need = device.transfer_seconds(residual.nbytes if nbytes is None else nbytes, "h2d")
+  need = profile.transfer_seconds(residual.nbytes if nbytes is None else nbytes, "h2d")
   costs = schedule_costs(schedule) if costs is None else costs
   ops = schedule.ops
   first = first_backward_need(schedule, residual.value)
@@ -192,9 +193,9 @@ def prefetch_point(schedule: Schedule, residual: Residual, device: DeviceProfile
     op = ops[pos]
     if op.kind == "node" and not graph.nodes[op.node].backward:
       break
-    covered += device.op_seconds(costs[pos].flops, costs[pos].nbytes)
+    covered += profile.op_seconds(costs[pos].flops, costs[pos].nbytes)
     if queue and op.kind == "prefetch":  # issued in between: ahead on the link
-      need += device.transfer_seconds(schedule.nbytes(op.outs[0]), "h2d")
+      need += profile.transfer_seconds(schedule.nbytes(op.outs[0]), "h2d")
     if op.kind == "node":
       at = op.node
       if covered >= need:

@@ -61,7 +61,7 @@ class Fitter:
       ``reserve``.
     unconstrained: XLA's footprint of the untransformed step.
     model_scale: the memory model's footprint of the untransformed step
-      over XLA's.
+      over XLA's, less ``fixed``.
     jit: compiles a candidate's step to read its footprint:
       ``candidate -> compiled``.
     max_rounds: planning rounds while XLA is over the budget.
@@ -69,6 +69,10 @@ class Fitter:
       (:func:`~jaxmem.targets.runtime_reserve`); errors name budgets with it
       added back.
     where: the target's name, for errors (``"t4 (XLA:GPU ...)"``).
+    fixed: bytes of XLA's footprint no plan changes and the memory model
+      does not hold (the workspace XLA:GPU gives cuBLAS and cuDNN,
+      :func:`~jaxmem.targets.workspace_bytes`): the model's part of a
+      budget is the budget less these.
   """
   graph: Graph
   planner: Planner
@@ -79,6 +83,11 @@ class Fitter:
   max_rounds: int = 4
   reserve: int = 0
   where: str = ""
+  fixed: int = 0
+
+  def _model_part(self, footprint: int) -> int:
+    """The part of an XLA footprint the memory model's figures stand for."""
+    return max(footprint - self.fixed, 1)
 
   def fit(self, find_smallest: bool = True) -> tuple[Trial, int] | None:
     """The trial that fits and the planning rounds it took. Where none fits,
@@ -103,7 +112,7 @@ class Fitter:
     """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
     compiled = self.jit(candidate)
     if candidate.plan.uses_host and not holds_host_memory(compiled):
-      return Trial(candidate, int(candidate.peak / self.model_scale))
+      return Trial(candidate, int(candidate.peak / self.model_scale) + self.fixed)
     return Trial(candidate, xla_footprint(compiled))
 
   def cost(self, trial: Trial | Candidate) -> float:
@@ -116,38 +125,40 @@ class Fitter:
     where it is already within the aim."""
     graph, scale, previous = self.graph, self.model_scale, None
     for rounds in itertools.count(1):
-      target = int(self.budget * scale)
-      if self.needs_plan(target):
-        candidate = self.planner.plan(graph, target, start=previous)
+      aim = int(self._model_part(self.budget) * scale)
+      if self.needs_plan(aim):
+        candidate = self.planner.plan(graph, aim, start=previous)
         previous = candidate.plan
       else:
-        candidate = unplanned(graph, target)
+        candidate = unplanned(graph, aim)
       trial = self.compile(candidate)
       if (trial.measured <= self.budget or not candidate.fits
           or rounds >= self.max_rounds):
         return trial, rounds
-      scale *= self.budget / trial.measured * 0.99
+      scale *= self._model_part(self.budget) / self._model_part(trial.measured) * 0.99
 
-  def needs_plan(self, target: int) -> bool:
+  def needs_plan(self, aim: int) -> bool:
     """Whether the step must be planned: it has a backward pass, the budget
     is under its footprint and the planners' starting point is over
-    ``target``."""
+    ``aim``."""
     return (self.graph.has_backward and self.budget < self.unconstrained
-            and unplanned_liveness(self.graph).peak > target)
+            and unplanned_liveness(self.graph).peak > aim)
 
   def loosen(self, found: Trial, rounds: int = 2) -> Trial:
     """A fitting plan well under the budget, where the model rates the
     plan's savings below what XLA gives them, recomputes more than it needs
-    to: re-planned up to ``rounds`` times for a looser model target
-    (bisecting between the last target that fit and the first that did
-    not), a plan is taken if XLA's footprint still fits and it costs less
+    to: re-planned up to ``rounds`` times for a looser aim in model bytes
+    (bisecting between the last aim that fit and the first that did not),
+    a plan is taken if XLA's footprint still fits and it costs less
     (:meth:`Planner.cost`)."""
-    low, high = found.candidate.target / self.budget, None
+    room = self._model_part(self.budget)
+    low, high = found.candidate.aim / room, None
     for _ in range(rounds):
       if found.measured >= 0.95 * self.budget:
         break
-      scale = (low + high) / 2 if high else low * self.budget / found.measured * 0.99
-      candidate = self.planner.plan(self.graph, int(self.budget * scale))
+      scale = ((low + high) / 2 if high else
+               low * room / self._model_part(found.measured) * 0.99)
+      candidate = self.planner.plan(self.graph, int(room * scale))
       if candidate.fits and candidate.plan != found.candidate.plan:
         trial = self.compile(candidate)
         if trial.measured <= self.budget and self.cost(trial) < self.cost(found):
@@ -165,7 +176,7 @@ class Fitter:
     for candidate in self.planner.structured(self.graph):
       if self.cost(candidate) >= limit:
         break
-      candidate = dataclasses.replace(candidate, target=found.candidate.target, fits=True)
+      candidate = dataclasses.replace(candidate, aim=found.candidate.aim, fits=True)
       trial = self.compile(candidate)
       if trial.measured <= self.budget:
         return trial

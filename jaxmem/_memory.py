@@ -71,12 +71,12 @@ class Liveness:
   host_peak: int = 0
   host_timeline: list = dataclasses.field(default_factory=list)
 
-  def excess(self, target: int) -> int:
-    """Byte-ops above ``target``: how far and how long the step exceeds it,
+  def excess(self, level: int) -> int:
+    """Byte-ops above ``level`` bytes: how far and how long the step exceeds it,
     counted at the step's own equations only, so plans with more
     recomputation are not charged for their extra ops."""
     ops = self.schedule.ops
-    return sum(max(0, t - target) for t, op in zip(self.timeline, ops)
+    return sum(max(0, t - level) for t, op in zip(self.timeline, ops)
                if op.kind == "node")
 
   @property

@@ -13,7 +13,7 @@ Example:
   >>> ops = [OpCost("a", 1e9, 0), OpCost("b", 1e9, 0)]
   >>> t = predict(ops, [], get_profile("t4"))
   >>> round(t.seconds * 1e3, 3), t.stall
-  (0.247, 0.0)
+  (0.246, 0.0)
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from jaxmem._inner import body_graph, embedded, inner_loop
 from jaxmem._memory import Liveness
 from jaxmem._report import decision_label, residual_table
 from jaxmem.planners import Planner, get_planner
-from jaxmem.targets import Target, platform_of, resolve, xla_footprint
+from jaxmem.targets import Target, platform_of, resolve, workspace_bytes, xla_footprint
 
 _Tracer = jax.core.Tracer
 
@@ -326,9 +326,10 @@ class Transformed:
           f"budget above {reserve} bytes, or a smaller transform(..., reserve=).",
           smallest=reserve + 1)
     model = base_memory if loop is None else evaluate(planned, Plan())[1]
+    fixed = workspace_bytes(baseline)
     fitter = Fitter(planned, planner, budget - reserve, unconstrained,
-                    model.peak / unconstrained, jit, self.max_rounds, reserve,
-                    target.name)
+                    model.peak / max(unconstrained - fixed, 1), jit, self.max_rounds,
+                    reserve, target.name, fixed)
     found = fitter.fit(find_smallest)
     if found is None:
       return None

@@ -34,7 +34,7 @@ from jaxmem import _zoo
 from jaxmem._budget import Budget, format_bytes
 from jaxmem._provenance import provenance
 from jaxmem.targets import PROFILES
-from jaxmem.planners import DEFAULT_DEVICE
+from jaxmem.planners import DEFAULT_TARGET
 
 
 def _parse_config(items) -> dict:
@@ -86,11 +86,12 @@ def _parser(models) -> argparse.ArgumentParser:
   parser.add_argument("--repeats", type=int, default=5, help="timed runs per step")
   parser.add_argument("--max-batch", action="store_true",
                       help="search each method's largest batch at the first budget")
-  parser.add_argument("--device", metavar="PROFILE",
-                      help="plan for this device profile (" + ", ".join(sorted(PROFILES))
-                           + ", or 'calibrate' to measure this one) and report the "
-                           "step time it predicts beside the measured one; the hybrid "
-                           "and offload planners use t4 without it")
+  parser.add_argument("--target", metavar="PROFILE",
+                      help="plan for this target's profile (" + ", ".join(sorted(PROFILES))
+                           + ", or 'calibrate' to measure this machine's) and report "
+                           "the step time it predicts beside the measured one; the "
+                           "hybrid, offload and lgm planners use "
+                           f"{DEFAULT_TARGET} without it")
   parser.add_argument("--at-baselines", action="store_true",
                       help="also run every jaxmem planner at each remat baseline's own "
                            "footprint (step times compared at equal memory)")
@@ -113,14 +114,14 @@ def run(opts) -> dict:
   budgets = [(text, Budget.parse(text)) for text in opts.budgets]
   started = time.time()
   progress(f"{opts.model}: compiling and timing the unconstrained step")
-  device = opts.device
-  if device == "calibrate":
+  target = opts.target
+  if target == "calibrate":
     progress("calibrating this device")
-    device = jaxmem.calibrate()
-  elif device is not None and device not in PROFILES:
-    raise SystemExit(f"jaxmem-bench: unknown --device {device!r}; expected one of "
+    target = jaxmem.calibrate()
+  elif target is not None and target not in PROFILES:
+    raise SystemExit(f"jaxmem-bench: unknown --target {target!r}; expected one of "
                      f"{sorted(PROFILES)} or 'calibrate'")
-  bench = Bench(opts.model, config, opts.repeats, progress, device)
+  bench = Bench(opts.model, config, opts.repeats, progress, target)
   rows = []
   for method in methods:
     for text, budget in budgets:
@@ -142,7 +143,7 @@ def run(opts) -> dict:
       "unconstrained_step_ms": bench.base_seconds * 1e3,
       "unconstrained_flops": bench.base_flops,
       "rows": rows, "seconds": time.time() - started,
-      "device_profile": None if bench.device is None else dataclasses.asdict(bench.device),
+      "target_profile": None if bench.target is None else dataclasses.asdict(bench.target),
       "command": " ".join(["jaxmem-bench"] + sys.argv[1:]),
       "provenance": source,
       "date": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -183,13 +184,13 @@ def main(argv=None) -> int:
         "that does not fit, the smallest it reaches; for offload plans on a backend that "
         "ignores host memory (CPU), jaxmem's device peak. model = jaxmem's prediction. "
         "time x, FLOPs x = ratios to the unconstrained step of this run; pred x = the "
-        "step time the device profile predicts, over its prediction for the "
+        "step time the target's profile predicts, over its prediction for the "
         "unconstrained step"
         + (" (CPU time on CPU)." if result["machine"]["backend"] == "cpu" else "."))
-  if result["device_profile"] is None:
-    print(f"No --device given: jaxmem planners that time copies (hybrid, offload, lgm) "
-          f"plan for the {DEFAULT_DEVICE} profile; pass --device PROFILE "
-          f"({', '.join(sorted(PROFILES))}) or --device calibrate.")
+  if result["target_profile"] is None:
+    print(f"No --target given: jaxmem planners that time copies (hybrid, offload, lgm) "
+          f"plan for the {DEFAULT_TARGET} profile; pass --target PROFILE "
+          f"({', '.join(sorted(PROFILES))}) or --target calibrate.")
   save(result, opts)
   return 0
 

@@ -140,9 +140,9 @@ MUTANTS = [
     Mutant("no-layers-back",
            "the planner never gives a loop's last layers back (every layer rebuilt)",
            "jaxmem/planners/_greedy.py",
-           "    stacks again, as many as the target allows (:meth:`_layers_back`).\"\"\"\n"
-           "    result = self._layers_back(graph, result, target)\n",
-           "    stacks again, as many as the target allows.\"\"\"\n",
+           "    stacks again, as many as the aim allows (:meth:`_layers_back`).\"\"\"\n"
+           "    result = self._layers_back(graph, result, aim)\n",
+           "    stacks again, as many as the aim allows.\"\"\"\n",
            ("tests/test_loop_segments.py",)),
     Mutant("layer-input-fetched-twice",
            "a hosted layer input that the backward body and the rebuild both read is "
@@ -161,16 +161,16 @@ MUTANTS = [
     Mutant("offload-plans-unrefined",
            "an offload-only plan taken from the ladder keeps every copy it made",
            "jaxmem/planners/_greedy.py",
-           "        best = (self._refine(graph, best, target) if self.recompute\n"
-           "                else self._keep_copies(graph, best, target))\n",
-           "        best = self._refine(graph, best, target) if self.recompute else best\n",
+           "        best = (self._refine(graph, best, aim) if self.recompute\n"
+           "                else self._keep_copies(graph, best, aim))\n",
+           "        best = self._refine(graph, best, aim) if self.recompute else best\n",
            ("tests/test_hybrid.py",)),
     Mutant("no-hosted-layers-back",
            "an offload-only plan never gives a loop's last layers back (every layer hosted)",
            "jaxmem/planners/_greedy.py",
            "    moved on its way to the lowest peak. A loop's hosted stacks first give\n"
            "    back their last layers (:meth:`_layers_back`).\"\"\"\n"
-           "    result = self._layers_back(graph, result, target)\n",
+           "    result = self._layers_back(graph, result, aim)\n",
            "    moved on its way to the lowest peak.\"\"\"\n",
            ("tests/test_scan_offload.py",)),
 ]

@@ -73,14 +73,14 @@ def test_at_baselines_runs_jaxmem_at_each_baseline_footprint(tmp_path):
     assert twin["time_ratio"] > 0
 
 
-def test_device_profile_plans_and_predicts(tmp_path):
+def test_target_profile_plans_and_predicts(tmp_path):
   out = tmp_path / "run.json"
-  bench.main(TINY + ["--budgets", "95%", "--repeats", "1", "--quiet", "--device", "rtx3060",
+  bench.main(TINY + ["--budgets", "95%", "--repeats", "1", "--quiet", "--target", "rtx3060",
                      "--methods", "unconstrained", "jaxmem:hybrid", "--json", str(out)])
   result = json.loads(out.read_text())
-  assert result["device_profile"]["name"] == "rtx3060"
+  assert result["target_profile"]["name"] == "rtx3060"
   row = {r["method"]: r for r in result["rows"]}["jaxmem:hybrid"]
   assert row["fits"] and row["xla_bytes"] <= row["budget_bytes"]
   assert row["predicted_ms"] > 0 and row["predicted_ratio"] >= 1.0
-  with pytest.raises(SystemExit, match="unknown --device 'k80'"):
-    bench.main(TINY + ["--device", "k80", "--quiet"])
+  with pytest.raises(SystemExit, match="unknown --target 'k80'"):
+    bench.main(TINY + ["--target", "k80", "--quiet"])

@@ -124,8 +124,8 @@ def test_fits_tries_the_block_shaped_plans_before_answering_no(gpt2):
     """A planner whose search never gets under the budget."""
     name = "keeps-everything"
 
-    def plan(self, graph, target, start=None):
-      return unplanned(graph, target)
+    def plan(self, graph, aim, start=None):
+      return unplanned(graph, aim)
 
     def structured(self, graph):
       return greedy.structured(graph)

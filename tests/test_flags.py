@@ -96,20 +96,24 @@ def test_fitted_step_keeps_recomputation_without_the_global_flag():
   assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
+@pytest.mark.parametrize("platform", ["cpu", "gpu"])
 @pytest.mark.parametrize("name,config", [
     ("gpt2", dict(scan=True, depth=2, dim=32, heads=2, seq=32, vocab=64, batch=4)),
     ("resnet18", dict(width=8, stages=[1, 1], size=16, batch=4))])
-def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config):
+def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config, platform):
   """The fit loop reads footprints from compilations without LLVM's
-  optimization; the step the user runs is compiled with it."""
+  optimization; the step the user runs is compiled with it (on XLA:CPU, and
+  on XLA:GPU for a T4 target)."""
   import jax
-  from jaxmem.targets import xla_footprint
+  from jaxmem.targets import placed, xla_footprint
   from jaxmem._zoo import models
   task = models().get(name, **config)
   shapes = jax.eval_shape(task.init)
-  footprints = {xla_footprint(jax.jit(task.step, compiler_options=options)
+  if platform == "gpu":
+    shapes = placed(shapes, "t4")
+  footprints = {xla_footprint(jax.jit(task.step, compiler_options=options or None)
                               .lower(*shapes).compile())
-                for options in (_flags.compiler_options("cpu"),
-                                _flags.measuring_options("cpu"))}
+                for options in (_flags.compiler_options(platform),
+                                _flags.measuring_options(platform))}
   assert len(footprints) == 1
-  assert _flags.measuring_options("gpu") == {}
+  assert _flags.measuring_options(platform)["xla_backend_optimization_level"] == 0

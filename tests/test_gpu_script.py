@@ -126,3 +126,21 @@ def test_the_worker_sums_up_a_step_by_update_norms_and_probes():
   permuted = gpu_worker._update_norms((state, None), moved([0.0, 0.0, 4.0, 3.0]))
   assert len(got) == 3 and got[0] == 5.0 and got[2] == 2.5
   assert permuted[0] == 5.0 and abs(permuted[1] - got[1]) > 1e-3 * abs(got[1])
+
+
+def test_dry_run_for_a_gpu_target_compiles_every_method_with_xla_gpu(tmp_path):
+  """``--dry-run --target t4``: the unmodified step, a remat policy (whose
+  barriers XLA:GPU refuses under the XLA:CPU flag this process sets), a
+  jaxmem planner and XLA's own remat are compiled for a T4 here, and the
+  unmodified footprint is XLA:GPU's, not XLA:CPU's."""
+  result, _ = _dry_run(tmp_path, "--target", "t4", "--models", "resnet18", "--planners",
+                       "recompute", "--budgets", "80%", "--remat", "nothing_saveable")
+  rows = {r["method"]: r for r in result["rows"]}
+  assert set(rows) == {"unconstrained", "remat:nothing_saveable", "jaxmem:recompute",
+                       "xla:remat"}
+  assert all(r["status"] in ("ok", "no-fit") for r in rows.values()), rows
+  here, _ = _dry_run(tmp_path / "cpu", "--models", "resnet18", "--planners", "recompute",
+                     "--budgets", "80%", "--remat")
+  on_cpu = {r["method"]: r for r in here["rows"]}["unconstrained"]["footprint"]
+  assert rows["unconstrained"]["footprint"] != on_cpu
+  assert rows["jaxmem:recompute"]["budget_bytes"] == int(rows["unconstrained"]["footprint"] * 0.8)

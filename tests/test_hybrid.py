@@ -20,22 +20,22 @@ def offloads(result):
   return len(result.plan.values_with("offload"))
 
 
-def test_planner_choices_follow_the_device(mlp):
+def test_planner_choices_follow_the_target(mlp):
   _, _, graph, base = mlp
   t4 = get_profile("t4")
   fast = dataclasses.replace(t4, name="fast-link", h2d_bandwidth=1e12, d2h_bandwidth=1e12,
                              link_latency=0.0)
   slow = dataclasses.replace(t4, name="slow-link", h2d_bandwidth=1e7, d2h_bandwidth=1e7)
-  target = int(0.6 * base)
+  aim = int(0.6 * base)
   # A link fast enough to hide every copy: offloading is free, and chosen.
-  assert offloads(hybrid(fast).plan(graph, target)) > 0
+  assert offloads(hybrid(fast).plan(graph, aim)) > 0
   # A slow link makes every copy stall: recomputation is preferred.
-  slow_plan = hybrid(slow).plan(graph, target)
+  slow_plan = hybrid(slow).plan(graph, aim)
   assert slow_plan.fits and offloads(slow_plan) == 0
   # Unified memory: moving a tensor to "host" frees nothing; never chosen.
   unified = dataclasses.replace(fast, name="unified", unified=True)
-  assert offloads(hybrid(unified).plan(graph, target)) == 0
-  with pytest.raises(ValueError, match="offload needs a device profile"):
+  assert offloads(hybrid(unified).plan(graph, aim)) == 0
+  with pytest.raises(ValueError, match="offload needs a target"):
     Greedy(offload=True)
 
 
@@ -104,16 +104,16 @@ def test_copy_back_is_ready_for_the_recomputation_that_reads_it(mlp):
                      for op in schedule.ops[rebuilt_from[r.value]:position[at]])
 
 
-def test_offload_only_moves_no_more_than_the_target_needs(mlp):
-  """Where the offload-only greedy reaches the target only on its ladder,
+def test_offload_only_moves_no_more_than_the_aim_needs(mlp):
+  """Where the offload-only greedy reaches the aim only on its ladder,
   the plan the ladder hands over keeps on the device again every copy the
-  target does not need, largest first."""
+  aim does not need, largest first."""
   _, _, graph, base = mlp
   planner = offload_only()
   lowest = min(planner.lowest(graph), key=lambda r: r.peak)
-  target = (lowest.peak + base) // 2
-  found = planner.plan(graph, target)
+  aim = (lowest.peak + base) // 2
+  found = planner.plan(graph, aim)
   assert found.fits and found.memory.host_peak < lowest.memory.host_peak
   for vid in found.plan.values_with("offload"):  # each copy left is needed
     _, memory = evaluate(graph, found.plan.with_decision(vid, KEEP))
-    assert memory.peak > target or len(found.plan) > planner.refine
+    assert memory.peak > aim or len(found.plan) > planner.refine

@@ -63,35 +63,48 @@ def test_description_parses_what_xla_prints():
     parse(re.sub(r"\s*core_count: \d+", "", text))
 
 
-@pytest.fixture(scope="module", params=sorted(SMALL))
+@pytest.fixture(scope="module")
 def task(request):
   task = models.get(request.param, optimizer=optax.adam(1e-3, eps=1e-3),
                     **SMALL[request.param])
   return task, task.init()
 
 
-@pytest.mark.parametrize("fraction", [1.0, 0.7, 0.5])
+# A fit below the footprint compiles about ten candidates for the T4, 5-7 s
+# each for the CNN and 1.5-2 minutes a fit for the transformer on two cores:
+# CI checks the MLP at every budget and the others as written; their low
+# budgets are model-scale checks.
+_SLOW = pytest.mark.slow
+@pytest.mark.parametrize("task, fraction", [
+    ("mlp", 1.0), ("mlp", 0.7), ("mlp", 0.5), ("transformer", 1.0),
+    pytest.param("transformer", 0.7, marks=_SLOW), pytest.param("transformer", 0.5, marks=_SLOW),
+    ("cnn", 1.0), pytest.param("cnn", 0.7, marks=_SLOW), pytest.param("cnn", 0.5, marks=_SLOW)],
+    indirect=["task"])
 def test_fits_the_t4_budget_and_runs_here_with_the_same_numbers(task, fraction):
   """XLA:GPU's footprint of the fitted step, lowered for a T4, is within the
   fraction of the step as written compiled for the T4; where the budget is
-  below what the planner reaches, the error names a smallest footprint that
-  itself fits. The fitted step runs here with the untransformed step's
-  updates."""
+  below what the planner reaches, the error names a smallest footprint
+  above it and below the step as written. The fitted step runs here with
+  the untransformed step's updates."""
   task, args = task
-  budget = int(fraction * t4_footprint(task.step, args))
+  unconstrained = t4_footprint(task.step, args)
+  budget = int(fraction * unconstrained)
   fitted = jaxmem.transform(task.step, budget=f"{fraction:.0%}", target=T4)
   try:
     fit = fitted.fit(*args)
   except jaxmem.BudgetError as err:
-    assert fraction < 1.0 and err.smallest > budget
-    fitted = jaxmem.transform(task.step, budget=err.smallest, target=T4, reserve=0)
-    fit, budget = fitted.fit(*args), err.smallest
+    assert fraction < 1.0 and budget < err.smallest < unconstrained, (
+        budget, err.smallest, unconstrained)
+    assert "on target t4" in str(err)
+    return
   assert fit.budget == budget
   assert fit.target.compile_only and fit.target.platform == "gpu"
   lowered = xla_footprint(fitted.lower(*placed(args, T4)).compile())
   assert lowered <= budget, (lowered, budget)
   if fraction == 1.0:
     assert not len(fit.plan) and lowered == budget
+  else:
+    assert len(fit.plan)
   state, batch = args
   want, got = jax.jit(task.step)(state, batch), fitted(state, batch)
   assert_updates_close(got[0], want[0], state)
@@ -100,10 +113,11 @@ def test_fits_the_t4_budget_and_runs_here_with_the_same_numbers(task, fraction):
 def test_lowering_on_t4_plans_for_the_t4_not_for_this_machine():
   """Arguments placed on a T4 make it the target (no ``target=``): the fit
   is judged by XLA:GPU, whose footprint differs from XLA:CPU's, and the
-  same transform called with arrays here plans for the CPU."""
+  same transform called with arrays here plans for the CPU. (Planned
+  budgets on the T4 are checked above.)"""
   task = models.get("mlp", **SMALL["mlp"])
   args = task.init()
-  fitted = jaxmem.transform(task.step, budget="70%")
+  fitted = jaxmem.transform(task.step, budget="100%")
   on_t4 = fitted.fit(*placed(args, T4))
   here = fitted.fit(*args)
   assert on_t4.target.platform == "gpu" and here.target.platform == "cpu"
@@ -118,24 +132,27 @@ def _offloaded(fit) -> list:
   return [fit.graph.values[v] for v in fit.plan.values_with("offload")]
 
 
-def test_an_offload_plan_holds_host_memory_in_xla_gpu_program(mlp):
+def test_an_offload_plan_holds_host_memory_in_xla_gpu_program():
   """XLA:GPU's program for a T4 holds every value the plan offloads in host
-  memory (``S(5)``), and its host bytes cover them: the compiler, not the
-  memory model, confirms the plan's offload (XLA:CPU ignores memory
-  kinds)."""
-  task, args, _, _ = mlp
-  fitted = jaxmem.transform(task.step, budget="70%", planner="offload", target=T4)
+  memory (``S(5)``), its host bytes are those values' bytes, and its device
+  footprint meets the budget: the compiler, not the memory model, confirms
+  the plan's offload (XLA:CPU ignores memory kinds). The MLP's activations
+  (4 MiB each) outweigh the workspace XLA:GPU gives cuBLAS, which a smaller
+  step's footprint is mostly made of."""
+  task = models.get("mlp", optimizer=optax.sgd(1e-3), depth=8, width=512, batch=2048,
+                    features=64)
+  args = task.init()
+  budget = int(0.8 * t4_footprint(task.step, args))
+  fitted = jaxmem.transform(task.step, budget="80%", planner="offload", target=T4)
   fit = fitted.fit(*args)
   offloaded = _offloaded(fit)
   assert offloaded, "the plan offloads nothing: nothing to check"
   compiled = fitted.lower(*placed(args, T4)).compile()
-  hlo = compiled.as_text()
-  on_host = re.findall(r"(\w+)\[([\d,]*)\]\{[\d,]*:[^}]*S\(5\)", hlo)
+  on_host = re.findall(r"\w+\[([\d,]*)\]\{[\d,]*:[^}]*S\(5\)", compiled.as_text())
   for value in offloaded:
-    dims = ",".join(map(str, value.aval.shape))
-    assert any(d == dims for _, d in on_host), (value.aval, sorted(set(on_host)))
-  assert host_bytes(compiled) >= max(v.nbytes for v in offloaded)
-  assert xla_footprint(compiled) <= fit.budget
+    assert ",".join(map(str, value.aval.shape)) in on_host, (value.aval, sorted(set(on_host)))
+  assert host_bytes(compiled) == sum(v.nbytes for v in offloaded)
+  assert fit.budget == budget and xla_footprint(compiled) <= budget
   state, batch = args
   assert_updates_close(fitted(state, batch)[0], jax.jit(task.step)(state, batch)[0], state)
 

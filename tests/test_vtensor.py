@@ -105,7 +105,7 @@ def test_chunks_respect_the_reservation_floor(mlp):
   t4 = get_profile("t4")
   assert LGM("t4").floor == reservation_floor(t4, 0.8)
   assert t4.efficiency(reservation_floor(t4, 0.8), "h2d") >= 0.8 - 1e-6
-  # Reserved headroom: the plan aims below the target.
+  # Reserved headroom: the plan aims below the aim it is given.
   result = LGM("t4", min_chunk=4096, reserve=0.05).plan(graph, int(0.8 * base))
   assert result.peak <= 0.8 * base * 0.95
 
@@ -142,7 +142,7 @@ def test_lgm_transform_gives_the_same_numbers(name):
 def test_hybrid_with_lgm_as_its_swap_step(mlp):
   _, _, graph, base = mlp
   planner = hybrid("t4", swap="lgm")
-  recompute_only = jaxmem.Greedy(device="t4")
+  recompute_only = jaxmem.Greedy(target="t4")
   lowest = min(r.peak for r in recompute_only.lowest(graph))
   result = planner.plan(graph, int(lowest * 0.97))
   assert result.fits and result.plan.uses_host

@@ -22,61 +22,62 @@ from __future__ import annotations
 
 from typing import Callable
 
-from jaxmem.planners._base import DEFAULT_DEVICE, Planner, with_device
+from jaxmem.planners._base import DEFAULT_TARGET, Planner, with_target
 from jaxmem.planners._greedy import Greedy
 from jaxmem.planners._hybrid import Hybrid
 from jaxmem.planners._lgm import LGM, LayerReport, SwapRecord, reservation_floor
 
 
-def recompute(device=None, **options) -> Greedy:
-  """The recompute-only greedy; with ``device``, plans are costed by
+def recompute(target=None, **options) -> Greedy:
+  """The recompute-only greedy; with ``target``, plans are costed by
   predicted time on it instead of recomputed FLOPs."""
-  return Greedy(device=device, **options)
+  return Greedy(target=target, **options)
 
 
-def hybrid(device=None, swap: str = "greedy", host_budget: int | None = None,
+def hybrid(target=None, swap: str = "greedy", host_budget: int | None = None,
            swaps: int = 32) -> Hybrid:
-  """Libra's hybrid for ``device`` (None assumes ``"t4"``, and reports say
+  """Libra's hybrid for ``target`` (None assumes ``"t4"``, and reports say
   so): the recompute-only greedy, then a greedy with offload moves, or with
   ``swap="lgm"`` the vTensor planner, for what it leaves (see
   :class:`Hybrid`)."""
   if swap not in ("greedy", "lgm"):
     raise ValueError(f"hybrid: swap must be 'greedy' or 'lgm', got {swap!r}")
-  device, assumed = with_device(device)
+  target, assumed = with_target(target)
   if swap == "lgm":
-    then = LGM(device, host_budget=host_budget, name="hybrid")
+    then = LGM(target, host_budget=host_budget, name="hybrid")
   else:
-    then = Greedy(name="hybrid", offload=True, device=device, host_budget=host_budget)
-  return Hybrid(Greedy(device=device), then, device=device, swaps=swaps,
-                host_budget=host_budget, assumed_device=assumed)
+    then = Greedy(name="hybrid", offload=True, target=target, host_budget=host_budget)
+  return Hybrid(Greedy(target=target), then, target=target, swaps=swaps,
+                host_budget=host_budget, assumed_target=assumed)
 
 
-def offload_only(device=None, **options) -> Greedy:
-  """The greedy with offload moves only (no recomputation) for ``device``
+def offload_only(target=None, **options) -> Greedy:
+  """The greedy with offload moves only (no recomputation) for ``target``
   (None assumes ``"t4"``)."""
-  device, assumed = with_device(device)
-  return Greedy(name="offload", offload=True, recompute=False, device=device,
-                assumed_device=assumed, **options)
+  target, assumed = with_target(target)
+  return Greedy(name="offload", offload=True, recompute=False, target=target,
+                assumed_target=assumed, **options)
 
 
-def lgm(device=None, **options) -> LGM:
-  """The vTensor planner (:class:`LGM`) for ``device`` (None assumes
+def lgm(target=None, **options) -> LGM:
+  """The vTensor planner (:class:`LGM`) for ``target`` (None assumes
   ``"t4"``)."""
-  return LGM(device=device, **options)
+  return LGM(target=target, **options)
 
 
-def lgm_whole(device=None, **options) -> LGM:
+def lgm_whole(target=None, **options) -> LGM:
   """Ablation: the LGM planner swapping whole tensors only (no vTensors)."""
-  return lgm(device, whole=True, name="lgm-whole", **options)
+  return lgm(target, whole=True, name="lgm-whole", **options)
 
 
-def lgm_unreserved(device=None, **options) -> LGM:
+def lgm_unreserved(target=None, **options) -> LGM:
   """Ablation: the LGM planner with memory reservation off (no chunk floor,
   no headroom)."""
-  return lgm(device, min_chunk=0, reserve=0.0, name="lgm-unreserved", **options)
+  return lgm(target, min_chunk=0, reserve=0.0, name="lgm-unreserved", **options)
 
 
-# Name -> factory taking an optional device profile.
+# Name -> factory taking an optional target (a name in jaxmem.PROFILES or a
+# DeviceProfile).
 PLANNERS: dict[str, Callable[..., Planner]] = {
     "recompute": recompute, "hybrid": hybrid, "offload": offload_only,
     "lgm": lgm, "lgm-whole": lgm_whole, "lgm-unreserved": lgm_unreserved}
@@ -84,25 +85,25 @@ PLANNERS: dict[str, Callable[..., Planner]] = {
 ABLATIONS = frozenset({"lgm-whole", "lgm-unreserved"})
 
 
-def get_planner(planner, device=None) -> Planner:
-  """A planner from a name in :data:`PLANNERS` (set up for ``device``, a
+def get_planner(planner, target=None) -> Planner:
+  """A planner from a name in :data:`PLANNERS` (set up for ``target``, a
   profile, where one is given) or a :class:`Planner` (as it is)."""
   if isinstance(planner, str):
     if planner not in PLANNERS:
       raise ValueError(
           f"jaxmem: unknown planner {planner!r}; expected one of {sorted(PLANNERS)} "
           "or a jaxmem.Planner instance.")
-    return PLANNERS[planner]() if device is None else PLANNERS[planner](device)
+    return PLANNERS[planner]() if target is None else PLANNERS[planner](target)
   if not isinstance(planner, Planner):
     raise TypeError(
         f"jaxmem: planner must be a name in {sorted(PLANNERS)} or a jaxmem.Planner "
-        f"(subclass it and implement plan(graph, target, start=None)); got "
+        f"(subclass it and implement plan(graph, aim, start=None)); got "
         f"{type(planner).__name__}.")
   return planner
 
 
 __all__ = [
-    "ABLATIONS", "DEFAULT_DEVICE", "Greedy", "Hybrid", "LGM", "LayerReport", "PLANNERS",
+    "ABLATIONS", "DEFAULT_TARGET", "Greedy", "Hybrid", "LGM", "LayerReport", "PLANNERS",
     "Planner", "SwapRecord", "get_planner", "hybrid", "lgm", "lgm_unreserved",
     "lgm_whole", "offload_only", "recompute", "reservation_floor",
 ]

@@ -1,10 +1,11 @@
 """The planner contract: what the fit loop may ask of any planner.
 
 A planner is a small object with a name and, where it times plans, a
-device profile. It proposes :class:`~jaxmem._evaluate.Candidate` plans for
-a graph; the fit loop compiles them and keeps the one XLA agrees with.
-Subclass :class:`Planner` and implement :meth:`Planner.plan`; the other
-methods have defaults.
+target (the GPU whose profile times them). It proposes
+:class:`~jaxmem._evaluate.Candidate` plans for a graph, each aimed at a
+peak in model bytes; the fit loop compiles them and keeps the one XLA
+agrees with. Subclass :class:`Planner` and implement :meth:`Planner.plan`;
+the other methods have defaults.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ from jaxmem._graph import Graph
 from jaxmem._perf import predict_schedule
 from jaxmem._schedule import Schedule
 
-# The profile a planner that times copies plans for when none is given.
-DEFAULT_DEVICE = "t4"
+# The target a planner that times copies plans for when none is given.
+DEFAULT_TARGET = "t4"
 
 
 class Planner:
@@ -25,30 +26,30 @@ class Planner:
 
   Attributes:
     name: how reports and the registry name it.
-    device: the device profile plans are timed on (a name in
-      ``jaxmem.PROFILES`` or a :class:`~jaxmem.DeviceProfile`); None: a
-      plan's cost is the FLOPs it recomputes.
-    assumed_device: the device was not given but assumed
-      (``DEFAULT_DEVICE``); reports say so.
+    target: the GPU plans are timed on (a name in ``jaxmem.PROFILES`` or
+      a :class:`~jaxmem.DeviceProfile`); None: a plan's cost is the FLOPs
+      it recomputes.
+    assumed_target: the target was not given but assumed
+      (``DEFAULT_TARGET``); reports say so.
 
   Example:
     >>> class KeepAll(Planner):
     ...   name = "keep-all"
-    ...   def plan(self, graph, target, start=None):
+    ...   def plan(self, graph, aim, start=None):
     ...     from jaxmem._evaluate import candidate
-    ...     return candidate(graph, Plan(), target)
+    ...     return candidate(graph, Plan(), aim)
     >>> KeepAll().describe()
     'keep-all (cost: recomputed FLOPs)'
   """
   name: str = "planner"
-  device: object = None
-  assumed_device: bool = False
+  target: object = None
+  assumed_target: bool = False
 
-  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
-    """A plan for ``graph`` whose predicted peak is at most ``target``
+  def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
+    """A plan for ``graph`` whose predicted peak is at most ``aim``
     model bytes if it can find one (``fits`` says), else its lowest; from
-    ``start`` if given (a plan for a looser target)."""
-    raise NotImplementedError(f"{type(self).__name__} must implement plan(graph, target, "
+    ``start`` if given (a plan for a looser aim)."""
+    raise NotImplementedError(f"{type(self).__name__} must implement plan(graph, aim, "
                               "start=None) -> Candidate")
 
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
@@ -69,33 +70,34 @@ class Planner:
     return False
 
   @property
-  def device_profile(self) -> DeviceProfile | None:
-    return None if self.device is None else get_profile(self.device)
+  def target_profile(self) -> DeviceProfile | None:
+    """The target's :class:`~jaxmem.DeviceProfile` (None without one)."""
+    return None if self.target is None else get_profile(self.target)
 
   def cost(self, schedule: Schedule) -> float:
-    """What a plan costs, in FLOPs: those it recomputes or, with a device,
+    """What a plan costs, in FLOPs: those it recomputes or, with a target,
     its predicted step time (copies and stalls included) in FLOPs of that
-    device."""
-    device = self.device_profile
-    if device is None:
+    target."""
+    profile = self.target_profile
+    if profile is None:
       return schedule.recompute_flops
-    return predict_schedule(schedule, device).seconds * device.flops
+    return predict_schedule(schedule, profile).seconds * profile.flops
 
   def describe(self) -> str:
     """The planner and what it plans for, for reports."""
-    device = self.device_profile
-    if device is None:
+    profile = self.target_profile
+    if profile is None:
       return f"{self.name} (cost: recomputed FLOPs)"
-    if self.assumed_device:
-      return (f"{self.name} on {device.name} (assumed: no device given; pass "
-              f"device=<a name in jaxmem.PROFILES> or jaxmem.calibrate())")
-    return f"{self.name} on {device.name}"
+    if self.assumed_target:
+      return (f"{self.name} on {profile.name} (assumed: no target given; pass "
+              f"target=<a name in jaxmem.PROFILES> or jaxmem.calibrate())")
+    return f"{self.name} on {profile.name}"
 
 
-def with_device(device) -> tuple[object, bool]:
-  """``(device, assumed)``: the device given, or ``DEFAULT_DEVICE`` where
+def with_target(target) -> tuple[object, bool]:
+  """``(target, assumed)``: the target given, or ``DEFAULT_TARGET`` where
   none is, which reports then name as assumed."""
-  if device is None:
-    return DEFAULT_DEVICE, True
-  get_profile(device)  # an unknown name fails here, with the choices
-  return device, False
+  if target is None:
+    return DEFAULT_TARGET, True
+  get_profile(target)  # an unknown name fails here, with the choices
+  return target, False

@@ -33,7 +33,7 @@ class Greedy(Planner):
   move), and drops the one that lowers the peak most per added FLOP. When a
   recompute segment has itself become the peak, keeping one of its residuals
   again is tried as well (Libra's greedy refinement). It stops
-  when the peak fits ``target`` or nothing lowers it further; the result is
+  when the peak fits ``aim`` or nothing lowers it further; the result is
   then the lowest peak reached.
 
   Example:
@@ -47,7 +47,7 @@ class Greedy(Planner):
     ...     return jnp.sum(h)
     ...   return jax.grad(f)(w)
     >>> g = build_graph(jax.make_jaxpr(step)(jnp.eye(64), jnp.ones((256, 64))))
-    >>> result = Greedy().plan(g, target=0)
+    >>> result = Greedy().plan(g, aim=0)
     >>> result.peak < evaluate(g, Plan())[1].peak
     True
   """
@@ -55,110 +55,110 @@ class Greedy(Planner):
   evaluations: int = 4
   batches: int = 3
 
-  # Greedy choices depend on the aim (the plateau objective is the time spent
-  # above it), and a run aimed at the target can stall just above it while
-  # one aimed lower passes it: after the target, aim at these fractions of
-  # the unconstrained peak, then at 0, until a plan fits. Asked for the
-  # lowest peak (target 0), every aim is tried.
+  # Greedy choices depend on the goal a run descends toward (the plateau
+  # objective is the time spent above it), and a run toward the aim can stall
+  # just above it while one toward a lower goal passes it: after the aim, run
+  # toward these fractions of the unconstrained peak, then toward 0, until a
+  # plan fits. Asked for the lowest peak (aim 0), every one is tried.
   aims: tuple = (0.85, 0.7, 0.5, 0.3)
-  # Bulk moves (``_bulk``): shares of the bytes above the aim to drop at once.
+  # Bulk moves (``_bulk``): shares of the bytes above the goal to drop at once.
   bulk: tuple = (0.25, 0.5)
   bulk_above: float = 0.5
   # Evaluations the refinement of a fitting plan may spend (``_refine``).
   refine: int = 24
   # Which moves a step may take, and what a plan costs (``Planner.cost``):
-  # without a device, recomputed FLOPs; with one (a name in jaxmem.PROFILES
-  # or a DeviceProfile), the predicted step time. Offload needs a device (it
+  # without a target, recomputed FLOPs; with one (a name in jaxmem.PROFILES
+  # or a DeviceProfile), the predicted step time. Offload needs a target (it
   # is never chosen on a unified-memory one); host_budget caps pinned host
   # bytes.
   recompute: bool = True
   offload: bool = False
-  device: object = None
+  target: object = None
   host_budget: int | None = None
-  assumed_device: bool = False
+  assumed_target: bool = False
   # The ladder's runs for the graph last planned (search state: see _ladder).
   _runs: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
                                    compare=False)
 
   def __post_init__(self):
-    if self.offload and self.device is None:
-      raise ValueError(f"planner {self.name!r}: offload needs a device profile to time "
-                       f"copies; got device=None, expected a name in {sorted(PROFILES)} "
+    if self.offload and self.target is None:
+      raise ValueError(f"planner {self.name!r}: offload needs a target to time "
+                       f"copies; got target=None, expected a name in {sorted(PROFILES)} "
                        "or a DeviceProfile (jaxmem.calibrate())")
-    if self.device is not None:
-      get_profile(self.device)  # an unknown name fails here, with the choices
+    if self.target is not None:
+      get_profile(self.target)  # an unknown name fails here, with the choices
     if not (self.offload or self.recompute):
       raise ValueError(f"planner {self.name!r}: expected recompute or offload moves, "
                        "got neither")
 
   def may_offload(self) -> bool:
-    return self.offload and not self.device_profile.unified
+    return self.offload and not self.target_profile.unified
 
-  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
-    """Plans ``graph`` toward ``target`` bytes, from ``start`` if given (a
-    plan for a looser target: tightening it is cheaper than starting over)."""
+  def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
+    """Plans ``graph`` toward ``aim`` bytes, from ``start`` if given (a
+    plan for a looser aim: tightening it is cheaper than starting over)."""
     began = time.perf_counter()
     candidates = recomputable(graph)
     best = None
-    if target > 0:
-      best = self._greedy(graph, target, target, candidates, start or Plan())
+    if aim > 0:
+      best = self._greedy(graph, aim, aim, candidates, start or Plan())
     if best is None or not best.fits:
       # Every block checkpointed costs one evaluation: where that fits, the
-      # refinement below gives back the recomputation the target does not
+      # refinement below gives back the recomputation the aim does not
       # need, and the ladder is not climbed.
-      fitting = [r for r in self._block_results(graph) if r.peak <= target]
+      fitting = [r for r in self._block_results(graph) if r.peak <= aim]
       if fitting:
-        best = min(fitting, key=lambda r: self.cost(r.schedule)).aimed(target)
+        best = min(fitting, key=lambda r: self.cost(r.schedule)).aimed(aim)
     if best is None or not best.fits:
-      # The ladder, always the same aims: when nothing fits, its best is
-      # the lowest plan of this graph whatever the target, so the smallest
+      # The ladder, always the same goals: when nothing fits, its best is
+      # the lowest plan of this graph whatever the aim, so the smallest
       # footprint named in an error is met when asked for.
       best = None
-      for result in self._ladder(graph, target, candidates):
+      for result in self._ladder(graph, aim, candidates):
         if best is None or result.peak < best.peak:
           best = result
         if best.fits:
           break
     if best.fits:
       with paused_gc():
-        best = (self._refine(graph, best, target) if self.recompute
-                else self._keep_copies(graph, best, target))
+        best = (self._refine(graph, best, aim) if self.recompute
+                else self._keep_copies(graph, best, aim))
     best.seconds = time.perf_counter() - began
     return best
 
-  def _keep_copies(self, graph, result: Candidate, target: int) -> Candidate:
+  def _keep_copies(self, graph, result: Candidate, aim: int) -> Candidate:
     """The refinement of an offload-only plan that fits: offloaded residuals
     are kept on the device again wherever the peak stays within
-    ``target``, the largest copies first, within ``refine`` evaluations. A
-    ladder plan taken for a looser target otherwise moves every byte it
+    ``aim``, the largest copies first, within ``refine`` evaluations. A
+    ladder plan taken for a looser aim otherwise moves every byte it
     moved on its way to the lowest peak. A loop's hosted stacks first give
     back their last layers (:meth:`_layers_back`)."""
-    result = self._layers_back(graph, result, target)
+    result = self._layers_back(graph, result, aim)
     moved = sorted(result.plan.values_with("offload"),
                    key=lambda v: (-graph.values[v].nbytes, v))
-    return self._give_back(graph, result, target, "offload", [[v] for v in moved])
+    return self._give_back(graph, result, aim, "offload", [[v] for v in moved])
 
-  def _refine(self, graph, result: Candidate, target: int) -> Candidate:
+  def _refine(self, graph, result: Candidate, aim: int) -> Candidate:
     """Libra's greedy refinement of a plan that fits: recomputed residuals
-    are kept again wherever the peak stays within ``target``, whole blocks
+    are kept again wherever the peak stays within ``aim``, whole blocks
     first, then one by one, the costliest rebuilds per byte first (matmul
     and convolution outputs before elementwise ones), within ``refine``
     evaluations. A plan that overshot (a ladder or block plan taken for a
-    looser target) gives back the recomputation it does not need. A loop
+    looser aim) gives back the recomputation it does not need. A loop
     whose stacks are rebuilt per iteration first keeps its last layers'
-    stacks again, as many as the target allows (:meth:`_layers_back`)."""
-    result = self._layers_back(graph, result, target)
+    stacks again, as many as the aim allows (:meth:`_layers_back`)."""
+    result = self._layers_back(graph, result, aim)
     dropped = result.plan.values_with("recompute")
     blocks = [[v for v in seg.drops if v in dropped] for seg in segments(graph)]
     costly = sorted(dropped, key=lambda v: (-graph.producer(v).flops
                                              / max(graph.values[v].nbytes, 1), v))
-    return self._give_back(graph, result, target, "recompute",
+    return self._give_back(graph, result, aim, "recompute",
                            [b for b in blocks if b] + [[v] for v in costly])
 
-  def _give_back(self, graph, result: Candidate, target: int, kind: str,
+  def _give_back(self, graph, result: Candidate, aim: int, kind: str,
                  groups: list) -> Candidate:
     """``result`` with each group's residuals still of ``kind`` kept on the
-    device again, in order, wherever the peak stays within ``target``,
+    device again, in order, wherever the peak stays within ``aim``,
     within ``refine`` evaluations."""
     plan, schedule, memory = result.plan, result.schedule, result.memory
     tries = 0
@@ -173,16 +173,16 @@ class Greedy(Planner):
       for vid in group:
         trial = trial.with_decision(vid, KEEP)
       t_schedule, t_memory = evaluate(graph, trial)
-      if t_memory.peak <= target:
+      if t_memory.peak <= aim:
         plan, schedule, memory = trial, t_schedule, t_memory
     return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory)
 
-  def _layers_back(self, graph, result: Candidate, target: int) -> Candidate:
+  def _layers_back(self, graph, result: Candidate, aim: int) -> Candidate:
     """Per-layer plans: for each loop whose stacks ``result`` rebuilds
     (per iteration or nested), or keeps in host memory, only the first
     layers' stacks are rebuilt (hosted) and the rest kept (the loop then
     runs in two segments, ``_loop_segments``): the fewest such layers that
-    keep the peak within ``target``."""
+    keep the peak within ``aim``."""
     rebuilt_ok = rebuildable(graph)
     for forward, stacks in segmentable(graph).items():
       length = graph.nodes[forward].params["length"]
@@ -201,7 +201,7 @@ class Greedy(Planner):
             break
           chunks = Chunked(0, ((0, cut), (cut, length)), (decision, KEEP))
           trial = Plan.of({**plan.as_dict(), **back, **{v: chunks for v in moved}})
-          found = candidate(graph, trial, target)
+          found = candidate(graph, trial, aim)
           if found.fits:
             result = dataclasses.replace(result, plan=trial, schedule=found.schedule,
                                          memory=found.memory)
@@ -220,12 +220,14 @@ class Greedy(Planner):
       result.seconds = time.perf_counter() - began
     return results
 
-  def _ladder(self, graph, target, candidates):
-    """Greedy runs toward each aim of ``aims``, then 0, each from the plan
-    the one before reached (the first from an empty plan), so the ladder
-    costs about one descent to the lowest peak; each run is kept with the
-    planner for the graph last planned (it does not depend on ``target``), so
-    :meth:`lowest` after a failed :meth:`plan` costs nothing more."""
+  def _ladder(self, graph, aim, candidates):
+    """Greedy runs toward each fraction of ``aims`` of the unconstrained
+    peak, then 0, each from the plan the one before reached (the first from
+    an empty plan), so the ladder costs about one descent to the lowest
+    peak; each run is kept with the planner for the graph last planned (it
+    does not depend on ``aim``, which each is judged against as it is
+    yielded), so :meth:`lowest` after a failed :meth:`plan` costs nothing
+    more."""
     base = evaluate(graph, Plan())[1].peak
     if self._runs[0] is not graph:
       self._runs = (graph, {})
@@ -236,19 +238,19 @@ class Greedy(Planner):
         runs[fraction] = self._greedy(graph, 0, int(base * fraction), candidates, plan)
       result = runs[fraction]
       plan = result.plan
-      yield result.aimed(target)
+      yield result.aimed(aim)
     # Then every block checkpointed (the plan XLA follows best), and the
     # greedy's descent from there (run only when asked for; not from the
     # plans that keep matmul outputs, which start higher).
     descend = len(block_plans(graph))
     for i, result in enumerate(self._block_results(graph)):
-      yield result.aimed(target)
+      yield result.aimed(aim)
       if i >= descend:
         continue
       if ("blocks", i, 0) not in runs:
         runs["blocks", i, 0] = self._greedy(graph, 0, 0, candidates, result.plan)
       result = runs["blocks", i, 0]
-      yield result.aimed(target)
+      yield result.aimed(aim)
 
   def _block_results(self, graph) -> list[Candidate]:
     """The every-block-checkpointed plans (:func:`block_candidates`); none
@@ -261,33 +263,33 @@ class Greedy(Planner):
     them closely, so the fit loop measures them against the plan it has."""
     return sorted(self._block_results(graph), key=lambda r: self.cost(r.schedule))
 
-  def _greedy(self, graph, target, aim, candidates, plan) -> Candidate:
-    """One greedy run from ``plan`` toward ``aim``; fits is judged against
-    ``target``."""
+  def _greedy(self, graph, aim, goal, candidates, plan) -> Candidate:
+    """One greedy run from ``plan`` toward ``goal`` bytes; fits is judged
+    against ``aim``."""
     with paused_gc():
       current = candidate(graph, plan)
       best, steps = current, 0
-      while current.peak > aim:
-        found = self._step(graph, current, aim, candidates)
+      while current.peak > goal:
+        found = self._step(graph, current, goal, candidates)
         if found is None:
           break
         current = found
-        _log.debug("greedy step %d: peak %d (aim %d), %d decisions, %d saves, peak at %s",
-                   steps, current.peak, aim, len(current.plan),
+        _log.debug("greedy step %d: peak %d (goal %d), %d decisions, %d saves, peak at %s",
+                   steps, current.peak, goal, len(current.plan),
                    len(current.plan.values_with("save")), current.memory.peak_name)
         steps += 1
         if current.peak < best.peak:
           best = current
-    return dataclasses.replace(best.aimed(target), steps=steps)
+    return dataclasses.replace(best.aimed(aim), steps=steps)
 
-  def _step(self, graph, current: Candidate, aim: int, candidates) -> Candidate | None:
+  def _step(self, graph, current: Candidate, goal: int, candidates) -> Candidate | None:
     """One greedy step from ``current``: of the first batch of moves with
     one that helps, the move that lowers the peak most per added cost (at a
-    plateau, the time spent above ``aim``); None if no move helps."""
+    plateau, the time spent above ``goal``); None if no move helps."""
     ranked = self._rank(graph, current, candidates)
-    base = (current.peak, current.memory.excess(aim), self.cost(current.schedule))
+    base = (current.peak, current.memory.excess(goal), self.cost(current.schedule))
     choice = None
-    for moves in self._batches(graph, current, ranked, aim, candidates):
+    for moves in self._batches(graph, current, ranked, goal, candidates):
       for move in moves:
         trial = current.plan
         for vid, decision in move:
@@ -296,9 +298,9 @@ class Greedy(Planner):
         if self.host_budget is not None and found.memory.host_peak > self.host_budget:
           continue
         gain_peak = base[0] - found.peak
-        gain_excess = base[1] - found.memory.excess(aim)
+        gain_excess = base[1] - found.memory.excess(goal)
         cost = max(self.cost(found.schedule) - base[2], 0.0) + 1.0
-        # Lower peak first; at a plateau, less time above the target.
+        # Lower peak first; at a plateau, less time above the goal.
         score = (gain_peak / cost if gain_peak > 0 else 0.0,
                  gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
         if score > (0.0, 0.0) and (choice is None or score > choice[0]):
@@ -307,7 +309,7 @@ class Greedy(Planner):
         break
     return None if choice is None else choice[1]
 
-  def _batches(self, graph, current: Candidate, ranked, aim: int, candidates):
+  def _batches(self, graph, current: Candidate, ranked, goal: int, candidates):
     """The moves of one greedy step, in batches tried until one helps:
     the best-ranked candidates with the undo and bulk moves, then the next
     ranked ones (the cheapest rebuilds can be the ones that make a new
@@ -316,7 +318,7 @@ class Greedy(Planner):
     stops recomputation from running back through earlier blocks."""
     schedule = current.schedule
     undo = [[(r.value, KEEP)] for r in self._undo(graph, current)]
-    bulk = [move for group in self._bulk(ranked, current.peak - aim, current.peak)
+    bulk = [move for group in self._bulk(ranked, current.peak - goal, current.peak)
             if (move := self._bulk_move(graph, schedule, group))]
     groups = [group for group, _ in ranked]
     for batch in range(self.batches):
@@ -341,7 +343,7 @@ class Greedy(Planner):
   def _moves(self, graph, schedule, group) -> list[list[tuple]]:
     """The ways to take ``group`` off the device at the peak: rebuild it
     (``recompute``), or copy it to the host (``offload``, a lone residual
-    with a buffer of its own, on a device whose memory is not the host's),
+    with a buffer of its own, on a target whose memory is not the host's),
     copied back early enough to hide the copy under compute. A stack of a
     loop that can live in host memory one slice per iteration also moves
     with all such stacks of its loop at once: one at a time, each frees
@@ -351,22 +353,22 @@ class Greedy(Planner):
     if self.recompute:
       moves.append([(r.value, RECOMPUTE) for r in group])
     if self.offload and len(group) == 1 and group[0].value not in fused_values(graph):
-      device = self.device_profile
-      if not device.unified:
+      profile = self.target_profile
+      if not profile.unified:
         r = group[0]
-        moves.append([(r.value, Offload(at=prefetch_point(schedule, r, device)))])
+        moves.append([(r.value, Offload(at=prefetch_point(schedule, r, profile)))])
         loop = _loop_stacks(graph, r.value) - schedule.plan.values_with("offload")
         if len(loop) > 1:
           moves.append([(v, OFFLOAD) for v in sorted(loop)])
     return moves
 
   def _bulk(self, ranked, deficit: int, peak: int) -> list[list[Residual]]:
-    """Moves that drop several ranked groups at once, far from the aim (more
+    """Moves that drop several ranked groups at once, far from the goal (more
     than ``bulk_above`` of the peak above it): the best-ranked groups
     covering a share (``bulk``) of the bytes still above it. They are scored
     like single drops, so one is taken only where it lowers the peak as much
     per added FLOP; it saves the steps a long descent would take one group at
-    a time. (Nearer the aim they cost quality: on a residual MLP at 60%, bulk
+    a time. (Nearer the goal they cost quality: on a residual MLP at 60%, bulk
     moves all the way end at 62% where single drops reach 58%.)"""
     moves = []
     if deficit <= self.bulk_above * peak:

@@ -17,7 +17,7 @@ class Hybrid(Planner):
   """Recompute first, swap where it pays: ``first`` then ``then``, the way
   optax's ``chain`` composes transforms.
 
-  1. ``first`` (a recompute-only planner) plans toward the target.
+  1. ``first`` (a recompute-only planner) plans toward the aim.
   2. Where its plan does not fit, ``then`` (a planner that swaps: a greedy
      with offload moves, or the vTensor planner) goes on from it, deciding
      afresh the stacked residuals of loops: a loop ``first`` nested drops
@@ -27,48 +27,48 @@ class Hybrid(Planner):
      ``swaps``), is switched to an offload copied back early enough to hide
      the copy (behind the copies already queued on the link, and ahead of
      any recomputation that reads it), where that lowers the predicted time
-     on ``device`` and the plan still fits.
+     on ``target`` and the plan still fits.
 
-  A unified-memory device never offloads (it frees nothing there);
+  A unified-memory target never offloads (it frees nothing there);
   ``host_budget`` caps pinned host bytes. :func:`jaxmem.planners.hybrid`
-  builds the usual pair for a device.
+  builds the usual pair for a target.
 
   Example:
     >>> from jaxmem.planners import Greedy
-    >>> h = Hybrid(Greedy(device="rtx3060"),
-    ...            Greedy(offload=True, device="rtx3060"), device="rtx3060")
+    >>> h = Hybrid(Greedy(target="rtx3060"),
+    ...            Greedy(offload=True, target="rtx3060"), target="rtx3060")
     >>> h.describe()
     'hybrid on rtx3060'
   """
   first: Planner
   then: Planner
-  device: object = None
+  target: object = None
   swaps: int = 32
   host_budget: int | None = None
   name: str = "hybrid"
-  assumed_device: bool = False
+  assumed_target: bool = False
 
   def __post_init__(self):
-    if self.device is None:
-      raise ValueError("Hybrid: the swap refinement times copies on a device; got "
-                       "device=None, expected a name in jaxmem.PROFILES or a "
+    if self.target is None:
+      raise ValueError("Hybrid: the swap refinement times copies on a target; got "
+                       "target=None, expected a name in jaxmem.PROFILES or a "
                        "DeviceProfile (jaxmem.calibrate())")
 
   def may_offload(self) -> bool:
-    return self.then.may_offload() and not self.device_profile.unified
+    return self.then.may_offload() and not self.target_profile.unified
 
-  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
-    """Plans toward ``target`` bytes, from ``start`` if given (its
+  def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
+    """Plans toward ``aim`` bytes, from ``start`` if given (its
     recomputation and saved boundaries)."""
     began = time.perf_counter()
     kept = None if start is None else Plan.of(
         {**start.with_kind("recompute"), **start.with_kind("save")})
-    found = self.first.plan(graph, target, start=kept)
+    found = self.first.plan(graph, aim, start=kept)
     results = [found]
     if not found.fits:
-      results.append(self.then.plan(graph, target, start=_outside_loops(graph, found.plan)))
+      results.append(self.then.plan(graph, aim, start=_outside_loops(graph, found.plan)))
     with paused_gc():
-      results = [self._swap(graph, r, target) for r in results]
+      results = [self._swap(graph, r, aim) for r in results]
     best = min(results, key=lambda r: (not r.fits, self.cost(r.schedule)
                                        if r.fits else r.peak))
     best.seconds = time.perf_counter() - began
@@ -81,19 +81,19 @@ class Hybrid(Planner):
     then = self.then.lowest(graph, start=_outside_loops(graph, first[0].plan))
     return sorted(first + then, key=lambda r: r.peak)
 
-  def _swap(self, graph, result: Candidate, target: int) -> Candidate:
+  def _swap(self, graph, result: Candidate, aim: int) -> Candidate:
     """Refinement 3: recomputed residuals switched to offloads that pay."""
-    device = self.device_profile
-    if device.unified:
+    profile = self.target_profile
+    if profile.unified:
       return result
-    limit = max(target, result.peak)
+    limit = max(aim, result.peak)
     plan, schedule, memory = result.plan, result.schedule, result.memory
     cost = self.cost(schedule)
     fused = fused_values(graph)
     chosen = sorted((graph.residual(v) for v in plan.values_with("recompute")
                      if v not in fused), key=lambda r: -r.nbytes)[:self.swaps]
     for r in chosen:
-      at = prefetch_point(schedule, r, device, queue=True)
+      at = prefetch_point(schedule, r, profile, queue=True)
       trial = plan.with_decision(r.value, Offload(at=at))
       t_schedule, t_memory = evaluate(graph, trial)
       if t_memory.peak > limit or (self.host_budget is not None
@@ -103,7 +103,7 @@ class Hybrid(Planner):
       if t_cost < cost:
         plan, schedule, memory, cost = trial, t_schedule, t_memory, t_cost
     return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory,
-                               fits=memory.peak <= target)
+                               fits=memory.peak <= aim)
 
 
 def _outside_loops(graph: Graph, plan: Plan) -> Plan:

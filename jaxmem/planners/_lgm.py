@@ -11,7 +11,7 @@ a Layered Graph Model:
   for a step without modules, equal runs of its equations. A schedule op
   belongs to the layer of the equation it runs or serves.
 * **Demand and deficit.** Per layer, the memory model's device bytes over
-  the step; where they exceed the aim (the target less the reserved
+  the step; where they exceed the ceiling (the aim less the reserved
   headroom), the excess at the layer's peak is its *deficit*.
 * **Mapping tensors to vTensors.** For the worst deficit, the residuals
   whose buffers are live at the peak and idle there (made and last read by
@@ -31,9 +31,9 @@ a Layered Graph Model:
   the device and idle is issued again after that peak, before anything more
   is swapped.
 * **Memory reservation.** No chunk smaller than the size where the host
-  link's efficiency falls below ``efficiency`` (from the device profile's
-  latency and bandwidth: small copies are slow), and ``reserve`` of the
-  target held back as headroom, so a plan does not sit on the budget's edge.
+  link's efficiency falls below ``efficiency`` (from the target's profile:
+  its latency and bandwidth; small copies are slow), and ``reserve`` of the
+  aim held back as headroom, so a plan does not sit on the budget's edge.
   Both are options (``min_chunk``, ``reserve``); ``whole=True`` swaps whole
   tensors only (the ablation the seed compares against).
 
@@ -64,7 +64,7 @@ from jaxmem._graph import Graph
 from jaxmem._memory import Liveness
 from jaxmem._perf import schedule_costs
 from jaxmem._schedule import Schedule
-from jaxmem.planners._base import Planner, with_device
+from jaxmem.planners._base import Planner, with_target
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +98,13 @@ class SwapRecord:
 @dataclasses.dataclass
 class LayerReport(Details):
   """The Layered Graph Model of a plan: layers with their demand and
-  deficit before and after, and the swaps that cover them."""
+  deficit before and after, and the swaps that cover them (``ceiling``:
+  the plan's aim less the reserved headroom, the demand above which is a
+  deficit)."""
   layers: list[str]
   demand_before: dict
   demand_after: dict
-  aim: int
+  ceiling: int
   records: list[SwapRecord]
   min_chunk: int
 
@@ -134,19 +136,20 @@ class LayerReport(Details):
     return "\n".join(lines)
 
 
-def reservation_floor(device, efficiency: float = 0.8) -> int:
+def reservation_floor(target, efficiency: float = 0.8) -> int:
   """The smallest copy that reaches ``efficiency`` of the host link's
-  bandwidth on ``device`` (each copy pays the link's latency once).
+  bandwidth on ``target`` (a name in ``jaxmem.PROFILES`` or a
+  ``DeviceProfile``; each copy pays the link's latency once).
 
   Example:
     >>> reservation_floor("t4")  # 10 us latency, 12 GB/s: 4 x 120 KB
     480000
   """
-  device = get_profile(device)
+  profile = get_profile(target)
   if not 0 <= efficiency < 1:
     raise ValueError(f"efficiency must be in [0, 1), got {efficiency!r}")
-  wire = efficiency / (1 - efficiency) * device.link_latency
-  return int(round(wire * min(device.h2d_bandwidth, device.d2h_bandwidth)))
+  wire = efficiency / (1 - efficiency) * profile.link_latency
+  return int(round(wire * min(profile.h2d_bandwidth, profile.d2h_bandwidth)))
 
 
 def op_layers(schedule, runs: int = 8) -> list[str]:
@@ -183,9 +186,9 @@ class _Peak:
   Attributes:
     schedule, memory: the plan so far and its memory model.
     at: the schedule position of the peak.
-    deficit: the bytes above the aim there.
+    deficit: the bytes above the ceiling there.
     layer: the layer that holds it.
-    device: the device profile.
+    profile: the target's profile.
     costs: the compute cost of each op (``_perf.schedule_costs``).
   """
   schedule: Schedule
@@ -193,7 +196,7 @@ class _Peak:
   at: int
   deficit: int
   layer: str
-  device: DeviceProfile
+  profile: DeviceProfile
   costs: list
 
   def record(self, r, chunks: int, swapped: int, freed: int,
@@ -205,7 +208,7 @@ class _Peak:
   def copy_back(self, r, nbytes: int | None = None) -> int | None:
     """Where a copy back of ``r`` (``nbytes`` of it queued) is issued: after
     this peak, as late as the compute before its reader hides it."""
-    return prefetch_point(self.schedule, r, self.device, nbytes, self.costs, self.at)
+    return prefetch_point(self.schedule, r, self.profile, nbytes, self.costs, self.at)
 
 
 @dataclasses.dataclass
@@ -214,19 +217,19 @@ class LGM(Planner):
   deficit, planned on the Layered Graph Model (see the module docstring).
 
   Attributes:
-    device: the device (a name in ``jaxmem.PROFILES`` or a
+    target: the GPU (a name in ``jaxmem.PROFILES`` or a
       ``DeviceProfile``; None assumes ``"t4"`` and reports say so): link
-      speed for the chunk floor and prefetch points; a unified-memory device
+      speed for the chunk floor and prefetch points; a unified-memory target
       never swaps.
     min_chunk: the smallest chunk in bytes; None derives it from the
-      device (:func:`reservation_floor` at ``efficiency``); 0 allows any.
+      target (:func:`reservation_floor` at ``efficiency``); 0 allows any.
     efficiency: the share of link bandwidth a chunk must reach.
-    reserve: share of the target held back as headroom.
+    reserve: share of the aim held back as headroom.
     max_chunks: the most chunks one tensor is cut into.
     whole: swap whole tensors only (no vTensors; the ablation).
     host_budget: cap on pinned host bytes (None: no cap).
   """
-  device: object = None
+  target: object = None
   min_chunk: int | None = None
   efficiency: float = 0.8
   reserve: float = 0.02
@@ -234,13 +237,13 @@ class LGM(Planner):
   whole: bool = False
   host_budget: int | None = None
   name: str = "lgm"
-  assumed_device: bool = False
+  assumed_target: bool = False
 
   def __post_init__(self):
-    self.device, assumed = with_device(self.device)  # checks the name
-    self.assumed_device = self.assumed_device or assumed
+    self.target, assumed = with_target(self.target)  # checks the name
+    self.assumed_target = self.assumed_target or assumed
     if not 0 <= self.reserve < 1:
-      raise ValueError(f"LGM: reserve is a share of the target in [0, 1), got "
+      raise ValueError(f"LGM: reserve is a share of the aim in [0, 1), got "
                        f"{self.reserve!r}")
     if self.min_chunk is not None and self.min_chunk < 0:
       raise ValueError(f"LGM: min_chunk must be >= 0 bytes, got {self.min_chunk!r}")
@@ -252,33 +255,33 @@ class LGM(Planner):
     """The chunk floor in bytes (memory reservation)."""
     if self.min_chunk is not None:
       return self.min_chunk
-    return reservation_floor(self.device, self.efficiency)
+    return reservation_floor(self.target, self.efficiency)
 
   def may_offload(self) -> bool:
-    return not self.device_profile.unified
+    return not self.target_profile.unified
 
-  def plan(self, graph: Graph, target: int, start: Plan | None = None) -> Candidate:
-    """Swaps toward ``target`` bytes on top of ``start`` (e.g. a
+  def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
+    """Swaps toward ``aim`` bytes on top of ``start`` (e.g. a
     recomputation plan, when LGM is the hybrid's swap step)."""
     began = time.perf_counter()
     with paused_gc():
-      result = self._plan(graph, target, start or Plan())
+      result = self._plan(graph, aim, start or Plan())
     result.seconds = time.perf_counter() - began
     return result
 
-  def _plan(self, graph, target, plan) -> Candidate:
-    device = self.device_profile
-    aim = int(target * (1 - self.reserve))
+  def _plan(self, graph, aim, plan) -> Candidate:
+    profile = self.target_profile
+    ceiling = int(aim * (1 - self.reserve))
     riders = _riders(graph)
     schedule, memory = evaluate(graph, plan)
     names = op_layers(schedule)
-    report = LayerReport(list(dict.fromkeys(names)), demand(memory, names), {}, aim, [],
-                         self.floor)
+    report = LayerReport(list(dict.fromkeys(names)), demand(memory, names), {}, ceiling,
+                         [], self.floor)
     steps = 0
-    while memory.peak > aim and not device.unified:
+    while memory.peak > ceiling and not profile.unified:
       # The layer with the largest demand holds the step's peak.
-      peak = _Peak(schedule, memory, memory.peak_op, memory.peak - aim,
-                   op_layers(schedule)[memory.peak_op], device, schedule_costs(schedule))
+      peak = _Peak(schedule, memory, memory.peak_op, memory.peak - ceiling,
+                   op_layers(schedule)[memory.peak_op], profile, schedule_costs(schedule))
       found = self._step(graph, plan, peak, riders)
       if found is None:
         break  # nothing lowers the peak: it is not one swapping can lower
@@ -287,7 +290,7 @@ class LGM(Planner):
                             for _, _, record in moves)
       steps += 1
     report.demand_after = demand(memory, op_layers(schedule))
-    return Candidate(plan, schedule, memory, target, memory.peak <= target, 0.0, steps,
+    return Candidate(plan, schedule, memory, aim, memory.peak <= aim, 0.0, steps,
                      report)
 
   def _step(self, graph, plan, peak: _Peak, riders: dict):
@@ -331,7 +334,7 @@ class LGM(Planner):
         window = room
         while left > 0 and units[vid]:
           index, nbytes = units[vid][0]
-          seconds = peak.device.transfer_seconds(nbytes, "h2d")
+          seconds = peak.profile.transfer_seconds(nbytes, "h2d")
           if hidden and seconds > window:
             break
           window -= seconds
@@ -418,7 +421,7 @@ class LGM(Planner):
     their first backward reader; the most room first."""
     elapsed = [0.0]
     for c in peak.costs:
-      elapsed.append(elapsed[-1] + peak.device.op_seconds(c.flops, c.nbytes))
+      elapsed.append(elapsed[-1] + peak.profile.op_seconds(c.flops, c.nbytes))
     fused = fused_values(graph)
     ops = peak.schedule.ops
     position, chunk_of = {}, {}
