@@ -128,6 +128,9 @@ def test_the_worker_sums_up_a_step_by_update_norms_and_probes():
   assert permuted[0] == 5.0 and abs(permuted[1] - got[1]) > 1e-3 * abs(got[1])
 
 
+# Two dry runs at ResNet-18's edge size, planned on the T4 and on the CPU:
+# about four minutes on two cores.
+@pytest.mark.slow
 def test_dry_run_for_a_gpu_target_compiles_every_method_with_xla_gpu(tmp_path):
   """``--dry-run --target t4``: the unmodified step, a remat policy (whose
   barriers XLA:GPU refuses under the XLA:CPU flag this process sets), a
