@@ -46,7 +46,7 @@ import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend sta
 from jaxmem.targets import DeviceProfile, get_profile  # noqa: E402
 from jaxmem._evaluate import unplanned  # noqa: E402
 from jaxmem import _flags  # noqa: E402
-from jaxmem.targets import placed, xla_footprint  # noqa: E402
+from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
 from jaxmem._perf import predict_schedule  # noqa: E402
 from jaxmem._zoo import models as _models  # noqa: E402
 from jaxmem.planners import PLANNERS  # noqa: E402
@@ -264,7 +264,9 @@ def _options(job) -> dict:
   """Compiler options for plain ``jax.jit`` compilations of the job: a GPU
   target's (which take back the XLA:CPU flag a CPU-only process sets), or
   this machine's."""
-  return _flags.compiler_options("gpu" if job.get("target") else jax.default_backend())
+  if job.get("target"):
+    return resolve(job["target"], ()).options()
+  return _flags.compiler_options(jax.default_backend())
 
 
 def _jit(job, step):

@@ -25,9 +25,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 import jaxmem  # noqa: E402
-from jaxmem import _flags  # noqa: E402
 from jaxmem._provenance import provenance  # noqa: E402
-from jaxmem.targets import placed, xla_footprint  # noqa: E402
+from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
 from jaxmem._zoo import models  # noqa: E402
 
 from benchmarks.gpu import CONFIGS  # noqa: E402
@@ -36,10 +35,10 @@ from benchmarks.gpu import CONFIGS  # noqa: E402
 def _footprint(step, shapes, target: str | None) -> tuple[int, float]:
   """XLA's footprint of ``step`` for ``target`` (None: XLA:CPU) and the
   seconds its compilation took."""
-  platform = "cpu" if target is None else "gpu"
+  where = resolve(target, jax.tree_util.tree_leaves(shapes))
   args = shapes if target is None else placed(shapes, target)
   start = time.perf_counter()
-  compiled = jax.jit(step, compiler_options=_flags.measuring_options(platform)).lower(
+  compiled = jax.jit(step, compiler_options=where.options(measuring=True)).lower(
       *args).compile()
   return xla_footprint(compiled), time.perf_counter() - start
 

@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 from jax.extend import core as jex
 
-from jaxmem import _flags, _primitives
+from jaxmem import _primitives
 from jaxmem._arguments import Arguments, inherited_donations
 from jaxmem._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
@@ -25,7 +25,7 @@ from jaxmem._inner import body_graph, embedded, inner_loop
 from jaxmem._memory import Liveness
 from jaxmem._report import decision_label, residual_table
 from jaxmem.planners import Planner, get_planner
-from jaxmem.targets import Target, platform_of, resolve, workspace_bytes, xla_footprint
+from jaxmem.targets import Target, resolve, workspace_bytes, xla_footprint
 
 _Tracer = jax.core.Tracer
 
@@ -61,8 +61,8 @@ class Fit:
       the FLOPs are then one iteration's (``_inner``); else None.
     out_tree: the tree of the step's outputs.
     run: the emitted step over flat leaves (what every ``jax.jit`` above wraps).
-    runners: its ``jax.jit`` per platform it is called or lowered on
-      (``jitted`` for the platform of the call that fitted it).
+    runners: its ``jax.jit`` per device it is called or lowered on
+      (``jitted`` for the device of the call that fitted it).
   """
   graph: Graph
   result: Candidate
@@ -225,11 +225,10 @@ class Transformed:
     """The fit's ``jax.jit`` for the platform these arguments are on or
     placed on (a fit for a target runs here as it lowers there)."""
     _, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
-    platform = platform_of(jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
-    if platform not in fit.runners:
-      fit.runners[platform] = self._jit(fit.run, fit.out_tree,
-                                        _flags.compiler_options(platform))
-    return fit.runners[platform]
+    where = resolve(None, jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
+    if where.name not in fit.runners:
+      fit.runners[where.name] = self._jit(fit.run, fit.out_tree, where.options())
+    return fit.runners[where.name]
 
   def report(self, *args, **kwargs) -> str:
     return self.fit(*args, **kwargs).report()
@@ -283,8 +282,8 @@ class Transformed:
     self.arguments = self.arguments.with_donations(
         *inherited_donations(self.fun, args, kwargs, self.arguments))
     planner = get_planner(self._planner_spec, target.profile)
-    platform = platform_of(leaves)  # where the step runs, which the target may not be
-    options = _flags.compiler_options(platform)
+    here = resolve(None, leaves)  # where the step runs, which the target may not be
+    options = here.options()
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
     graph = build_graph(closed)
     _no_collectives(graph, self.__name__)
@@ -341,12 +340,12 @@ class Transformed:
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
                reserve, None if loop is None else graph.nodes[loop].source, out_tree,
-               run_flat, {platform: jitted})
+               run_flat, {here.name: jitted})
 
   def _jit(self, run_flat: Callable, out_tree, options: dict):
     """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
     ``options`` (compiler options that keep recomputation,
-    :func:`_flags.compiler_options`) go under any the user passed."""
+    :meth:`~jaxmem.targets.Target.options`) go under any the user passed."""
     arguments = self.arguments
 
     def run(*args, **kwargs):

@@ -15,8 +15,8 @@ import pytest
 
 import jaxmem
 import jaxmem_models as models
-from jaxmem import _flags
-from jaxmem.targets import PROFILES, GpuDescription, host_bytes, parse, placed, xla_footprint
+from jaxmem.targets import (PROFILES, GpuDescription, host_bytes, parse, placed, resolve,
+                            xla_footprint)
 from tests.helpers import assert_updates_close
 
 T4 = "t4"
@@ -31,7 +31,7 @@ SMALL = {
 def t4_footprint(fun, args, target=T4) -> int:
   """XLA:GPU's footprint of ``jax.jit(fun)`` for a T4 (or ``target``),
   compiled here."""
-  compiled = jax.jit(fun, compiler_options=_flags.compiler_options("gpu") or None).lower(
+  compiled = jax.jit(fun, compiler_options=resolve(target, ()).options()).lower(
       *placed(args, target)).compile()
   return xla_footprint(compiled)
 
@@ -48,8 +48,7 @@ def test_each_preset_is_a_gpu_xla_compiles_for(name):
   w = placed(jnp.ones((64, 64)), name)
   assert next(iter(w.sharding.device_set)).device_kind == description.name
   step = lambda w: w - jax.grad(lambda w: jnp.sum(jnp.tanh(w @ w)))(w)
-  compiled = jax.jit(step, compiler_options=_flags.compiler_options("gpu") or None
-                     ).lower(w).compile()
+  compiled = jax.jit(step, compiler_options=resolve(name, ()).options()).lower(w).compile()
   assert xla_footprint(compiled) >= 2 * 64 * 64 * 4  # the argument and the output
 
 

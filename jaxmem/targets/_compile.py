@@ -147,15 +147,14 @@ class Target:
     sharding: where the fit loop places abstract copies of the arguments to
       compile them (a compile-only device); None: the arguments as given.
     name: how reports name it (``"t4 (XLA:GPU, compile-only)"``).
+    compile_only: whether its device is a compile-only one (a GPU that is
+      not here).
   """
   platform: str
   profile: DeviceProfile | None = None
   sharding: jax.sharding.Sharding | None = None
   name: str = ""
-
-  @property
-  def compile_only(self) -> bool:
-    return self.sharding is not None
+  compile_only: bool = False
 
   def place(self, leaves: Sequence) -> list:
     """The argument leaves as the fit loop compiles them: abstract, on the
@@ -167,8 +166,16 @@ class Target:
                                  weak_type=a.weak_type) for a in avals]
 
   def options(self, measuring: bool = False) -> dict:
-    """Compiler options for this target's compilations (see ``_flags``)."""
-    return (_flags.measuring_options if measuring else _flags.compiler_options)(self.platform)
+    """Compiler options for this target's compilations (see ``_flags``).
+    A compile-only GPU cannot autotune, and XLA:GPU's untuned Triton GEMM
+    fails on some shapes there ("Couldn't find output tile sizes": a ViT
+    step for an H100, jax 0.10.2); its GEMMs go to cuBLAS instead, as a
+    T4's always do."""
+    options = (_flags.measuring_options if measuring else _flags.compiler_options)(
+        self.platform)
+    if self.compile_only and self.platform == "gpu":
+      options = {**options, "xla_gpu_enable_triton_gemm": False}
+    return options
 
   def reserve(self) -> int:
     return runtime_reserve(self.platform)
@@ -194,12 +201,14 @@ def resolve(target, leaves: Sequence) -> Target:
           "jaxmem.calibrate() run on the GPU), or plan it as a planner's target "
           "instead: transform(..., planner=jaxmem.hybrid(target=profile)).")
     return Target("gpu", profile, _compile_only_sharding(profile.description.text()),
-                  f"{profile.name} (XLA:GPU for {profile.description.name}, compiled here)")
+                  f"{profile.name} (XLA:GPU for {profile.description.name}, compiled here)",
+                  compile_only=True)
   for leaf in leaves:
     device = _placed_device(leaf)
     if device is not None and _compile_only(device):
       return Target(device.platform, profile_for_kind(device.device_kind), None,
-                    f"{device.device_kind} (compile-only device of the arguments)")
+                    f"{device.device_kind} (compile-only device of the arguments)",
+                    compile_only=True)
   platform = platform_of(leaves)
   profile = None
   if platform != "cpu":
