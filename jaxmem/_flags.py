@@ -105,10 +105,11 @@ def _accelerator_plugins() -> list[str]:
 
 def _accelerator_present() -> bool:
   """Whether this machine shows an accelerator's device files (NVIDIA's,
-  AMD's ``/dev/kfd``, a TPU's ``/dev/accel*`` or ``/dev/vfio``). A CUDA plugin
-  installed on a machine without a GPU only compiles for GPU targets."""
+  WSL's ``/dev/dxg``, AMD's ``/dev/kfd``, a TPU's ``/dev/accel*`` or
+  ``/dev/vfio``). A CUDA plugin installed on a machine without a GPU only
+  compiles for GPU targets."""
   return any(glob.glob(pattern) for pattern in
-             ("/dev/nvidia[0-9]*", "/dev/kfd", "/dev/accel*", "/dev/vfio/[0-9]*"))
+             ("/dev/nvidia[0-9]*", "/dev/dxg", "/dev/kfd", "/dev/accel*", "/dev/vfio/[0-9]*"))
 
 
 def cpu_only() -> bool:
