@@ -3,7 +3,8 @@
 The memory model and XLA disagree by a few percent, so a planned step is
 judged by its compiled footprint on the target (XLA:GPU's for a GPU
 target, compiled here where the GPU is not; on a backend that ignores host
-memory, XLA:CPU, an offload plan's device footprint is the model's). :class:`Fitter` runs the loop for one graph:
+memory, XLA:CPU, an offload plan's device footprint is the model's).
+:class:`Fitter` runs the loop for one graph:
 
 1. *Tighten*: plan toward the budget scaled by model/XLA on the
    untransformed step; while XLA is over the budget, aim the model lower.

@@ -16,16 +16,16 @@ Example:
   (7, 5)
 """
 
-from jaxmem.targets._calibrate import calibrate, described
+from jaxmem.targets._calibrate import calibrate
 from jaxmem.targets._compile import (
-    GPU_RUNTIME_RESERVE, PLUGIN_HINT, Target, holds_host_memory, host_bytes, placed,
+    GPU_RUNTIME_RESERVE, Target, holds_host_memory, host_bytes, placed,
     platform_of, resolve, runtime_reserve, workspace_bytes, xla_footprint)
 from jaxmem.targets._description import GpuDescription, parse
 from jaxmem.targets._profiles import PROFILES, DeviceProfile, get_profile, profile_for_kind
 
 __all__ = [
-    "DeviceProfile", "GPU_RUNTIME_RESERVE", "GpuDescription", "PLUGIN_HINT", "PROFILES",
-    "Target", "calibrate", "described", "get_profile", "holds_host_memory", "host_bytes",
+    "DeviceProfile", "GPU_RUNTIME_RESERVE", "GpuDescription", "PROFILES",
+    "Target", "calibrate", "get_profile", "holds_host_memory", "host_bytes",
     "parse", "placed", "platform_of", "profile_for_kind", "resolve",
     "runtime_reserve", "workspace_bytes", "xla_footprint",
 ]

@@ -192,17 +192,7 @@ def resolve(target, leaves: Sequence) -> Target:
     'cpu'
   """
   if target is not None:
-    profile = get_profile(target)
-    if profile.description is None:
-      raise ValueError(
-          f"jaxmem: target {profile.name!r} has no GPU description to compile for "
-          "(DeviceProfile.description is None); pass a profile with one "
-          f"(jaxmem.PROFILES: {sorted(n for n, p in PROFILES.items() if p.description)}, or "
-          "jaxmem.calibrate() run on the GPU), or plan it as a planner's target "
-          "instead: transform(..., planner=jaxmem.hybrid(target=profile)).")
-    return Target("gpu", profile, _compile_only_sharding(profile.description.text()),
-                  f"{profile.name} (XLA:GPU for {profile.description.name}, compiled here)",
-                  compile_only=True)
+    return _profile_target(get_profile(target))
   for leaf in leaves:
     device = _placed_device(leaf)
     if device is not None and _compile_only(device):
@@ -216,6 +206,22 @@ def resolve(target, leaves: Sequence) -> Target:
     profile = profile_for_kind(device.device_kind)
   return Target(platform, profile, None, platform if profile is None else
                 f"{profile.name} ({platform}, this machine)")
+
+
+@functools.lru_cache(maxsize=None)
+def _profile_target(profile: DeviceProfile) -> Target:
+  """The compile-only target of a profile (resolved once per profile: every
+  call of a fitted step resolves its target)."""
+  if profile.description is None:
+    raise ValueError(
+        f"jaxmem: target {profile.name!r} has no GPU description to compile for "
+        "(DeviceProfile.description is None); pass a profile with one "
+        f"(jaxmem.PROFILES: {sorted(n for n, p in PROFILES.items() if p.description)}, or "
+        "jaxmem.calibrate() run on the GPU), or plan it as a planner's target "
+        "instead: transform(..., planner=jaxmem.hybrid(target=profile)).")
+  return Target("gpu", profile, _compile_only_sharding(profile.description.text()),
+                f"{profile.name} (XLA:GPU for {profile.description.name}, compiled here)",
+                compile_only=True)
 
 
 def platform_of(leaves) -> str:

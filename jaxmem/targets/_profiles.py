@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from jaxmem.targets._description import GpuDescription
 
@@ -103,18 +104,36 @@ def _profile(name: str, description: GpuDescription, *, link: float, latency: fl
       description=description)
 
 
+# Per compute capability, from the CUDA C++ Programming Guide's technical
+# specifications: shared memory per SM, shared memory one block may opt
+# into, resident threads per SM.
+_SM_LIMITS = {
+    (7, 5): (64 * _KIB, 64 * _KIB, 1024),
+    (8, 0): (164 * _KIB, 163 * _KIB, 2048),
+    (8, 6): (100 * _KIB, 99 * _KIB, 1536),
+    (8, 7): (164 * _KIB, 163 * _KIB, 1536),
+    (9, 0): (228 * _KIB, 227 * _KIB, 2048),
+}
+
+
+def _gpu(name: str, compute_capability: tuple[int, int], **figures) -> GpuDescription:
+  """A datasheet GPU's description, its SM limits those of its compute
+  capability."""
+  shared, optin, threads = _SM_LIMITS[compute_capability]
+  return GpuDescription(name, compute_capability, shared_memory_per_core=shared,
+                        shared_memory_per_block_optin=optin, threads_per_core_limit=threads,
+                        **figures)
+
+
 _HOPPER = dict(compute_capability=(9, 0), core_count=132, fpus_per_core=128,
-               clock_rate_ghz=1.98, l2_cache_size=50 * _MIB,
-               shared_memory_per_core=228 * _KIB, shared_memory_per_block_optin=227 * _KIB,
-               threads_per_core_limit=2048)
+               clock_rate_ghz=1.98, l2_cache_size=50 * _MIB)
 
 PROFILES: dict[str, DeviceProfile] = {
     "t4": _profile(
-        "t4", GpuDescription(
+        "t4", _gpu(
             "Tesla T4", (7, 5), core_count=40, fpus_per_core=64, clock_rate_ghz=1.59,
             device_memory_size=15360 * _MIB, memory_bandwidth=320 * _GB,
-            l2_cache_size=4 * _MIB, shared_memory_per_core=64 * _KIB,
-            shared_memory_per_block_optin=64 * _KIB, threads_per_core_limit=1024),
+            l2_cache_size=4 * _MIB),
         link=12 * _GB,
         source="NVIDIA T4 datasheet (40 Turing SMs x 64 FP32 units at 1.59 GHz boost = "
                "8.1 TFLOPS fp32, 16 GB GDDR6 (15,360 MiB as the driver reports it), "
@@ -122,12 +141,10 @@ PROFILES: dict[str, DeviceProfile] = {
                "compute capability 7.5; link: typical pinned bandwidthTest on PCIe Gen3 "
                "x16 (~12 GB/s of the 15.75 GB/s line rate), ~10 us per copy"),
     "rtx3060": _profile(
-        "rtx3060", GpuDescription(
+        "rtx3060", _gpu(
             "NVIDIA GeForce RTX 3060", (8, 6), core_count=28, fpus_per_core=128,
             clock_rate_ghz=1.777, device_memory_size=12288 * _MIB,
-            memory_bandwidth=360 * _GB, l2_cache_size=3 * _MIB,
-            shared_memory_per_core=100 * _KIB, shared_memory_per_block_optin=99 * _KIB,
-            threads_per_core_limit=1536),
+            memory_bandwidth=360 * _GB, l2_cache_size=3 * _MIB),
         link=24 * _GB,
         source="NVIDIA GeForce RTX 3060 specifications (28 Ampere SMs x 128 FP32 units "
                "at 1.777 GHz boost = 12.7 TFLOPS fp32; 12 GB GDDR6, 192-bit at 15 Gbps = "
@@ -135,23 +152,20 @@ PROFILES: dict[str, DeviceProfile] = {
                "compute capability 8.6; link: typical pinned bandwidthTest on PCIe Gen4 "
                "x16 (~24 GB/s of 31.5 GB/s), ~10 us per copy"),
     "orin-nano": _profile(
-        "orin-nano", GpuDescription(
+        "orin-nano", _gpu(
             "Orin", (8, 7), core_count=8, fpus_per_core=128, clock_rate_ghz=0.625,
             device_memory_size=8 * _GIB, memory_bandwidth=68 * _GB,
-            l2_cache_size=2 * _MIB, shared_memory_per_core=164 * _KIB,
-            shared_memory_per_block_optin=163 * _KIB, threads_per_core_limit=1536),
+            l2_cache_size=2 * _MIB),
         link=68 * _GB, latency=5e-6, unified=True,
         source="NVIDIA Jetson Orin Nano 8GB module datasheet (1024-core Ampere GPU, "
                "8 SMs, at 625 MHz = 1.28 TFLOPS fp32; 8 GB LPDDR5 128-bit, 68 GB/s, "
                "shared by CPU and GPU: unified); SM limits: CUDA programming guide, "
                "compute capability 8.7; L2 2 MB (Orin SoC technical reference)"),
     "a100": _profile(
-        "a100", GpuDescription(
+        "a100", _gpu(
             "NVIDIA A100-SXM4-80GB", (8, 0), core_count=108, fpus_per_core=64,
             clock_rate_ghz=1.41, device_memory_size=81920 * _MIB,
-            memory_bandwidth=2039 * _GB, l2_cache_size=40 * _MIB,
-            shared_memory_per_core=164 * _KIB, shared_memory_per_block_optin=163 * _KIB,
-            threads_per_core_limit=2048),
+            memory_bandwidth=2039 * _GB, l2_cache_size=40 * _MIB),
         link=24 * _GB,
         source="NVIDIA A100 datasheet and Ampere whitepaper (SXM4 80GB: 108 SMs x 64 "
                "FP32 units at 1.41 GHz boost = 19.5 TFLOPS fp32, 80 GB HBM2e at 2,039 "
@@ -159,7 +173,7 @@ PROFILES: dict[str, DeviceProfile] = {
                "compute capability 8.0; link: typical pinned bandwidthTest on Gen4 "
                "(~24 GB/s)"),
     "h100": _profile(
-        "h100", GpuDescription(
+        "h100", _gpu(
             "NVIDIA H100 80GB HBM3", device_memory_size=81559 * _MIB,
             memory_bandwidth=3350 * _GB, **_HOPPER),
         link=50 * _GB,
@@ -169,7 +183,7 @@ PROFILES: dict[str, DeviceProfile] = {
                "CUDA programming guide, compute capability 9.0; link: typical pinned "
                "bandwidthTest on Gen5 (~50 GB/s)"),
     "h200": _profile(
-        "h200", GpuDescription(
+        "h200", _gpu(
             "NVIDIA H200", device_memory_size=143771 * _MIB,
             memory_bandwidth=4800 * _GB, **_HOPPER),
         link=50 * _GB,
@@ -191,6 +205,7 @@ def get_profile(profile) -> DeviceProfile:
       f"{sorted(PROFILES)}, a DeviceProfile, or jaxmem.calibrate() for this device.")
 
 
+@functools.lru_cache(maxsize=None)
 def profile_for_kind(device_kind: str) -> DeviceProfile | None:
   """The preset whose GPU is ``device_kind`` (``jax.Device.device_kind``):
   the same name, else the one preset whose short name it contains
