@@ -19,19 +19,24 @@ _SPACES = {"offload": lambda: jax.memory.Space.Host,
            "prefetch": lambda: jax.memory.Space.Device}
 
 
-def _bind(node, args):
+def _bind(node, args, tag: str | None = None):
   from jax._src import source_info_util
   params = node.prim.get_bind_params(node.params)
   subfuns, bind_params = params if isinstance(params, tuple) else ((), params)
-  with source_info_util.user_context(node.source_info.traceback,
-                                     name_stack=node.source_info.name_stack):
+  name_stack = node.source_info.name_stack
+  if tag is not None:
+    name_stack = name_stack.extend(f"{tag}{node.index}")
+  with source_info_util.user_context(node.source_info.traceback, name_stack=name_stack):
     with node.ctx.manager:
       out = node.prim.bind(*subfuns, *args, **bind_params)
   return out if node.prim.multiple_results else [out]
 
 
-def emit(schedule: Schedule):
+def emit(schedule: Schedule, tag: str | None = None):
   """Returns ``run(*flat_inputs) -> list of flat outputs`` for ``schedule``.
+  With ``tag``, each equation runs under one more name scope, ``tag``
+  followed by its node index, so the compiled program names the equation
+  each instruction comes from (``_xla_buffers``).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -71,7 +76,7 @@ def emit(schedule: Schedule):
       elif op.params:  # an equation re-emitted (a scan, _loop_schedule)
         outs = op.params[0](*args)
       else:
-        outs = _bind(graph.nodes[op.node], args)
+        outs = _bind(graph.nodes[op.node], args, tag)
       env.update(zip(op.outs, outs))
       for key in op.ins:
         if (not isinstance(key, jex.Literal) and last_read.get(key) == pos

@@ -124,6 +124,9 @@ class Graph:
   consts: Mapping[int, Any]
   backward_start: int | None
   residuals: tuple[Residual, ...]
+  # What the target's compiler gives a buffer in the step as written
+  # (``_xla_buffers.Buffers``); None: the memory model emulates XLA:CPU.
+  buffers: Any = None
   _by_value: dict = dataclasses.field(init=False, repr=False)
   _analyses: dict = dataclasses.field(init=False, repr=False)
 

@@ -28,6 +28,7 @@ from jax.extend import core as jex
 
 from jaxmem import _primitives
 from jaxmem._schedule import Schedule
+from jaxmem._xla_buffers import LearnedFusion
 from jaxmem._xla_cpu_fusion import Fusion
 
 # What the ops a rewrite adds are, by schedule op kind (see ``_schedule.Op``):
@@ -109,7 +110,8 @@ def simulate(schedule: Schedule) -> Liveness:
            else graph.nodes[op.node].prim.name for op in ops]
   # Recomputed values and barriers belong to the backward pass.
   backward = [op.kind != "node" or graph.nodes[op.node].backward for op in ops]
-  fusion = Fusion(schedule, names, backward)
+  fusion = (Fusion(schedule, names, backward) if graph.buffers is None
+            else LearnedFusion(schedule, names, backward, graph.buffers))
   root = _buffer_roots(ops, names)
   reads, fused, fused_reads = fusion.buffer_reads(root)
   producer_of, outputs = fusion.producer_of, fusion.outputs
@@ -181,16 +183,7 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
   copies on the host; temporaries placed in output buffers add nothing),
   the timeline records the live bytes with the op's scratch, and buffers
   whose last reader it is are freed."""
-  graph, ops, nbytes = schedule.graph, schedule.ops, schedule.nbytes
-
-  def scratch(pos: int) -> int:
-    """Bytes an op needs only while it runs: the transposed input copies a
-    kernel-gradient convolution runs on (the rewrite pins them there)."""
-    node = None if ops[pos].node is None else graph.nodes[ops[pos].node]
-    if node is None or not graph.transposes_inputs(node):
-      return 0
-    return sum(nbytes(k) for k in fusion.operands(pos))
-
+  ops, nbytes = schedule.ops, schedule.nbytes
   live = start
   live_set: set = set()
   walk = _Walk(live, 0, [], [], [])
@@ -204,7 +197,7 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
         continue
       live += nbytes(key)
       live_set.add(key)
-    walk.timeline.append(live + scratch(pos))
+    walk.timeline.append(live + fusion.scratch(pos))
     walk.host_timeline.append(on_host)
     if walk.timeline[-1] > walk.peak:
       walk.peak, walk.peak_op, walk.live_at_peak = walk.timeline[-1], pos, list(live_set)

@@ -24,6 +24,7 @@ from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._inner import body_graph, embedded, inner_loop
 from jaxmem._memory import Liveness
 from jaxmem._report import decision_label, residual_table
+from jaxmem._xla_buffers import learn, with_buffers
 from jaxmem.planners import Planner, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes, xla_footprint
 
@@ -285,7 +286,7 @@ class Transformed:
     here = resolve(None, leaves)  # where the step runs, which the target may not be
     options = here.options()
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
-    graph = build_graph(closed)
+    graph = _modelled(build_graph(closed), target)
     _no_collectives(graph, self.__name__)
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
     baseline = jax.jit(jex.jaxpr_as_fun(closed), compiler_options=target.options() or None
@@ -295,7 +296,7 @@ class Transformed:
     if unconstrained is None:
       unconstrained = base_memory.peak
     loop = inner_loop(graph)
-    planned = graph if loop is None else body_graph(graph, loop)
+    planned = graph if loop is None else _modelled(body_graph(graph, loop), target)
 
     def emitter(candidate: Candidate) -> Callable:
       if not len(candidate.plan):
@@ -356,6 +357,13 @@ class Transformed:
     kwargs = dict(self.jit_kwargs)
     kwargs["compiler_options"] = {**options, **(kwargs.get("compiler_options") or {})} or None
     return arguments.jit(run, self.fun, **kwargs)
+
+
+def _modelled(graph: Graph, target: Target) -> Graph:
+  """``graph`` with the buffers its target's compiler gives it (one
+  compilation, ``_xla_buffers.learn``) where the target is a GPU; on
+  XLA:CPU the memory model emulates its fusion."""
+  return graph if target.platform == "cpu" else with_buffers(graph, learn(graph, target))
 
 
 def _no_collectives(graph: Graph, name: str) -> None:

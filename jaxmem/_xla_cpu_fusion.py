@@ -63,6 +63,15 @@ class Fusion:
   def operands(self, pos: int) -> list:
     return [k for k in self.ops[pos].ins if not isinstance(k, jex.Literal)]
 
+  def scratch(self, pos: int) -> int:
+    """Bytes op ``pos`` needs only while it runs: the transposed input
+    copies XLA:CPU runs a kernel-gradient convolution on (the rewrite pins
+    them there)."""
+    node = self.ops[pos].node
+    if node is None or not self.graph.transposes_inputs(self.graph.nodes[node]):
+      return 0
+    return sum(self.nbytes(k) for k in self.operands(pos))
+
   def fuses(self, reader: int, key) -> bool:
     """Whether XLA:CPU can fuse ``key``'s producer into op ``reader``."""
     name = self.names[reader]

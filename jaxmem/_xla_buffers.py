@@ -1,0 +1,254 @@
+"""What the target's compiler gives a buffer, learned from its own program.
+
+XLA computes many values inside the kernels that read them (fusion) and
+gives a buffer only to what a kernel writes. Which values those are depends
+on the compiler: XLA:GPU fuses a bias add into cuBLAS's epilogue, reductions
+over any axis, transposes; XLA:CPU does less (``_xla_cpu_fusion`` emulates
+it). Rather than emulate XLA:GPU too, :func:`learn` asks it: the step as
+written is emitted with every equation under a name scope of its own
+(``jaxmem#<node>``), compiled for the target, and the optimized HLO read
+back. Each buffer a scheduled instruction writes (a fusion's outputs, a
+library call's result, a loop's carries) names the equation that made it in
+its ``op_name`` metadata, so the equations whose values get buffers are
+read off the program instead of predicted.
+
+:class:`LearnedFusion` is the memory model's fusion interface over what was
+learned: a value with no buffer in the step as written is computed inside
+its readers in every plan, unless a plan makes a copy, a barrier or a
+transfer read it (those read buffers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Mapping
+
+import jax
+import numpy as np
+
+from jaxmem import _primitives
+from jaxmem._decisions import Plan
+from jaxmem._emit import emit
+from jaxmem._graph import Graph
+from jaxmem._schedule import build_schedule
+from jaxmem._xla_cpu_fusion import Fusion
+
+TAG = "jaxmem#"
+_TAG = re.compile(re.escape(TAG) + r"(\d+)")
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(r"\b(calls|body|condition|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+# Instructions that write no buffer of their own: they name, forward or
+# alias what others wrote.
+_NO_BUFFER = frozenset({
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
+    "after-all", "partition-id", "replica-id", "copy-done", "send-done", "recv-done"})
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffers:
+  """The buffers of a step as its compiler wrote it.
+
+  Attributes:
+    materialized: ids of the graph values that get a buffer.
+    extra: node index -> bytes of buffers made for that node beyond its
+      outputs (layout copies of its operands), live while it runs.
+    compiler: what compiled the program (``"xla:gpu t4"``), for reports.
+  """
+  materialized: frozenset
+  extra: Mapping[int, int]
+  compiler: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Instruction:
+  name: str
+  shape: str
+  opcode: str
+  rest: str
+  root: bool
+
+  @property
+  def tag(self) -> int | None:
+    found = _OP_NAME.search(self.rest)
+    tag = found and _TAG.search(found.group(1))
+    return int(tag.group(1)) if tag else None
+
+  def arrays(self) -> list[tuple[int, int]]:
+    """(elements, bytes) of each array in the instruction's shape."""
+    return [(_elements(dims), _elements(dims) * _itemsize(dtype))
+            for dtype, dims in _ARRAY.findall(self.shape)]
+
+  def operands(self) -> list[str]:
+    depth, end = 1, 0
+    for end, char in enumerate(self.rest):
+      depth += {"(": 1, ")": -1}.get(char, 0)
+      if depth == 0:
+        break
+    return re.findall(r"%([\w.\-]+)", self.rest[:end])
+
+
+def _elements(dims: str) -> int:
+  return int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+
+
+def _itemsize(dtype: str) -> int:
+  if dtype == "pred":
+    return 1
+  bits = re.search(r"\d+", dtype)
+  return max(1, int(bits.group()) // 8) if bits else 4
+
+
+def _split_shape(text: str) -> tuple[str, str]:
+  """``"(f32[2]{0}, s8[4]{0}) custom-call(...)"`` -> shape, the rest."""
+  if not text.startswith("("):
+    shape, _, rest = text.partition(" ")
+    return shape, rest
+  depth = 0
+  for i, char in enumerate(text):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      return text[:i + 1], text[i + 2:]
+  return text, ""
+
+
+def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
+  """Optimized HLO text -> computation name -> instructions, and the
+  entry computation's name."""
+  computations: dict[str, list[_Instruction]] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      current = computations.setdefault(header.group(1), [])
+      if line.startswith("ENTRY"):
+        entry = header.group(1)
+      continue
+    found = _INSTRUCTION.match(line)
+    if found and current is not None:
+      shape, rest = _split_shape(found.group(3))
+      opcode, _, rest = rest.partition("(")
+      current.append(_Instruction(found.group(2), shape, opcode.strip(), rest,
+                                  bool(found.group(1))))
+  return computations, entry
+
+
+def written_buffers(text: str) -> dict[int, list[tuple[int, int]]]:
+  """Node tag -> (elements, bytes) of each buffer the program writes for
+  it: outputs of the scheduled computations' instructions (the entry's, and
+  the bodies of its loops and conditionals), a fusion's named by the fused
+  instructions that produce them."""
+  computations, entry = parse_hlo(text)
+  written: dict[int, list[tuple[int, int]]] = {}
+  seen, todo = set(), [entry]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in computations:
+      continue
+    seen.add(name)
+    for inst in computations[name]:
+      for kind, called in _CALLED.findall(inst.rest):
+        if kind != "calls" or inst.opcode != "fusion":
+          todo.append(called)
+      for group in _BRANCHES.findall(inst.rest):
+        todo.extend(re.findall(r"%([\w.\-]+)", group))
+      if inst.opcode in _NO_BUFFER:
+        continue
+      for tag, array in _producers(inst, computations):
+        if tag is not None:
+          written.setdefault(tag, []).append(array)
+  return written
+
+
+def _producers(inst: _Instruction, computations: dict) -> list:
+  """(tag, (elements, bytes)) of each buffer ``inst`` writes."""
+  if inst.opcode == "fusion":
+    called = re.search(r"\bcalls=%([\w.\-]+)", inst.rest)
+    body = computations.get(called.group(1), []) if called else []
+    root = next((i for i in body if i.root), None)
+    if root is not None:
+      by_name = {i.name: i for i in body}
+      outs = ([by_name[o] for o in root.operands() if o in by_name]
+              if root.opcode == "tuple" else [root])
+      found = []
+      for out in outs:
+        while out.opcode == "bitcast" and out.operands() and out.operands()[0] in by_name:
+          out = by_name[out.operands()[0]]  # a reshape names no computation
+        found.extend((out.tag if out.tag is not None else inst.tag, a)
+                     for a in out.arrays()[:1])
+      return found
+  arrays = inst.arrays()
+  if inst.opcode == "custom-call" and len(arrays) > 1:
+    arrays = arrays[:1]  # a library call's result; the rest is its workspace
+  return [(inst.tag, a) for a in arrays]
+
+
+def assign(graph: Graph, written: dict[int, list[tuple[int, int]]],
+           compiler: str = "") -> Buffers:
+  """The graph values that own the buffers ``written`` names: each node's
+  buffers are matched to its outputs by element count; buffers left over
+  are copies made for the node (:attr:`Buffers.extra`). A view's buffer is
+  its source's."""
+  materialized: set[int] = set()
+  extra: dict[int, int] = {}
+  for tag, arrays in written.items():
+    if tag >= len(graph.nodes):
+      continue
+    node = graph.nodes[tag]
+    left = list(node.outs)
+    for elements, nbytes in arrays:
+      match = next((v for v in left if graph.values[v].aval.size == elements), None)
+      if match is None:
+        extra[tag] = extra.get(tag, 0) + nbytes
+        continue
+      left.remove(match)
+      materialized.add(match)
+  for node in reversed(graph.nodes):
+    if (_primitives.is_view(node.prim.name) and node.outs and node.outs[0] in materialized
+        and node.ins and isinstance(node.ins[0], int)):
+      materialized.add(node.ins[0])
+  return Buffers(frozenset(materialized), extra, compiler)
+
+
+def learn(graph: Graph, target) -> Buffers:
+  """What ``target``'s compiler (a :class:`~jaxmem.targets.Target`) gives a
+  buffer in ``graph`` as written: one compilation of the step with every
+  equation tagged (see the module docstring)."""
+  run = emit(build_schedule(graph, Plan(), separate=False), tag=TAG)
+  args = target.place([jax.ShapeDtypeStruct(graph.values[v].aval.shape,
+                                            graph.values[v].aval.dtype)
+                       for v in graph.inputs])
+  compiled = jax.jit(run, compiler_options=target.options(measuring=True) or None
+                     ).lower(*args).compile()
+  return assign(graph, written_buffers(compiled.as_text()), target.name)
+
+
+def with_buffers(graph: Graph, buffers: Buffers | None) -> Graph:
+  """``graph`` modelled with ``buffers`` (None: XLA:CPU's fusion emulated);
+  analyses start afresh."""
+  return dataclasses.replace(graph, buffers=buffers)
+
+
+class LearnedFusion(Fusion):
+  """:class:`~jaxmem._xla_cpu_fusion.Fusion`'s interface over
+  :class:`Buffers`: a value fuses into a reader where the compiler gave it
+  no buffer in the step as written and the reader is an equation."""
+
+  def __init__(self, schedule, names: list[str], backward: list[bool], buffers: Buffers):
+    super().__init__(schedule, names, backward)
+    self.buffers = buffers
+
+  def fused_into(self, key, reader: int) -> bool:
+    pos = self.producer_of.get(key)
+    if (pos is None or key in self.outputs or self.ops[pos].node is None
+        or self.ops[reader].node is None):
+      return False
+    return key[0] not in self.buffers.materialized
+
+  def scratch(self, pos: int) -> int:
+    node = self.ops[pos].node
+    return 0 if node is None else self.buffers.extra.get(node, 0)

@@ -1,0 +1,103 @@
+"""The memory model learns what XLA:GPU gives a buffer from XLA:GPU's own
+program for the step (``_xla_buffers``), compiled here for a T4."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxmem_models as models
+from jaxmem._evaluate import unplanned
+from jaxmem._graph import build_graph
+from jaxmem._xla_buffers import assign, learn, with_buffers, written_buffers
+from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint
+
+# A scheduled program as XLA:GPU prints it, cut to what the reader uses: a
+# cuBLAS call with its workspace, a multi-output fusion whose second output
+# is a reshape, a loop whose body writes one buffer, and instructions that
+# write none (parameters, tuples, bitcasts, get-tuple-element).
+HLO = """\
+HloModule jit_run, is_scheduled=true
+
+%fused_pair (p0: f32[8,4]) -> (f32[8,4], f32[32]) {
+  %p0 = f32[8,4]{1,0} parameter(0)
+  %tanh.1 = f32[8,4]{1,0} tanh(%p0), metadata={op_name="jit(run)/jvp(Net)/jaxmem#3/tanh"}
+  %mul.1 = f32[8,4]{1,0} multiply(%tanh.1, %tanh.1), metadata={op_name="jit(run)/jaxmem#4/mul"}
+  %bitcast.1 = f32[32]{0} bitcast(%mul.1), metadata={op_name="jit(run)/jaxmem#5/reshape"}
+  ROOT %tuple.1 = (f32[8,4]{1,0}, f32[32]{0}) tuple(%tanh.1, %bitcast.1)
+}
+
+%body (carry: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %carry = (s32[], f32[16]{0}) parameter(0)
+  %gte.0 = s32[] get-tuple-element(%carry), index=0
+  %gte.1 = f32[16]{0} get-tuple-element(%carry), index=1
+  %sin.1 = f32[16]{0} sine(%gte.1), metadata={op_name="jit(run)/while/body/jaxmem#9/sin"}
+  ROOT %tuple.2 = (s32[], f32[16]{0}) tuple(%gte.0, %sin.1)
+}
+
+%cond (carry: (s32[], f32[16])) -> pred[] {
+  %carry = (s32[], f32[16]{0}) parameter(0)
+  %gte.2 = s32[] get-tuple-element(%carry), index=0
+  ROOT %lt = pred[] compare(%gte.2, %gte.2), direction=LT
+}
+
+ENTRY %main (x: f32[8,16], w: f32[16,4], c: (s32[], f32[16])) -> f32[8,4] {
+  %x = f32[8,16]{1,0} parameter(0), metadata={op_name="x"}
+  %w = f32[16,4]{1,0} parameter(1), metadata={op_name="w"}
+  %c = (s32[], f32[16]{0}) parameter(2)
+  %gemm = (f32[8,4]{1,0}, s8[4194304]{0}) custom-call(%x, %w), custom_call_target="__cublas$lt$matmul", metadata={op_name="jit(run)/jvp(Net)/Dense_0/jaxmem#2/dot_general" source_file="net.py"}
+  %gte.3 = f32[8,4]{1,0} get-tuple-element(%gemm), index=0, metadata={op_name="jit(run)/jvp(Net)/Dense_0/jaxmem#2/dot_general"}
+  %pair = (f32[8,4]{1,0}, f32[32]{0}) fusion(%gte.3), kind=kLoop, calls=%fused_pair, metadata={op_name="jit(run)/jaxmem#4/mul"}
+  %loop = (s32[], f32[16]{0}) while(%c), condition=%cond, body=%body, metadata={op_name="jit(run)/jaxmem#8/while"}
+  %gte.4 = f32[8,4]{1,0} get-tuple-element(%pair), index=0
+  ROOT %bitcast.2 = f32[8,4]{1,0} bitcast(%gte.4)
+}
+"""
+
+
+def test_the_buffers_a_program_writes_are_read_off_its_text():
+  """Each buffer is named by the equation whose tag its producing
+  instruction carries: a fusion's outputs by the fused instructions that
+  make them (through a reshape to what it reshapes), a library call by its
+  result (its workspace is not a value), a loop by its carries and its
+  body's own buffers."""
+  assert written_buffers(HLO) == {
+      2: [(32, 128)],  # the GEMM's result, not its 4 MiB workspace
+      3: [(32, 128)],  # tanh, the fusion's first output
+      4: [(32, 128)],  # the reshaped product: its buffer is the multiply's
+      8: [(1, 4), (16, 64)],  # the loop's carries
+      9: [(16, 64)],  # the body's sine
+  }
+
+
+def test_buffers_go_to_the_values_of_equal_size_and_the_rest_is_extra():
+  step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+  graph = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
+  dot = next(n for n in graph.nodes if n.prim.name == "dot_general")
+  tanh = next(n for n in graph.nodes if n.prim.name == "tanh")
+  buffers = assign(graph, {dot.index: [(8, 32), (16, 64)], tanh.index: [(8, 32)]})
+  assert buffers.materialized == {dot.outs[0], tanh.outs[0]}
+  assert buffers.extra == {dot.index: 64}  # a copy the size of w, not an output
+
+
+SMALL = {
+    "mlp": dict(depth=16, width=64, batch=512, features=32),
+    "cnn": dict(widths=(8, 16), batch=8, size=16, blocks=6),
+    "transformer": dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_the_learned_model_follows_xla_gpu_on_the_step_as_written(name):
+  """With what XLA:GPU fuses learned from its program for a T4, the memory
+  model's footprint of the step as written is within 10% of XLA:GPU's,
+  less the cuBLAS/cuDNN workspace the model does not hold."""
+  task = models.get(name, optimizer=optax.adam(1e-3, eps=1e-3), **SMALL[name])
+  args = task.init()
+  graph = build_graph(jax.make_jaxpr(task.step)(*args))
+  target = resolve("t4", ())
+  compiled = jax.jit(task.step, compiler_options=target.options(measuring=True)).lower(
+      *placed(args, "t4")).compile()
+  xla = xla_footprint(compiled) - workspace_bytes(compiled)
+  learned = unplanned(with_buffers(graph, learn(graph, target)), 0).peak
+  assert abs(learned / xla - 1) <= 0.10, (learned, xla)
