@@ -3,9 +3,14 @@
 For each zoo model (at the GPU check's edge sizes, or the zoo's CPU sizes
 with ``--cpu-sizes``), the untransformed step is compiled for each GPU
 target on this machine (compile-only devices; no GPU needed) and for
-XLA:CPU, and jaxmem's memory model of the step is set beside them:
-model / XLA per compiler. Arguments are abstract (``jax.eval_shape``), so
-edge sizes cost compile time only.
+XLA:CPU, and jaxmem's memory model of the step is set beside each: the
+XLA:CPU fusion emulation, and the model that learns its buffers from the
+target's own program (``_xla_buffers``; what GPU targets plan with). XLA's
+footprint is taken less the cuBLAS/cuDNN workspace, which no plan changes
+and the model does not hold. Arguments are abstract (``jax.eval_shape``),
+so edge sizes cost compile time only. With ``--budgets``, each GPU target
+also fits the step at those budgets and sets the plan's model beside XLA's
+footprint of it (planned steps; these compile about ten candidates each).
 
   PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/target_accuracy.py \\
       --targets t4 h100 --out benchmarks/results/memory-model-vs-xla-gpu
@@ -25,50 +30,90 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 import jaxmem  # noqa: E402
+from jaxmem._evaluate import unplanned  # noqa: E402
+from jaxmem._graph import build_graph, trace  # noqa: E402
 from jaxmem._provenance import provenance  # noqa: E402
-from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
+from jaxmem._xla_buffers import learn, with_buffers  # noqa: E402
+from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint  # noqa: E402
 from jaxmem._zoo import models  # noqa: E402
 
 from benchmarks.gpu import CONFIGS  # noqa: E402
 
 
-def _footprint(step, shapes, target: str | None) -> tuple[int, float]:
-  """XLA's footprint of ``step`` for ``target`` (None: XLA:CPU) and the
-  seconds its compilation took."""
+def _compiled(step, shapes, target: str | None):
+  """``step`` compiled for ``target`` (None: XLA:CPU), the target, and the
+  seconds the compilation took."""
   where = resolve(target, jax.tree_util.tree_leaves(shapes))
   args = shapes if target is None else placed(shapes, target)
   start = time.perf_counter()
   compiled = jax.jit(step, compiler_options=where.options(measuring=True)).lower(
       *args).compile()
-  return xla_footprint(compiled), time.perf_counter() - start
+  return compiled, where, time.perf_counter() - start
 
 
-def measure(name: str, config: dict, targets: list[str]) -> dict:
+def _planned(task, budget: str, target: str) -> dict:
+  """The fit of ``task`` at ``budget`` on ``target``: the plan's model
+  against XLA's footprint of it, less the workspace."""
+  args = task.init()
+  fitted = jaxmem.transform(task.step, budget=budget, target=target)
+  try:
+    fit = fitted.fit(*args)
+  except jaxmem.BudgetError as err:
+    return {"budget": budget, "smallest": err.smallest}
+  compiled = fitted.lower(*placed(args, target)).compile()
+  xla = xla_footprint(compiled) - workspace_bytes(compiled)
+  return {"budget": budget, "xla": xla, "model": fit.memory.peak,
+          "model_over_xla": fit.memory.peak / xla, "seconds": fit.seconds}
+
+
+def measure(name: str, config: dict, targets: list[str], budgets: list[str]) -> dict:
   zoo = models()
   config = dict(config)
   task = zoo.get(config.pop("zoo", name), **config)
   shapes = jax.eval_shape(task.init)
-  model = jaxmem.analyze(task.step, *shapes).peak
-  row = {"model": name, "config": config, "memory_model": model}
+  closed, _ = trace(jax.jit(task.step), *shapes)
+  graph = build_graph(closed)
+  emulated = unplanned(graph, 0).peak
+  row = {"model": name, "config": config, "emulated": emulated}
   for target in [None, *targets]:
     label = target or "xla:cpu"
-    footprint, seconds = _footprint(task.step, shapes, target)
-    row[label] = {"footprint": footprint, "model_over_xla": model / footprint,
-                  "compile_s": seconds}
-    print(f"{name:12s} {label:8s} XLA {footprint / 2**20:9.1f} MiB  model/XLA "
-          f"{model / footprint:5.2f}  compile {seconds:5.1f} s", flush=True)
+    compiled, where, seconds = _compiled(task.step, shapes, target)
+    xla = xla_footprint(compiled) - workspace_bytes(compiled)
+    start = time.perf_counter()
+    learned = unplanned(with_buffers(graph, learn(graph, where)), 0).peak
+    cell = {"footprint": xla, "workspace": workspace_bytes(compiled), "compile_s": seconds,
+            "emulated_over_xla": emulated / xla, "learned_over_xla": learned / xla,
+            "learn_s": time.perf_counter() - start}
+    if target is not None and budgets:
+      cell["planned"] = [_planned(task, b, target) for b in budgets]
+    row[label] = cell
+    print(f"{name:12s} {label:8s} XLA {xla / 2**20:9.1f} MiB  emulated/XLA "
+          f"{emulated / xla:5.2f}  learned/XLA {learned / xla:5.2f}  "
+          f"{cell.get('planned', '')}", flush=True)
   return row
 
 
 def render(rows: list[dict], targets: list[str]) -> str:
   labels = ["xla:cpu", *targets]
-  head = "| model | memory model | " + " | ".join(f"{t}: XLA, model/XLA" for t in labels) + " |"
-  lines = [head, "|" + "---|" * (2 + len(labels))]
+  head = ("| model | " + " | ".join(f"{t}: XLA, emulated/XLA, learned/XLA" for t in labels)
+          + " |")
+  lines = [head, "|" + "---|" * (1 + len(labels))]
   for row in rows:
-    cells = [f"{row[t]['footprint'] / 2**20:.1f} MiB, {row[t]['model_over_xla']:.2f}"
-             for t in labels]
-    lines.append(f"| {row['model']} | {row['memory_model'] / 2**20:.1f} MiB | "
-                 + " | ".join(cells) + " |")
+    cells = [f"{row[t]['footprint'] / 2**20:.1f} MiB, {row[t]['emulated_over_xla']:.2f}, "
+             f"**{row[t]['learned_over_xla']:.2f}**" for t in labels]
+    lines.append(f"| {row['model']} | " + " | ".join(cells) + " |")
+  planned = [(row["model"], t, p) for row in rows for t in targets
+             for p in row[t].get("planned", ())]
+  if planned:
+    lines += ["", "Planned steps (the fit's plan; model learned from the step as written):",
+              "", "| model | target | budget | XLA | model | model/XLA |", "|---|---|---|---|---|---|"]
+    for model, target, p in planned:
+      if "xla" in p:
+        lines.append(f"| {model} | {target} | {p['budget']} | {p['xla'] / 2**20:.1f} MiB | "
+                     f"{p['model'] / 2**20:.1f} MiB | **{p['model_over_xla']:.2f}** |")
+      else:
+        lines.append(f"| {model} | {target} | {p['budget']} | smallest reached "
+                     f"{p['smallest'] / 2**20:.1f} MiB | - | - |")
   return "\n".join(lines)
 
 
@@ -78,13 +123,15 @@ def main(argv=None) -> None:
   parser.add_argument("--models", nargs="*", default=None)
   parser.add_argument("--cpu-sizes", action="store_true",
                       help="the zoo's CPU sizes instead of the GPU check's edge sizes")
+  parser.add_argument("--budgets", nargs="*", default=[],
+                      help="budgets each GPU target fits the step at (planned rows)")
   parser.add_argument("--out", default=None, help="folder for results.md and results.json")
   opts = parser.parse_args(argv)
   zoo = models()
   configs = ({k: dict(v) for k, v in zoo.CPU_SIZES.items()} if opts.cpu_sizes
              else {k: dict(v) for k, v in CONFIGS.items()})
   names = opts.models or sorted(configs)
-  rows = [measure(name, configs[name], opts.targets) for name in names]
+  rows = [measure(name, configs[name], opts.targets, opts.budgets) for name in names]
   table = render(rows, opts.targets)
   print(table)
   if opts.out:
@@ -94,7 +141,7 @@ def main(argv=None) -> None:
     with open(os.path.join(opts.out, "results.json"), "w") as f:
       json.dump({"header": header, "rows": rows}, f, indent=1)
     with open(os.path.join(opts.out, "results.md"), "w") as f:
-      f.write(f"# Memory model / XLA footprint, untransformed steps\n\n"
+      f.write(f"# Memory model / XLA footprint less workspace\n\n"
               f"Command: `{header['command']}`  \nCommit: {header.get('commit')} "
               f"(dirty: {header.get('dirty')}), jax {jax.__version__}, "
               f"{header['date']}, compiled on a 2-core CPU-only machine.\n\n{table}\n")

@@ -195,7 +195,7 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
         continue
       if key in in_outputs:
         continue
-      live += nbytes(key)
+      live += nbytes(key) + fusion.beside(key)
       live_set.add(key)
     walk.timeline.append(live + fusion.scratch(pos))
     walk.host_timeline.append(on_host)
@@ -205,7 +205,7 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       if key in host:
         on_host -= nbytes(key)
       elif key in live_set:
-        live -= nbytes(key)
+        live -= nbytes(key) + fusion.beside(key)
         live_set.discard(key)
   return walk
 

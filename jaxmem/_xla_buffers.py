@@ -56,7 +56,8 @@ class Buffers:
   Attributes:
     materialized: ids of the graph values that get a buffer.
     extra: node index -> bytes of buffers made for that node beyond its
-      outputs (layout copies of its operands), live while it runs.
+      outputs (a padded or relaid copy of its value for a convolution that
+      reads it), live as long as the node's first output.
     compiler: what compiled the program (``"xla:gpu t4"``), for reports.
   """
   materialized: frozenset
@@ -207,6 +208,9 @@ def assign(graph: Graph, written: dict[int, list[tuple[int, int]]],
         continue
       left.remove(match)
       materialized.add(match)
+  for tag in extra:  # a copy of the node's value (padded, relaid) is its buffer too
+    if graph.nodes[tag].outs:
+      materialized.add(graph.nodes[tag].outs[0])
   for node in reversed(graph.nodes):
     if (_primitives.is_view(node.prim.name) and node.outs and node.outs[0] in materialized
         and node.ins and isinstance(node.ins[0], int)):
@@ -250,5 +254,11 @@ class LearnedFusion(Fusion):
     return key[0] not in self.buffers.materialized
 
   def scratch(self, pos: int) -> int:
-    node = self.ops[pos].node
-    return 0 if node is None else self.buffers.extra.get(node, 0)
+    return 0
+
+  def beside(self, key) -> int:
+    pos = self.producer_of.get(key)
+    node = None if pos is None else self.ops[pos].node
+    if node is None or self.graph.nodes[node].outs[:1] != (key[0],):
+      return 0
+    return self.buffers.extra.get(node, 0)

@@ -72,6 +72,11 @@ class Fusion:
       return 0
     return sum(self.nbytes(k) for k in self.operands(pos))
 
+  def beside(self, key) -> int:
+    """Bytes the compiler allocates beside ``key``'s buffer for as long as
+    it lives (none where its fusion is emulated)."""
+    return 0
+
   def fuses(self, reader: int, key) -> bool:
     """Whether XLA:CPU can fuse ``key``'s producer into op ``reader``."""
     name = self.names[reader]
