@@ -51,6 +51,11 @@ def _compiled(step, shapes, target: str | None):
   return compiled, where, time.perf_counter() - start
 
 
+def _footprint(compiled) -> int:
+  """XLA's footprint less the library workspace the model does not hold."""
+  return xla_footprint(compiled) - workspace_bytes(compiled)
+
+
 def _planned(task, budget: str, target: str) -> dict:
   """The fit of ``task`` at ``budget`` on ``target``: the plan's model
   against XLA's footprint of it, less the workspace."""
@@ -61,7 +66,7 @@ def _planned(task, budget: str, target: str) -> dict:
   except jaxmem.BudgetError as err:
     return {"budget": budget, "smallest": err.smallest}
   compiled = fitted.lower(*placed(args, target)).compile()
-  xla = xla_footprint(compiled) - workspace_bytes(compiled)
+  xla = _footprint(compiled)
   return {"budget": budget, "xla": xla, "model": fit.memory.peak,
           "model_over_xla": fit.memory.peak / xla, "seconds": fit.seconds}
 
@@ -78,7 +83,7 @@ def measure(name: str, config: dict, targets: list[str], budgets: list[str]) -> 
   for target in [None, *targets]:
     label = target or "xla:cpu"
     compiled, where, seconds = _compiled(task.step, shapes, target)
-    xla = xla_footprint(compiled) - workspace_bytes(compiled)
+    xla = _footprint(compiled)
     start = time.perf_counter()
     learned = unplanned(with_buffers(graph, learn(graph, where)), 0).peak
     cell = {"footprint": xla, "workspace": workspace_bytes(compiled), "compile_s": seconds,

@@ -14,10 +14,12 @@ bring the walk close to XLA:CPU's fusion and buffer assignment:
   share their input's buffer;
 * a convolution computing a kernel gradient also holds transposed copies of
   its inputs while it runs (XLA:CPU's layout for that convolution; the
-  rewrite keeps XLA from making them earlier);
-* an elementwise value that XLA's instruction fusion computes inside its
-  readers gets no buffer; its own inputs are read at those readers'
-  positions instead (``_xla_cpu_fusion`` decides which).
+  rewrite keeps XLA from making them earlier); XLA:GPU's copies made for an
+  equation are learned with its buffers;
+* a value that XLA's fusion computes inside its readers gets no buffer; its
+  own inputs are read at those readers' positions instead
+  (``_xla_cpu_fusion`` decides which on XLA:CPU; for a GPU target,
+  ``_xla_buffers`` reads them off XLA:GPU's program for the step).
 """
 
 from __future__ import annotations

@@ -286,8 +286,14 @@ class Transformed:
     here = resolve(None, leaves)  # where the step runs, which the target may not be
     options = here.options()
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
-    graph = _modelled(build_graph(closed), target)
+    graph = build_graph(closed)
     _no_collectives(graph, self.__name__)
+    loop = inner_loop(graph)
+    # The graph planned (the loop's body where the passes run in a loop) is
+    # the one the memory model learns the target's buffers for.
+    planned = _modelled(graph if loop is None else body_graph(graph, loop), target)
+    if loop is None:
+      graph = planned
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
     baseline = jax.jit(jex.jaxpr_as_fun(closed), compiler_options=target.options() or None
                        ).lower(*target.place(leaves)).compile()
@@ -295,8 +301,6 @@ class Transformed:
     unconstrained = xla_footprint(baseline)
     if unconstrained is None:
       unconstrained = base_memory.peak
-    loop = inner_loop(graph)
-    planned = graph if loop is None else _modelled(body_graph(graph, loop), target)
 
     def emitter(candidate: Candidate) -> Callable:
       if not len(candidate.plan):

@@ -58,11 +58,9 @@ class Buffers:
     extra: node index -> bytes of buffers made for that node beyond its
       outputs (a padded or relaid copy of its value for a convolution that
       reads it), live as long as the node's first output.
-    compiler: what compiled the program (``"xla:gpu t4"``), for reports.
   """
   materialized: frozenset
   extra: Mapping[int, int]
-  compiler: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,12 +83,17 @@ class _Instruction:
             for dtype, dims in _ARRAY.findall(self.shape)]
 
   def operands(self) -> list[str]:
-    depth, end = 1, 0
-    for end, char in enumerate(self.rest):
-      depth += {"(": 1, ")": -1}.get(char, 0)
-      if depth == 0:
-        break
-    return re.findall(r"%([\w.\-]+)", self.rest[:end])
+    return re.findall(r"%([\w.\-]+)", self.rest[:_closing(self.rest, depth=1)])
+
+
+def _closing(text: str, depth: int = 0) -> int:
+  """The index of the parenthesis that closes ``depth`` open ones (plus
+  any opened in ``text``): the end of an operand list or a tuple shape."""
+  for i, char in enumerate(text):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      return i
+  return len(text)
 
 
 def _elements(dims: str) -> int:
@@ -109,12 +112,8 @@ def _split_shape(text: str) -> tuple[str, str]:
   if not text.startswith("("):
     shape, _, rest = text.partition(" ")
     return shape, rest
-  depth = 0
-  for i, char in enumerate(text):
-    depth += {"(": 1, ")": -1}.get(char, 0)
-    if depth == 0:
-      return text[:i + 1], text[i + 2:]
-  return text, ""
+  end = _closing(text)
+  return text[:end + 1], text[end + 2:]
 
 
 def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
@@ -188,8 +187,7 @@ def _producers(inst: _Instruction, computations: dict) -> list:
   return [(inst.tag, a) for a in arrays]
 
 
-def assign(graph: Graph, written: dict[int, list[tuple[int, int]]],
-           compiler: str = "") -> Buffers:
+def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
   """The graph values that own the buffers ``written`` names: each node's
   buffers are matched to its outputs by element count; buffers left over
   are copies made for the node (:attr:`Buffers.extra`). A view's buffer is
@@ -215,7 +213,7 @@ def assign(graph: Graph, written: dict[int, list[tuple[int, int]]],
     if (_primitives.is_view(node.prim.name) and node.outs and node.outs[0] in materialized
         and node.ins and isinstance(node.ins[0], int)):
       materialized.add(node.ins[0])
-  return Buffers(frozenset(materialized), extra, compiler)
+  return Buffers(frozenset(materialized), extra)
 
 
 def learn(graph: Graph, target) -> Buffers:
@@ -228,7 +226,7 @@ def learn(graph: Graph, target) -> Buffers:
                        for v in graph.inputs])
   compiled = jax.jit(run, compiler_options=target.options(measuring=True) or None
                      ).lower(*args).compile()
-  return assign(graph, written_buffers(compiled.as_text()), target.name)
+  return assign(graph, written_buffers(compiled.as_text()))
 
 
 def with_buffers(graph: Graph, buffers: Buffers | None) -> Graph:
