@@ -19,7 +19,6 @@ footprint of it (planned steps; these compile about ten candidates each).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,11 +31,11 @@ import jax  # noqa: E402
 import jaxmem  # noqa: E402
 from jaxmem._evaluate import unplanned  # noqa: E402
 from jaxmem._graph import build_graph, trace  # noqa: E402
-from jaxmem._provenance import provenance  # noqa: E402
 from jaxmem._xla_buffers import learn, with_buffers  # noqa: E402
 from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint  # noqa: E402
 from jaxmem._zoo import models  # noqa: E402
 
+from benchmarks._results import write  # noqa: E402
 from benchmarks.gpu import CONFIGS  # noqa: E402
 
 
@@ -140,17 +139,9 @@ def main(argv=None) -> None:
   table = render(rows, opts.targets)
   print(table)
   if opts.out:
-    os.makedirs(opts.out, exist_ok=True)
-    header = {**provenance("benchmarks/target_accuracy.py", sys.argv[1:] if argv is None
-                           else argv), "jax": jax.__version__}
-    with open(os.path.join(opts.out, "results.json"), "w") as f:
-      json.dump({"header": header, "rows": rows}, f, indent=1)
-    with open(os.path.join(opts.out, "results.md"), "w") as f:
-      f.write(f"# Memory model / XLA footprint less workspace\n\n"
-              f"Command: `{header['command']}`  \nCommit: {header.get('commit')} "
-              f"(dirty: {header.get('dirty')}), jax {jax.__version__}, "
-              f"{header['date']}, compiled on a 2-core CPU-only machine.\n\n{table}\n")
-
+    write(opts.out, "benchmarks/target_accuracy.py", sys.argv[1:] if argv is None else argv,
+          "Memory model / XLA footprint less workspace",
+          "compiled on a 2-core CPU-only machine", table, rows)
 
 if __name__ == "__main__":
   main()

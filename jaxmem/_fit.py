@@ -40,9 +40,12 @@ class Trial:
     footprint: XLA's footprint, or for a plan with offloads on a backend
       that ignores host memory the model's device peak in XLA's scale;
       None where the backend gives no analysis.
+    seconds: the compiled program's predicted time on the target (the
+      clock, ``_xla_clock``); None where the fit has no clock (XLA:CPU).
   """
   candidate: Candidate
   footprint: int | None
+  seconds: float | None = None
 
   @property
   def measured(self) -> int:
@@ -74,6 +77,9 @@ class Fitter:
       does not hold (the workspace XLA:GPU gives cuBLAS and cuDNN,
       :func:`~jaxmem.targets.workspace_bytes`): the model's part of a
       budget is the budget less these.
+    clock: a compiled program's predicted seconds on the target; where
+      set, compiled plans are compared by it (a plan's cost is its time on
+      the target), else by the planner's cost model.
   """
   graph: Graph
   planner: Planner
@@ -85,6 +91,7 @@ class Fitter:
   reserve: int = 0
   where: str = ""
   fixed: int = 0
+  clock: Callable[[object], float] | None = None
 
   def _model_part(self, footprint: int) -> int:
     """The part of an XLA footprint the memory model's figures stand for."""
@@ -112,13 +119,22 @@ class Fitter:
   def compile(self, candidate: Candidate) -> Trial:
     """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
     compiled = self.jit(candidate)
+    seconds = None if self.clock is None else self.clock(compiled)
     if candidate.plan.uses_host and not holds_host_memory(compiled):
-      return Trial(candidate, int(candidate.peak / self.model_scale) + self.fixed)
-    return Trial(candidate, xla_footprint(compiled))
+      return Trial(candidate, int(candidate.peak / self.model_scale) + self.fixed, seconds)
+    return Trial(candidate, xla_footprint(compiled), seconds)
 
   def cost(self, trial: Trial | Candidate) -> float:
+    """The planner's cost of a plan (its cost model's, before compiling)."""
     candidate = trial.candidate if isinstance(trial, Trial) else trial
     return self.planner.cost(candidate.schedule)
+
+  def cheaper(self, trial: Trial, than: Trial) -> bool:
+    """Whether ``trial`` costs less than ``than``: by their predicted times
+    on the target where both have one, else by the planner's cost."""
+    if trial.seconds is not None and than.seconds is not None:
+      return trial.seconds < than.seconds
+    return self.cost(trial) < self.cost(than)
 
   def tighten(self) -> tuple[Trial, int]:
     """Plans toward the budget in the model's scale; while XLA's footprint
@@ -162,7 +178,7 @@ class Fitter:
       candidate = self.planner.plan(self.graph, int(room * scale))
       if candidate.fits and candidate.plan != found.candidate.plan:
         trial = self.compile(candidate)
-        if trial.measured <= self.budget and self.cost(trial) < self.cost(found):
+        if trial.measured <= self.budget and self.cheaper(trial, found):
           found, low = trial, scale
           continue
       high = scale
@@ -172,14 +188,15 @@ class Fitter:
     """The planner's plans shaped like the per-block remat baselines
     (:meth:`Planner.structured`), cheapest first, where they cost less than
     the plan found (any cost, without ``cheaper``): the first whose XLA
-    footprint fits the budget replaces it."""
+    footprint fits the budget, and that is cheaper compiled
+    (:meth:`cheaper`), replaces it."""
     limit = self.cost(found) if cheaper else float("inf")
     for candidate in self.planner.structured(self.graph):
       if self.cost(candidate) >= limit:
         break
       candidate = dataclasses.replace(candidate, aim=found.candidate.aim, fits=True)
       trial = self.compile(candidate)
-      if trial.measured <= self.budget:
+      if trial.measured <= self.budget and (not cheaper or self.cheaper(trial, found)):
         return trial
     return found
 

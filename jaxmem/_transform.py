@@ -25,6 +25,7 @@ from jaxmem._inner import body_graph, embedded, inner_loop
 from jaxmem._memory import Liveness
 from jaxmem._report import decision_label, residual_table
 from jaxmem._xla_buffers import learn, with_buffers
+from jaxmem._xla_clock import program_time
 from jaxmem.planners import Planner, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes, xla_footprint
 
@@ -64,6 +65,9 @@ class Fit:
     run: the emitted step over flat leaves (what every ``jax.jit`` above wraps).
     runners: its ``jax.jit`` per device it is called or lowered on
       (``jitted`` for the device of the call that fitted it).
+    predicted: the transformed step's predicted seconds on a GPU target
+      (the clock over XLA:GPU's program, ``_xla_clock``); None on XLA:CPU.
+    unconstrained_predicted: the same for the untransformed step.
   """
   graph: Graph
   result: Candidate
@@ -84,6 +88,8 @@ class Fit:
   out_tree: Any = None
   run: Callable | None = dataclasses.field(repr=False, default=None)
   runners: dict = dataclasses.field(repr=False, default_factory=dict)
+  predicted: float | None = None
+  unconstrained_predicted: float | None = None
 
   @property
   def plan(self) -> Plan:
@@ -331,9 +337,10 @@ class Transformed:
           smallest=reserve + 1)
     model = base_memory if loop is None else evaluate(planned, Plan())[1]
     fixed = workspace_bytes(baseline)
+    clock = _clock(target)
     fitter = Fitter(planned, planner, budget - reserve, unconstrained,
                     model.peak / max(unconstrained - fixed, 1), jit, self.max_rounds,
-                    reserve, target.name, fixed)
+                    reserve, target.name, fixed, clock)
     found = fitter.fit(find_smallest)
     if found is None:
       return None
@@ -345,7 +352,8 @@ class Transformed:
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
                reserve, None if loop is None else graph.nodes[loop].source, out_tree,
-               run_flat, {here.name: jitted})
+               run_flat, {here.name: jitted}, trial.seconds,
+               None if clock is None else clock(baseline))
 
   def _jit(self, run_flat: Callable, out_tree, options: dict):
     """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
@@ -368,6 +376,14 @@ def _modelled(graph: Graph, target: Target) -> Graph:
   compilation, ``_xla_buffers.learn``) where the target is a GPU; on
   XLA:CPU the memory model emulates its fusion."""
   return graph if target.platform == "cpu" else with_buffers(graph, learn(graph, target))
+
+
+def _clock(target: Target) -> Callable | None:
+  """The predicted seconds of a compiled program on a GPU target's profile
+  (``_xla_clock``); None on XLA:CPU, where plans keep the planner's cost."""
+  if target.platform == "cpu" or target.profile is None:
+    return None
+  return lambda compiled: program_time(compiled.as_text(), target.profile).seconds
 
 
 def _no_collectives(graph: Graph, name: str) -> None:

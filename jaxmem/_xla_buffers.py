@@ -25,9 +25,7 @@ import re
 from typing import Mapping
 
 import jax
-import numpy as np
-
-from jaxmem import _primitives
+from jaxmem import _hlo as hlo, _primitives
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
 from jaxmem._graph import Graph
@@ -36,12 +34,6 @@ from jaxmem._xla_cpu_fusion import Fusion
 
 TAG = "jaxmem#"
 _TAG = re.compile(re.escape(TAG) + r"(\d+)")
-_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
-_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_CALLED = re.compile(r"\b(calls|body|condition|true_computation|false_computation)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 # Instructions that write no buffer of their own: they name, forward or
 # alias what others wrote.
 _NO_BUFFER = frozenset({
@@ -63,78 +55,11 @@ class Buffers:
   extra: Mapping[int, int]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Instruction:
-  name: str
-  shape: str
-  opcode: str
-  rest: str
-  root: bool
-
-  @property
-  def tag(self) -> int | None:
-    found = _OP_NAME.search(self.rest)
-    tag = found and _TAG.search(found.group(1))
-    return int(tag.group(1)) if tag else None
-
-  def arrays(self) -> list[tuple[int, int]]:
-    """(elements, bytes) of each array in the instruction's shape."""
-    return [(_elements(dims), _elements(dims) * _itemsize(dtype))
-            for dtype, dims in _ARRAY.findall(self.shape)]
-
-  def operands(self) -> list[str]:
-    return re.findall(r"%([\w.\-]+)", self.rest[:_closing(self.rest, depth=1)])
-
-
-def _closing(text: str, depth: int = 0) -> int:
-  """The index of the parenthesis that closes ``depth`` open ones (plus
-  any opened in ``text``): the end of an operand list or a tuple shape."""
-  for i, char in enumerate(text):
-    depth += {"(": 1, ")": -1}.get(char, 0)
-    if depth == 0:
-      return i
-  return len(text)
-
-
-def _elements(dims: str) -> int:
-  return int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
-
-
-def _itemsize(dtype: str) -> int:
-  if dtype == "pred":
-    return 1
-  bits = re.search(r"\d+", dtype)
-  return max(1, int(bits.group()) // 8) if bits else 4
-
-
-def _split_shape(text: str) -> tuple[str, str]:
-  """``"(f32[2]{0}, s8[4]{0}) custom-call(...)"`` -> shape, the rest."""
-  if not text.startswith("("):
-    shape, _, rest = text.partition(" ")
-    return shape, rest
-  end = _closing(text)
-  return text[:end + 1], text[end + 2:]
-
-
-def parse_hlo(text: str) -> tuple[dict[str, list[_Instruction]], str]:
-  """Optimized HLO text -> computation name -> instructions, and the
-  entry computation's name."""
-  computations: dict[str, list[_Instruction]] = {}
-  entry, current = "", None
-  for line in text.splitlines():
-    header = _HEADER.match(line)
-    if header and not line.startswith(" "):
-      current = computations.setdefault(header.group(1), [])
-      if line.startswith("ENTRY"):
-        entry = header.group(1)
-      continue
-    found = _INSTRUCTION.match(line)
-    if found and current is not None:
-      shape, rest = _split_shape(found.group(3))
-      opcode, _, rest = rest.partition("(")
-      current.append(_Instruction(found.group(2), shape, opcode.strip(), rest,
-                                  bool(found.group(1))))
-  return computations, entry
+def tag_of(inst: hlo.Instruction) -> int | None:
+  """The graph node an instruction was emitted for (its ``jaxmem#<node>``
+  name scope), or None."""
+  found = _TAG.search(inst.op_name)
+  return int(found.group(1)) if found else None
 
 
 def written_buffers(text: str) -> dict[int, list[tuple[int, int]]]:
@@ -142,33 +67,23 @@ def written_buffers(text: str) -> dict[int, list[tuple[int, int]]]:
   it: outputs of the scheduled computations' instructions (the entry's, and
   the bodies of its loops and conditionals), a fusion's named by the fused
   instructions that produce them."""
-  computations, entry = parse_hlo(text)
+  program = hlo.parse(text)
   written: dict[int, list[tuple[int, int]]] = {}
-  seen, todo = set(), [entry]
-  while todo:
-    name = todo.pop()
-    if name in seen or name not in computations:
-      continue
-    seen.add(name)
-    for inst in computations[name]:
-      for kind, called in _CALLED.findall(inst.rest):
-        if kind != "calls" or inst.opcode != "fusion":
-          todo.append(called)
-      for group in _BRANCHES.findall(inst.rest):
-        todo.extend(re.findall(r"%([\w.\-]+)", group))
+  for name in program.scheduled():
+    for inst in program.computations[name]:
       if inst.opcode in _NO_BUFFER:
         continue
-      for tag, array in _producers(inst, computations):
+      for tag, array in _producers(inst, program.computations):
         if tag is not None:
-          written.setdefault(tag, []).append(array)
+          written.setdefault(tag, []).append((array.size, array.nbytes))
   return written
 
 
-def _producers(inst: _Instruction, computations: dict) -> list:
-  """(tag, (elements, bytes)) of each buffer ``inst`` writes."""
+def _producers(inst: hlo.Instruction, computations: dict) -> list:
+  """(tag, array) of each buffer ``inst`` writes."""
   if inst.opcode == "fusion":
-    called = re.search(r"\bcalls=%([\w.\-]+)", inst.rest)
-    body = computations.get(called.group(1), []) if called else []
+    called = [c for role, c in inst.called() if role == "calls"]
+    body = computations.get(called[0], []) if called else []
     root = next((i for i in body if i.root), None)
     if root is not None:
       by_name = {i.name: i for i in body}
@@ -178,13 +93,13 @@ def _producers(inst: _Instruction, computations: dict) -> list:
       for out in outs:
         while out.opcode == "bitcast" and out.operands() and out.operands()[0] in by_name:
           out = by_name[out.operands()[0]]  # a reshape names no computation
-        found.extend((out.tag if out.tag is not None else inst.tag, a)
-                     for a in out.arrays()[:1])
+        tag = tag_of(out)
+        found.extend((tag if tag is not None else tag_of(inst), a) for a in out.arrays()[:1])
       return found
   arrays = inst.arrays()
   if inst.opcode == "custom-call" and len(arrays) > 1:
     arrays = arrays[:1]  # a library call's result; the rest is its workspace
-  return [(inst.tag, a) for a in arrays]
+  return [(tag_of(inst), a) for a in arrays]
 
 
 def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:

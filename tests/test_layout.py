@@ -12,7 +12,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 # Lowest first: a module imports only from layers below its own.
 LAYERS = [
     {"_flags", "_provenance", "_budget", "_primitives", "_decisions", "_arguments", "_batching",
-     "targets._description"},
+     "targets._description", "_hlo"},
     {"targets._profiles"},
     {"targets._compile", "targets._calibrate"},
     {"targets"},
@@ -23,7 +23,7 @@ LAYERS = [
     {"_loop_segments"},
     {"_loop_schedule"},
     {"_emit"},
-    {"_xla_buffers"},
+    {"_xla_buffers", "_xla_clock"},
     {"_memory", "_perf"},
     {"_evaluate"},
     {"_blocks", "_inner"},

@@ -15,6 +15,7 @@ import pytest
 
 import jaxmem
 import jaxmem_models as models
+from jaxmem._xla_clock import program_time
 from jaxmem.targets import (PROFILES, GpuDescription, host_bytes, parse, placed, resolve,
                             xla_footprint)
 from tests.helpers import assert_updates_close
@@ -98,8 +99,11 @@ def test_fits_the_t4_budget_and_runs_here_with_the_same_numbers(task, fraction):
     return
   assert fit.budget == budget
   assert fit.target.compile_only and fit.target.platform == "gpu"
-  lowered = xla_footprint(fitted.lower(*placed(args, T4)).compile())
+  compiled = fitted.lower(*placed(args, T4)).compile()
+  lowered = xla_footprint(compiled)
   assert lowered <= budget, (lowered, budget)
+  # The time the fit reports is the clock's over the program the user runs.
+  assert fit.predicted == pytest.approx(program_time(compiled.as_text(), PROFILES[T4]).seconds)
   if fraction == 1.0:
     assert not len(fit.plan) and lowered == budget
   else:
@@ -151,6 +155,11 @@ def test_an_offload_plan_holds_host_memory_in_xla_gpu_program():
   for value in offloaded:
     assert ",".join(map(str, value.aval.shape)) in on_host, (value.aval, sorted(set(on_host)))
   assert host_bytes(compiled) == sum(v.nbytes for v in offloaded)
+  # The clock puts each offloaded value on the link twice, down and back up.
+  t4 = PROFILES[T4]
+  assert program_time(compiled.as_text(), t4).link == pytest.approx(sum(
+      t4.transfer_seconds(v.nbytes, "d2h") + t4.transfer_seconds(v.nbytes, "h2d")
+      for v in offloaded))
   assert fit.budget == budget and xla_footprint(compiled) <= budget
   state, batch = args
   assert_updates_close(fitted(state, batch)[0], jax.jit(task.step)(state, batch)[0], state)

@@ -49,6 +49,12 @@ class DeviceProfile:
     description: XLA's description of the GPU, for compiling on a
       compile-only device (None: the profile can time plans but not be a
       compilation target).
+    matmul_flops: the throughput of the step's matrix products and
+      convolutions at their default precision, FLOP/s: fp32 operands run as
+      TF32 on tensor cores from Ampere's data-center parts on (None: ``flops``).
+    kernel_latency: the least time one kernel of a compiled program takes,
+      launch and tail included, seconds (what the clock charges a kernel
+      beyond its roofline time).
   """
   name: str
   flops: float
@@ -60,6 +66,12 @@ class DeviceProfile:
   unified: bool = False
   source: str = ""
   description: GpuDescription | None = dataclasses.field(default=None, repr=False)
+  matmul_flops: float | None = None
+  kernel_latency: float = 2e-6
+
+  @property
+  def matmul_throughput(self) -> float:
+    return self.matmul_flops or self.flops
 
   def __post_init__(self):
     for field in ("flops", "memory_bandwidth", "h2d_bandwidth", "d2h_bandwidth"):
@@ -95,13 +107,14 @@ _KIB = 2**10
 
 
 def _profile(name: str, description: GpuDescription, *, link: float, latency: float = 10e-6,
-             unified: bool = False, source: str) -> DeviceProfile:
+             unified: bool = False, matmul: float | None = None,
+             source: str) -> DeviceProfile:
   """A preset whose compute, memory and size figures are its description's."""
   return DeviceProfile(
       name, flops=description.fp32_flops, memory_bandwidth=description.memory_bandwidth,
       h2d_bandwidth=link, d2h_bandwidth=link, link_latency=latency,
       memory=description.device_memory_size, unified=unified, source=source,
-      description=description)
+      description=description, matmul_flops=matmul)
 
 
 # Per compute capability, from the CUDA C++ Programming Guide's technical
@@ -166,9 +179,10 @@ PROFILES: dict[str, DeviceProfile] = {
             "NVIDIA A100-SXM4-80GB", (8, 0), core_count=108, fpus_per_core=64,
             clock_rate_ghz=1.41, device_memory_size=81920 * _MIB,
             memory_bandwidth=2039 * _GB, l2_cache_size=40 * _MIB),
-        link=24 * _GB,
+        link=24 * _GB, matmul=156e12,
         source="NVIDIA A100 datasheet and Ampere whitepaper (SXM4 80GB: 108 SMs x 64 "
-               "FP32 units at 1.41 GHz boost = 19.5 TFLOPS fp32, 80 GB HBM2e at 2,039 "
+               "FP32 units at 1.41 GHz boost = 19.5 TFLOPS fp32, TF32 tensor cores "
+               "156 TFLOPS dense, 80 GB HBM2e at 2,039 "
                "GB/s, 40 MB L2, PCIe Gen4 x16); SM limits: CUDA programming guide, "
                "compute capability 8.0; link: typical pinned bandwidthTest on Gen4 "
                "(~24 GB/s)"),
@@ -176,9 +190,10 @@ PROFILES: dict[str, DeviceProfile] = {
         "h100", _gpu(
             "NVIDIA H100 80GB HBM3", device_memory_size=81559 * _MIB,
             memory_bandwidth=3350 * _GB, **_HOPPER),
-        link=50 * _GB,
+        link=50 * _GB, matmul=494.7e12,
         source="NVIDIA H100 datasheet and Hopper whitepaper (SXM5: 132 SMs x 128 FP32 "
-               "units at 1.98 GHz boost = 67 TFLOPS fp32, 80 GB HBM3 (81,559 MiB as the "
+               "units at 1.98 GHz boost = 67 TFLOPS fp32, TF32 tensor cores 989 TFLOPS "
+               "with sparsity = 494.7 dense, 80 GB HBM3 (81,559 MiB as the "
                "driver reports it) at 3.35 TB/s, 50 MB L2, PCIe Gen5 x16); SM limits: "
                "CUDA programming guide, compute capability 9.0; link: typical pinned "
                "bandwidthTest on Gen5 (~50 GB/s)"),
@@ -186,8 +201,9 @@ PROFILES: dict[str, DeviceProfile] = {
         "h200", _gpu(
             "NVIDIA H200", device_memory_size=143771 * _MIB,
             memory_bandwidth=4800 * _GB, **_HOPPER),
-        link=50 * _GB,
-        source="NVIDIA H200 datasheet (SXM: the H100's 132 Hopper SMs = 67 TFLOPS fp32; "
+        link=50 * _GB, matmul=494.7e12,
+        source="NVIDIA H200 datasheet (SXM: the H100's 132 Hopper SMs = 67 TFLOPS fp32, "
+               "TF32 tensor cores 494.7 TFLOPS dense; "
                "141 GB HBM3e (143,771 MiB as the driver reported it on the H200 the GPU "
                "check ran on) at 4.8 TB/s, 50 MB L2, PCIe Gen5 x16); link: typical "
                "pinned bandwidthTest on Gen5 (~50 GB/s)"),

@@ -1,0 +1,168 @@
+"""A reader for the optimized HLO text a compiled step prints.
+
+``compiled.as_text()`` is the program the compiler runs: computations of
+instructions in their scheduled order, each with its shape, opcode,
+operands and attributes. The learned memory model (``_xla_buffers``) reads
+which buffers it writes; the clock (``_xla_clock``) reads what each kernel
+moves and computes. Only what those need is parsed: an instruction keeps
+its attribute text, and its readers pick from it.
+
+Example:
+  >>> program = parse('''
+  ... ENTRY %main (p: f32[4]) -> f32[4] {
+  ...   %p = f32[4]{0} parameter(0)
+  ...   ROOT %n = f32[4]{0} negate(%p), metadata={op_name="jit(f)/neg"}
+  ... }''')
+  >>> [(i.name, i.opcode, i.operands(), i.op_name) for i in program.entry_instructions]
+  [('p', 'parameter', [], ''), ('n', 'negate', ['p'], 'jit(f)/neg')]
+  >>> program.entry_instructions[1].arrays()
+  [Array(dtype='f32', dims=(4,), host=False)]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+_HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
+_ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALLED = re.compile(
+    r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_HOST_SPACE = "S(5)"  # the memory space XLA puts host buffers in
+
+
+@dataclasses.dataclass(frozen=True)
+class Array:
+  """One array of an instruction's shape."""
+  dtype: str
+  dims: tuple[int, ...]
+  host: bool  # in host memory (memory space ``S(5)``)
+
+  @property
+  def size(self) -> int:
+    return int(np.prod(self.dims)) if self.dims else 1
+
+  @property
+  def nbytes(self) -> int:
+    return self.size * itemsize(self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+  """One instruction: ``%name = shape opcode(operands), attributes``."""
+  name: str
+  shape: str
+  opcode: str
+  rest: str  # the operand list and the attributes after the opcode's "("
+  root: bool
+
+  @property
+  def op_name(self) -> str:
+    """The ``op_name`` of its metadata: the JAX name stack it came from."""
+    found = _OP_NAME.search(self.rest)
+    return found.group(1) if found else ""
+
+  def arrays(self) -> list[Array]:
+    """The arrays of its shape (a tuple's elements in order)."""
+    return [Array(dtype, tuple(int(d) for d in dims.split(",") if d),
+                  _HOST_SPACE in (layout or ""))
+            for dtype, dims, layout in _ARRAY.findall(self.shape)]
+
+  def operands(self) -> list[str]:
+    return re.findall(r"%([\w.\-]+)", self.rest[:closing(self.rest, depth=1)])
+
+  def attributes(self) -> str:
+    return self.rest[closing(self.rest, depth=1) + 1:]
+
+  def called(self) -> list[tuple[str, str]]:
+    """(role, computation) of each computation it calls: ``calls`` (a
+    fusion's body), ``body``/``condition`` (a loop), ``to_apply``, branches."""
+    found = _CALLED.findall(self.rest)
+    for group in _BRANCHES.findall(self.rest):
+      found += [("branch", name) for name in re.findall(r"%([\w.\-]+)", group)]
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+  """A parsed HLO module: computation name -> instructions in order."""
+  computations: dict[str, list[Instruction]]
+  entry: str
+
+  @property
+  def entry_instructions(self) -> list[Instruction]:
+    return self.computations[self.entry]
+
+  def scheduled(self) -> list[str]:
+    """The computations that run as a schedule of kernels: the entry and
+    what its loops, conditionals and calls run (not fusions' bodies, which
+    are one kernel each)."""
+    seen, todo = [], [self.entry]
+    while todo:
+      name = todo.pop()
+      if name in seen or name not in self.computations:
+        continue
+      seen.append(name)
+      for inst in self.computations[name]:
+        todo += [c for role, c in inst.called() if _runs_as_schedule(inst.opcode, role)]
+    return seen
+
+
+def _runs_as_schedule(opcode: str, role: str) -> bool:
+  """Whether the computation an instruction calls in ``role`` is a schedule
+  of kernels (a loop's body, a branch, a call or an async wrapper), not one
+  kernel's body (a fusion's) or a reduction's scalar function."""
+  if role == "calls":
+    return opcode != "fusion"
+  return role != "to_apply" or opcode == "call"
+
+
+def closing(text: str, depth: int = 0) -> int:
+  """The index of the parenthesis that closes ``depth`` open ones (plus
+  any opened in ``text``): the end of an operand list or a tuple shape."""
+  for i, char in enumerate(text):
+    depth += {"(": 1, ")": -1}.get(char, 0)
+    if depth == 0:
+      return i
+  return len(text)
+
+
+def itemsize(dtype: str) -> int:
+  if dtype == "pred":
+    return 1
+  bits = re.search(r"\d+", dtype)
+  return max(1, int(bits.group()) // 8) if bits else 4
+
+
+def _split_shape(text: str) -> tuple[str, str]:
+  """``"(f32[2]{0}, s8[4]{0}) custom-call(...)"`` -> shape, the rest."""
+  if not text.startswith("("):
+    shape, _, rest = text.partition(" ")
+    return shape, rest
+  end = closing(text)
+  return text[:end + 1], text[end + 2:]
+
+
+def parse(text: str) -> Program:
+  """Optimized HLO text (``compiled.as_text()``) -> :class:`Program`."""
+  computations: dict[str, list[Instruction]] = {}
+  entry, current = "", None
+  for line in text.splitlines():
+    header = _HEADER.match(line)
+    if header and not line.startswith(" "):
+      current = computations.setdefault(header.group(1), [])
+      if line.startswith("ENTRY"):
+        entry = header.group(1)
+      continue
+    found = _INSTRUCTION.match(line)
+    if found and current is not None:
+      shape, rest = _split_shape(found.group(3))
+      opcode, _, rest = rest.partition("(")
+      current.append(Instruction(found.group(2), shape, opcode.strip(), rest,
+                                 bool(found.group(1))))
+  return Program(computations, entry)

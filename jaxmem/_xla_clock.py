@@ -1,0 +1,264 @@
+"""A clock that follows the target's compiled program.
+
+A step's time on a GPU is the time of the kernels its compiler emits, not of
+its jaxpr's equations: XLA fuses a chain of elementwise equations into one
+kernel that reads its inputs once and writes its outputs once. This clock
+prices the optimized HLO (``compiled.as_text()``) kernel by kernel on a
+:class:`~jaxmem.targets.DeviceProfile`:
+
+* a kernel (a fusion, a cuBLAS/cuDNN call, an unfused instruction) takes
+  its roofline time, the larger of the bytes it moves over the memory
+  bandwidth and its matrix products' FLOPs over the matmul throughput, plus
+  the profile's per-kernel latency. The bytes are its operands' and outputs'
+  (an operand a fusion only slices counts the slice; the buffer an in-place
+  update writes into counts the update), its workspace not;
+* a copy to or from host memory (``copy-start``/``copy-done`` between memory
+  spaces) runs on the host link, beside the kernels: it starts when it is
+  issued and the link is free, and ``copy-done`` waits for it;
+* a loop runs its body its known trip count times; a conditional its
+  slowest branch.
+
+Collectives are priced as kernels moving their bytes through memory (one
+device's view; no interconnect model yet).
+
+Example:
+  >>> from jaxmem.targets import get_profile
+  >>> text = '''
+  ... ENTRY %main (p: f32[1024,1024]) -> f32[1024,1024] {
+  ...   %p = f32[1024,1024]{1,0} parameter(0)
+  ...   ROOT %n = f32[1024,1024]{1,0} negate(%p)
+  ... }'''
+  >>> t4 = get_profile("t4")
+  >>> timing = program_time(text, t4)
+  >>> timing.count, round(timing.seconds * 1e6, 1)  # 4 MiB in, 4 out at 320 GB/s, + 2 us
+  (1, 28.2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+
+import numpy as np
+
+from jaxmem import _hlo as hlo
+from jaxmem.targets import DeviceProfile
+
+# Instructions that run no kernel: they name, forward or alias buffers, or
+# wait for work priced where it was issued.
+_FREE = frozenset({
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
+    "after-all", "partition-id", "replica-id", "copy-done", "send-done", "recv-done",
+    "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
+    "async-update", "add-dependency", "domain"})
+_SLICES = frozenset({"slice", "dynamic-slice", "gather"})
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+  """A program's predicted time on a profile.
+
+  Attributes:
+    seconds: the step's time: kernels, and host copies where the kernels
+      wait for them.
+    kernels: seconds the kernels take, one after another.
+    link: seconds the host link is busy.
+    count: kernels launched (a loop's body counted once per trip).
+    unknown_trips: loops whose trip count the program does not state
+      (priced as one trip).
+  """
+  seconds: float
+  kernels: float
+  link: float
+  count: int
+  unknown_trips: int = 0
+
+
+@dataclasses.dataclass
+class _Clock:
+  """Two streams: the kernels', and the host link's."""
+  compute: float = 0.0
+  link_free: float = 0.0
+  link_busy: float = 0.0
+  kernels: float = 0.0
+  count: int = 0
+  unknown_trips: int = 0
+  pending: dict = dataclasses.field(default_factory=dict)
+
+  def run(self, seconds: float) -> None:
+    self.compute += seconds
+    self.kernels += seconds
+    self.count += 1
+
+
+def program_time(text: str, profile: DeviceProfile) -> Timing:
+  """The predicted time of the compiled program ``text`` on ``profile``
+  (see the module docstring)."""
+  program = hlo.parse(text)
+  clock = _Clock()
+  _schedule(program, program.entry, profile, clock)
+  return Timing(max(clock.compute, clock.link_free), clock.kernels, clock.link_busy,
+                clock.count, clock.unknown_trips)
+
+
+def _schedule(program: hlo.Program, name: str, profile: DeviceProfile, clock: _Clock,
+              ) -> None:
+  """Advances ``clock`` through computation ``name``'s instructions."""
+  shapes = {i.name: i.arrays() for i in program.computations.get(name, [])}
+  for inst in program.computations.get(name, []):
+    if inst.opcode in _FREE and inst.opcode != "copy-done":
+      continue
+    if inst.opcode == "copy-done":
+      clock.compute = max(clock.compute, clock.pending.pop(inst.operands()[0], 0.0))
+    elif inst.opcode == "copy-start" and _crosses_memory(inst):
+      _copy(inst, profile, clock)
+    elif inst.opcode in ("while", "conditional", "call"):
+      _control(program, inst, profile, clock)
+    else:
+      clock.run(kernel_seconds(inst, shapes, program, profile))
+
+
+def _crosses_memory(inst: hlo.Instruction) -> bool:
+  arrays = inst.arrays()
+  return len(arrays) >= 2 and arrays[0].host != arrays[1].host
+
+
+def _copy(inst: hlo.Instruction, profile: DeviceProfile, clock: _Clock) -> None:
+  """A copy between device and host memory on the link, issued now."""
+  destination = inst.arrays()[0]
+  seconds = profile.transfer_seconds(destination.nbytes, "d2h" if destination.host else "h2d")
+  start = max(clock.compute, clock.link_free)
+  clock.link_free = start + seconds
+  clock.link_busy += seconds
+  clock.pending[inst.name] = clock.link_free
+
+
+def _control(program: hlo.Program, inst: hlo.Instruction, profile: DeviceProfile,
+             clock: _Clock) -> None:
+  """A loop (its body and condition per trip), a conditional (its slowest
+  branch) or a call, priced on a clock of its own and added to ``clock``."""
+  parts = []
+  for role, called in inst.called():
+    inner = _Clock()
+    _schedule(program, called, profile, inner)
+    parts.append((role, inner))
+  trips = 1
+  if inst.opcode == "while":
+    found = _TRIPS.search(inst.rest)
+    trips = int(found.group(1)) if found else 1
+    clock.unknown_trips += found is None
+  if inst.opcode == "conditional":
+    parts = [max(parts, key=lambda p: max(p[1].compute, p[1].link_free))] if parts else []
+  for _, inner in parts:
+    clock.compute += trips * max(inner.compute, inner.link_free)
+    clock.kernels += trips * inner.kernels
+    clock.count += trips * inner.count
+    clock.link_busy += trips * inner.link_busy
+    clock.unknown_trips += trips * inner.unknown_trips
+
+
+def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
+                   profile: DeviceProfile) -> float:
+  """One kernel's roofline time plus the profile's kernel latency."""
+  body = _fused_body(inst, program)
+  nbytes = _bytes(inst, shapes, body)
+  flops = _matmul_flops(inst, shapes, body)
+  return profile.kernel_latency + max(nbytes / profile.memory_bandwidth,
+                                      flops / profile.matmul_throughput)
+
+
+def _fused_body(inst: hlo.Instruction, program: hlo.Program) -> list[hlo.Instruction]:
+  if inst.opcode != "fusion":
+    return []
+  called = [c for role, c in inst.called() if role == "calls"]
+  return program.computations.get(called[0], []) if called else []
+
+
+def _outputs(inst: hlo.Instruction) -> list[hlo.Array]:
+  """The arrays a kernel writes: a library call's result, not its
+  workspace."""
+  arrays = inst.arrays()
+  return arrays[:1] if inst.opcode == "custom-call" and len(arrays) > 1 else arrays
+
+
+def _bytes(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instruction]) -> int:
+  """Bytes a kernel reads and writes (see the module docstring)."""
+  operands = [sum(a.nbytes for a in shapes.get(o, [])) for o in inst.operands()]
+  written = sum(a.nbytes for a in _outputs(inst))
+  if inst.opcode in _SLICES:
+    return 2 * written
+  if inst.opcode == "dynamic-update-slice" and len(operands) > 1:
+    return 2 * operands[1]
+  if not body:
+    return sum(operands) + written
+  params = {_parameter_number(i): i.name for i in body if i.opcode == "parameter"}
+  users: dict[str, list[hlo.Instruction]] = {}
+  for i in body:
+    for o in i.operands():
+      users.setdefault(o, []).append(i)
+  root = next((i for i in body if i.root), None)
+  in_place = (root.operands()[0] if root is not None and root.opcode == "dynamic-update-slice"
+              else None)
+  total = 0
+  for k, full in enumerate(operands):
+    param = params.get(k)
+    readers = users.get(param, [])
+    if param is not None and param == in_place:
+      written = sum(a.nbytes for a in _update_arrays(root, body))  # the rest stays
+    elif readers and all(r.opcode in _SLICES for r in readers):
+      total += min(full, sum(sum(a.nbytes for a in r.arrays()) for r in readers))
+    else:
+      total += full
+  return total + written
+
+
+def _update_arrays(root: hlo.Instruction, body: list[hlo.Instruction]) -> list[hlo.Array]:
+  by_name = {i.name: i for i in body}
+  update = root.operands()[1] if len(root.operands()) > 1 else None
+  return by_name[update].arrays() if update in by_name else root.arrays()
+
+
+def _parameter_number(inst: hlo.Instruction) -> int:
+  found = re.match(r"\s*(\d+)", inst.rest)
+  return int(found.group(1)) if found else -1
+
+
+def _matmul_flops(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instruction]) -> float:
+  """FLOPs of a kernel's matrix products and convolutions: a cuBLAS or
+  cuDNN call's, or the dots and convolutions inside a fusion."""
+  if body:
+    inner = {i.name: i.arrays() for i in body}
+    return sum(_matmul_flops(i, inner, []) for i in body
+               if i.opcode in ("dot", "convolution", "custom-call"))
+  out = _outputs(inst)
+  operands = [shapes.get(o, []) for o in inst.operands()]
+  if not out or len(operands) < 2 or not operands[0] or not operands[1]:
+    return 0.0
+  labels = _DIM_LABELS.search(inst.rest)
+  target = _TARGET.search(inst.rest)
+  if labels and (inst.opcode == "convolution"
+                 or (target and target.group(1).startswith("__cudnn$conv"))):
+    kernel = operands[1][0]
+    feature = labels.group(2).find("o")
+    per_output = kernel.size / max(kernel.dims[feature], 1) if feature >= 0 else kernel.size
+    return 2.0 * out[0].size * per_output
+  contracting = _contracting(inst)
+  if contracting is None:
+    return 0.0
+  lhs = operands[0][0]
+  depth = int(np.prod([lhs.dims[d] for d in contracting if d < len(lhs.dims)]))
+  return 2.0 * out[0].size * depth
+
+
+def _contracting(inst: hlo.Instruction) -> list[int] | None:
+  """The lhs contracting dimensions of a dot or a cuBLAS GEMM; None for
+  anything else."""
+  if inst.opcode == "dot":
+    found = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", inst.rest)
+    return [int(d) for d in found.group(1).split(",") if d] if found else []
+  found = re.search(r'"lhs_contracting_dimensions":(\[[^\]]*\])', inst.rest)
+  return [int(d) for d in json.loads(found.group(1))] if found else None

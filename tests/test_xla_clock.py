@@ -1,0 +1,128 @@
+"""The clock prices the target's compiled program kernel by kernel
+(``_xla_clock``): on hand-written programs, figures worked out here; on an
+MLP step compiled for a T4, the FLOPs of its matrix products against the
+count from the layer shapes."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxmem._xla_clock import program_time
+from jaxmem.targets import get_profile, placed, resolve
+
+# Round figures so each expected time is worked out by hand: 1 GB/s of
+# memory, 1 GFLOP/s of matmul, 0.1 GB/s of host link, no latencies.
+TOY = dataclasses.replace(get_profile("t4"), name="toy", memory_bandwidth=1e9, flops=1e9,
+                          matmul_flops=1e9, h2d_bandwidth=1e8, d2h_bandwidth=1e8,
+                          link_latency=0.0, kernel_latency=0.0)
+
+KERNELS = """\
+HloModule m, is_scheduled=true
+
+%fused_slice (p0: f32[1000,1000], p1: s32[]) -> f32[10,1000] {
+  %p0 = f32[1000,1000]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %zero = s32[] constant(0)
+  %ds = f32[10,1000]{1,0} dynamic-slice(%p0, %p1, %zero), dynamic_slice_sizes={10,1000}
+  ROOT %neg = f32[10,1000]{1,0} negate(%ds)
+}
+
+%fused_update (p0: f32[1000,1000], p1: f32[10,1000], p2: s32[]) -> f32[1000,1000] {
+  %p0 = f32[1000,1000]{1,0} parameter(0)
+  %p1 = f32[10,1000]{1,0} parameter(1)
+  %p2 = s32[] parameter(2)
+  %zero = s32[] constant(0)
+  %exp = f32[10,1000]{1,0} exponential(%p1)
+  ROOT %dus = f32[1000,1000]{1,0} dynamic-update-slice(%p0, %exp, %p2, %zero)
+}
+
+ENTRY %main (a: f32[1000,1000], b: f32[1000,500], i: s32[]) -> f32[1000,1000] {
+  %a = f32[1000,1000]{1,0} parameter(0)
+  %b = f32[1000,500]{1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %gemm = (f32[1000,500]{1,0}, s8[4194304]{0}) custom-call(%a, %b), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %sliced = f32[10,1000]{1,0} fusion(%a, %i), kind=kLoop, calls=%fused_slice
+  ROOT %updated = f32[1000,1000]{1,0} fusion(%a, %sliced, %i), kind=kLoop, calls=%fused_update
+}
+"""
+
+
+def test_each_kernel_takes_its_roofline_time():
+  """A GEMM: 2*1000*500*1000 FLOPs = 1 s at 1 GFLOP/s, over its 6 MB of
+  operands and output (its workspace not counted). A fusion that slices
+  ten rows of an operand reads those 40 kB, not the 4 MB operand: 80 kB in
+  all. An in-place update writes its 40 kB update into a buffer it does not
+  read: 40 kB read, 40 kB written."""
+  timing = program_time(KERNELS, TOY)
+  assert timing.count == 3
+  assert timing.seconds == pytest.approx(1.0 + 80e3 / 1e9 + 80e3 / 1e9, rel=1e-3)
+  assert timing.link == 0.0
+
+
+LOOP_AND_COPIES = """\
+HloModule m, is_scheduled=true
+
+%body (c: (s32[], f32[250000])) -> (s32[], f32[250000]) {
+  %c = (s32[], f32[250000]{0}) parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  %x = f32[250000]{0} get-tuple-element(%c), index=1
+  %y = f32[250000]{0} sine(%x)
+  ROOT %t = (s32[], f32[250000]{0}) tuple(%k, %y)
+}
+
+%cond (c: (s32[], f32[250000])) -> pred[] {
+  %c = (s32[], f32[250000]{0}) parameter(0)
+  %k = s32[] get-tuple-element(%c), index=0
+  ROOT %lt = pred[] compare(%k, %k), direction=LT
+}
+
+ENTRY %main (x: f32[250000], s: (s32[], f32[250000])) -> f32[250000] {
+  %x = f32[250000]{0} parameter(0)
+  %s = (s32[], f32[250000]{0}) parameter(1)
+  %out = (f32[250000]{0:S(5)}, f32[250000]{0}, u32[]) copy-start(%x)
+  %loop = (s32[], f32[250000]{0}) while(%s), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"4"}}
+  %done = f32[250000]{0:S(5)} copy-done(%out)
+  %back = (f32[250000]{0}, f32[250000]{0:S(5)}, u32[]) copy-start(%done)
+  %home = f32[250000]{0} copy-done(%back)
+  ROOT %z = f32[250000]{0} negate(%home)
+}
+"""
+
+
+def test_host_copies_run_beside_kernels_and_loops_run_their_trips():
+  """The loop's body (a 2 MB sine, 2 ms) runs 4 times, 8 ms, while the
+  1 MB copy to the host (10 ms at 0.1 GB/s) runs beside it; the copy back
+  waits for it (10 ms more), and the negation after waits for that: 20 ms
+  of link, then the 2 ms negation. The condition compares two scalars:
+  9 bytes a trip."""
+  timing = program_time(LOOP_AND_COPIES, TOY)
+  assert timing.link == pytest.approx(0.020)
+  assert timing.seconds == pytest.approx(0.020 + 0.002, rel=1e-6)
+  assert timing.kernels == pytest.approx(4 * (0.002 + 9 / 1e9) + 0.002, rel=1e-9)
+  assert timing.count == 4 * 2 + 1
+
+
+def test_the_matrix_products_of_a_compiled_step_are_priced_by_their_flops():
+  """An MLP's training step compiled for a T4: each layer's forward, input
+  gradient and weight gradient products are 2*batch*in*out FLOPs each (the
+  first layer's input gradient is not computed). With no memory cost and
+  no latency, the clock's time is those FLOPs over the matmul rate."""
+  widths, batch = (64, 128, 256, 32), 512
+  params = [jnp.ones((a, b)) for a, b in zip(widths, widths[1:])]
+
+  def loss(params, x):
+    for w in params:
+      x = jnp.tanh(x @ w)
+    return jnp.sum(x)
+
+  step = lambda params, x: jax.tree.map(lambda w, g: w - g, params,
+                                         jax.grad(loss)(params, x))
+  args = placed((params, jnp.ones((batch, widths[0]))), "t4")
+  compiled = jax.jit(step, compiler_options=resolve("t4", ()).options()).lower(*args).compile()
+  products = sum(2 * batch * a * b for a, b in zip(widths, widths[1:]))
+  flops = 3 * products - 2 * batch * widths[0] * widths[1]
+  matmul_only = dataclasses.replace(TOY, memory_bandwidth=1e30)
+  assert program_time(compiled.as_text(), matmul_only).seconds == pytest.approx(
+      flops / 1e9, rel=1e-6)
