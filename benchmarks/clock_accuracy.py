@@ -11,10 +11,12 @@ runs takes the median of the runs, and the spread between runs is shown:
 it bounds how closely any clock can agree.
 
 Two profiles price each program: the target's preset (datasheet figures)
-and the preset with the compute and memory figures ``jaxmem.calibrate()``
-measured in that run (its link figures are kept from the datasheet where
-the run's were measured with copies too small to read the link: faster
-than the bus can carry, or slower than 20 GB/s over PCIe Gen5).
+and the preset with the matmul throughput and memory bandwidth
+``jaxmem.calibrate()`` measured on the GPU (the median over the run's
+calibrations that timed an elementwise op of 256 MiB or more; smaller ones
+time the dispatch). The link stays the datasheet's: the calibrations timed
+copies of at most 16 MiB from Python, whose 0.2-0.4 ms per copy is the
+dispatch's, not the link's.
 
   PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/clock_accuracy.py \\
       --runs benchmarks/results/2026-11-23-nvidia-h200 --target h200 \\
@@ -27,8 +29,10 @@ import argparse
 import collections
 import dataclasses
 import glob
+import gzip
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -44,20 +48,19 @@ from jaxmem.targets import get_profile, placed, resolve  # noqa: E402
 
 from benchmarks._results import write  # noqa: E402
 
-# The host link figures a calibration reads right: under the bus's line
-# rate (64 GB/s for PCIe Gen5 x16) and over a quarter of it.
-_LINK_RANGE = (16e9, 64e9)
+# Calibrations that read the memory's bandwidth, not the dispatch's.
+_LEAST_ELEMENTWISE = 2**28
 
 
-def measured_steps(folder: str) -> tuple[dict, dict | None]:
-  """(model, config, method, slop) -> step times measured, and the run's
-  calibrated profile figures."""
-  steps, calibrated = collections.defaultdict(list), None
+def measured_steps(folder: str) -> tuple[dict, list[dict]]:
+  """(model, config, method, slop) -> step times measured, and the profile
+  figures of the runs' calibrations."""
+  steps, calibrated = collections.defaultdict(list), []
   for path in sorted(glob.glob(os.path.join(folder, "**", "rows.jsonl"), recursive=True)):
     for line in open(path):
       row = json.loads(line)
       if row.get("kind") == "calibrate" and row.get("status") == "ok":
-        calibrated = row["profile"]
+        calibrated.append(row["profile"])
       if (row.get("kind") != "measure" or row.get("status") != "ok"
           or not row.get("step_ms") or row["method"].startswith("jaxmem")):
         continue
@@ -67,19 +70,19 @@ def measured_steps(folder: str) -> tuple[dict, dict | None]:
   return steps, calibrated
 
 
-def calibrated_profile(preset, figures: dict | None):
-  """``preset`` with a run's measured compute and memory figures (and its
-  link figures where they are plausible; see the module docstring)."""
-  if not figures:
+def calibrated_profile(preset, figures: list[dict]):
+  """``preset`` with the median matmul throughput and memory bandwidth of
+  the calibrations that read the memory (see the module docstring); None
+  without one."""
+  read = [f for f in figures
+          if any(int(n) >= _LEAST_ELEMENTWISE
+                 for n in re.findall(r"(\d+)-byte elementwise", f.get("source", "")))]
+  if not read:
     return None
-  changes = dict(flops=figures["flops"], matmul_flops=figures["flops"],
-                 memory_bandwidth=figures["memory_bandwidth"])
-  if all(_LINK_RANGE[0] <= figures[k] <= _LINK_RANGE[1]
-           for k in ("h2d_bandwidth", "d2h_bandwidth")):
-    changes.update(h2d_bandwidth=figures["h2d_bandwidth"],
-                       d2h_bandwidth=figures["d2h_bandwidth"],
-                       link_latency=figures["link_latency"])
-  return dataclasses.replace(preset, name=f"{preset.name}-calibrated", **changes)
+  flops = statistics.median(f["flops"] for f in read)
+  return dataclasses.replace(
+      preset, name=f"{preset.name}-calibrated", flops=flops, matmul_flops=flops,
+      memory_bandwidth=statistics.median(f["memory_bandwidth"] for f in read))
 
 
 def compile_text(model: str, config: dict, method: str, slop, target: str) -> tuple[str, float]:
@@ -98,10 +101,27 @@ def compile_text(model: str, config: dict, method: str, slop, target: str) -> tu
   return compiled.as_text(), time.perf_counter() - start
 
 
-def measure(steps: dict, profiles: dict, target: str) -> list[dict]:
+def cached_text(cache: str | None, model: str, config: str, method: str, slop,
+                target: str) -> tuple[str, float]:
+  """:func:`compile_text`, kept under ``cache`` (a folder) where given, so
+  that pricing again does not compile again."""
+  path = cache and os.path.join(cache, re.sub(r"[^\w.-]", "_", "-".join(
+      map(str, (model, method, slop, target, config)))) + ".hlo.gz")
+  if path and os.path.exists(path):
+    with gzip.open(path, "rt") as f:
+      return f.read(), 0.0
+  text, seconds = compile_text(model, json.loads(config), method, slop, target)
+  if path:
+    os.makedirs(cache, exist_ok=True)
+    with gzip.open(path, "wt") as f:
+      f.write(text)
+  return text, seconds
+
+
+def measure(steps: dict, profiles: dict, target: str, cache: str | None = None) -> list[dict]:
   rows = []
   for (model, config, method, slop), times in sorted(steps.items()):
-    text, seconds = compile_text(model, json.loads(config), method, slop, target)
+    text, seconds = cached_text(cache, model, config, method, slop, target)
     row = {"model": model, "config": json.loads(config), "method": method, "slop": slop,
                "measured_ms": statistics.median(times), "runs_ms": times,
                "compile_s": seconds}
@@ -160,6 +180,8 @@ def main(argv=None) -> None:
   parser.add_argument("--target", required=True, help="the preset of the GPU it ran on")
   parser.add_argument("--models", nargs="*", default=None)
   parser.add_argument("--out", default=None, help="folder for results.md and results.json")
+  parser.add_argument("--cache", default=None,
+                      help="folder keeping the compiled programs, to price them again")
   opts = parser.parse_args(argv)
   steps, figures = measured_steps(opts.runs)
   if opts.models:
@@ -169,7 +191,7 @@ def main(argv=None) -> None:
   calibrated = calibrated_profile(preset, figures)
   if calibrated is not None:
     profiles["calibrated"] = calibrated
-  rows = measure(steps, profiles, opts.target)
+  rows = measure(steps, profiles, opts.target, opts.cache)
   table = render(rows, list(profiles))
   print(table)
   if opts.out:

@@ -14,7 +14,9 @@ prices the optimized HLO (``compiled.as_text()``) kernel by kernel on a
   update writes into counts the update), its workspace not;
 * a copy to or from host memory (``copy-start``/``copy-done`` between memory
   spaces) runs on the host link, beside the kernels: it starts when it is
-  issued and the link is free, and ``copy-done`` waits for it;
+  issued and the link is free in its direction (PCIe carries both
+  directions at once, each on a copy engine of its own), and ``copy-done``
+  waits for it;
 * a loop runs its body its known trip count times; a conditional its
   slowest branch.
 
@@ -80,14 +82,18 @@ class Timing:
 
 @dataclasses.dataclass
 class _Clock:
-  """Two streams: the kernels', and the host link's."""
+  """Three streams: the kernels', and the host link's in each direction."""
   compute: float = 0.0
-  link_free: float = 0.0
+  link_free: dict = dataclasses.field(default_factory=lambda: {"d2h": 0.0, "h2d": 0.0})
   link_busy: float = 0.0
   kernels: float = 0.0
   count: int = 0
   unknown_trips: int = 0
   pending: dict = dataclasses.field(default_factory=dict)
+
+  @property
+  def end(self) -> float:
+    return max(self.compute, *self.link_free.values())
 
   def run(self, seconds: float) -> None:
     self.compute += seconds
@@ -101,7 +107,7 @@ def program_time(text: str, profile: DeviceProfile) -> Timing:
   program = hlo.parse(text)
   clock = _Clock()
   _schedule(program, program.entry, profile, clock)
-  return Timing(max(clock.compute, clock.link_free), clock.kernels, clock.link_busy,
+  return Timing(clock.end, clock.kernels, clock.link_busy,
                 clock.count, clock.unknown_trips)
 
 
@@ -130,11 +136,12 @@ def _crosses_memory(inst: hlo.Instruction) -> bool:
 def _copy(inst: hlo.Instruction, profile: DeviceProfile, clock: _Clock) -> None:
   """A copy between device and host memory on the link, issued now."""
   destination = inst.arrays()[0]
-  seconds = profile.transfer_seconds(destination.nbytes, "d2h" if destination.host else "h2d")
-  start = max(clock.compute, clock.link_free)
-  clock.link_free = start + seconds
+  direction = "d2h" if destination.host else "h2d"
+  seconds = profile.transfer_seconds(destination.nbytes, direction)
+  start = max(clock.compute, clock.link_free[direction])
+  clock.link_free[direction] = start + seconds
   clock.link_busy += seconds
-  clock.pending[inst.name] = clock.link_free
+  clock.pending[inst.name] = start + seconds
 
 
 def _control(program: hlo.Program, inst: hlo.Instruction, profile: DeviceProfile,
@@ -152,9 +159,9 @@ def _control(program: hlo.Program, inst: hlo.Instruction, profile: DeviceProfile
     trips = int(found.group(1)) if found else 1
     clock.unknown_trips += found is None
   if inst.opcode == "conditional":
-    parts = [max(parts, key=lambda p: max(p[1].compute, p[1].link_free))] if parts else []
+    parts = [max(parts, key=lambda p: p[1].end)] if parts else []
   for _, inner in parts:
-    clock.compute += trips * max(inner.compute, inner.link_free)
+    clock.compute += trips * inner.end
     clock.kernels += trips * inner.kernels
     clock.count += trips * inner.count
     clock.link_busy += trips * inner.link_busy

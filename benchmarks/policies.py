@@ -1,0 +1,201 @@
+"""jaxmem against the one-line Flax remat policies, on a GPU target.
+
+For each zoo model with blocks and each GPU target, everything is compiled
+here for the target (a compile-only device; no GPU needed) and judged by
+XLA:GPU's footprint and the clock's predicted time (``_xla_clock``) on the
+target's profile:
+
+* the step as written;
+* each per-block ``nn.remat`` policy (the ``offload_*`` ones included);
+* jaxmem's fit at 70/50/33% of the step's footprint, and at each policy's
+  own footprint (in bytes, no runtime reserve, so both sides meet the same
+  number).
+
+It then checks what jaxmem should give: it fits wherever a policy fits; its
+predicted time is no slower than the fastest policy that fits the same
+budget; its smallest footprint is no larger than ``nothing_saveable``'s.
+Results: ``results.md`` (the table and the checks), ``results.json`` and a
+plot of footprint against predicted time (policies as points, jaxmem as a
+curve over budgets) per model and target.
+
+  PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/policies.py --targets t4 h100 \\
+      --out benchmarks/results/policies
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+
+import jaxmem  # noqa: E402
+from jaxmem._xla_clock import program_time  # noqa: E402
+from jaxmem._zoo import models  # noqa: E402
+from jaxmem.targets import get_profile, placed, resolve, xla_footprint  # noqa: E402
+
+from benchmarks._results import write  # noqa: E402
+from benchmarks.gpu import BUDGETS, CONFIGS, REMAT  # noqa: E402
+
+BLOCK_MODELS = ("gpt2", "vit", "resnet18", "mobilenetv2", "unet")
+MIB = 2.0**20
+
+
+def _task(name: str, config: dict, remat: str | None = None):
+  config = dict(config)
+  return models().get(config.pop("zoo", name), remat=remat, **config)
+
+
+def _compiled_row(task, target: str, method: str) -> dict:
+  """The footprint and predicted time of ``task``'s step as jax.jit compiles
+  it for ``target``."""
+  shapes = jax.eval_shape(task.init)
+  where = resolve(target, jax.tree_util.tree_leaves(shapes))
+  start = time.perf_counter()
+  compiled = jax.jit(task.step, compiler_options=where.options() or None).lower(
+      *placed(shapes, target)).compile()
+  return {"method": method, "footprint": xla_footprint(compiled),
+          "ms": program_time(compiled.as_text(), get_profile(target)).seconds * 1e3,
+          "seconds": time.perf_counter() - start}
+
+
+def _fit_row(task, target: str, budget, label: str) -> dict:
+  """jaxmem's fit of ``task`` at ``budget`` on ``target``."""
+  shapes = placed(jax.eval_shape(task.init), target)
+  start = time.perf_counter()
+  row = {"method": "jaxmem", "budget": label,
+         "budget_bytes": budget if isinstance(budget, int) else None}
+  try:
+    fit = jaxmem.transform(task.step, budget=budget, target=target, reserve=0).fit(*shapes)
+  except jaxmem.BudgetError as err:
+    return {**row, "smallest": err.smallest, "seconds": time.perf_counter() - start}
+  return {**row, "budget_bytes": fit.budget, "footprint": fit.footprint,
+          "ms": fit.predicted * 1e3, "plan_size": len(fit.plan),
+          "offloads": fit.plan.uses_host, "seconds": time.perf_counter() - start}
+
+
+def measure(name: str, config: dict, target: str, policies, budgets) -> list[dict]:
+  base = dict(model=name, target=target)
+  rows = [dict(base, **_compiled_row(_task(name, config), target, "unmodified"))]
+  for policy in policies:
+    rows.append(dict(base, **_compiled_row(_task(name, config, policy), target,
+                                           f"remat:{policy}")))
+  task = _task(name, config)
+  at = [(b, b) for b in budgets] + [(r["footprint"], r["method"]) for r in rows[1:]]
+  for budget, label in at:
+    rows.append(dict(base, **_fit_row(task, target, budget, label)))
+  for row in rows:
+    print(f"{name:12s} {target:5s} {row['method']:45s} {row.get('budget', ''):45s} "
+          f"{row.get('footprint', 0) / MIB:9.1f} MiB {row.get('ms', float('nan')):8.2f} ms",
+          flush=True)
+  return rows
+
+
+def checks(rows: list[dict]) -> list[str]:
+  """The three claims, one line each per model and target (see the module
+  docstring)."""
+  lines = []
+  for key in sorted({(r["model"], r["target"]) for r in rows}):
+    group = [r for r in rows if (r["model"], r["target"]) == key]
+    policies = [r for r in group if r["method"].startswith("remat:")]
+    fits = [r for r in group if r["method"] == "jaxmem"]
+    missed, slower = [], []
+    for fit in fits:
+      budget = fit["budget_bytes"] or 0
+      fitting = [p for p in policies if budget and p["footprint"] <= budget]
+      if fitting and "ms" not in fit:
+        missed.append(fit["budget"])
+      elif fitting and fit["ms"] > min(p["ms"] for p in fitting) * 1.0001:
+        slower.append(f"{fit['budget']} ({fit['ms']:.2f} vs "
+                      f"{min(p['ms'] for p in fitting):.2f} ms)")
+    smallest = min([f["footprint"] for f in fits if "footprint" in f]
+                   + [f["smallest"] for f in fits if "smallest" in f], default=None)
+    nothing = next((p["footprint"] for p in policies
+                    if p["method"] == "remat:nothing_saveable"), None)
+    lines.append(
+        f"- {key[0]} on {key[1]}: fits wherever a policy fits: "
+        f"{'yes' if not missed else 'no, not at ' + ', '.join(missed)}; no slower than the "
+        f"fastest fitting policy: {'yes' if not slower else 'no: ' + '; '.join(slower)}; "
+        f"smallest footprint {smallest / MIB:.1f} MiB against nothing_saveable's "
+        f"{nothing / MIB:.1f} MiB: {'yes' if smallest <= nothing else 'no'}"
+        if smallest is not None and nothing is not None else f"- {key}: incomplete")
+  return lines
+
+
+def render(rows: list[dict]) -> str:
+  lines = ["| model | target | step | budget | footprint (MiB) | predicted ms | x unmodified |",
+           "|---|---|---|---|---|---|---|"]
+  for row in rows:
+    base = next(r for r in rows if (r["model"], r["target"], r["method"])
+                == (row["model"], row["target"], "unmodified"))
+    budget = row.get("budget", "-")
+    if row.get("budget_bytes"):
+      budget = f"{budget} ({row['budget_bytes'] / MIB:.1f})"
+    if "ms" in row:
+      cells = (f"{row['footprint'] / MIB:.1f} | {row['ms']:.2f} | "
+               f"{row['ms'] / base['ms']:.2f}")
+    else:
+      cells = f"smallest {row['smallest'] / MIB:.1f} | - | -"
+    lines.append(f"| {row['model']} | {row['target']} | {row['method']} | {budget} | {cells} |")
+  return "\n".join(lines + [""] + checks(rows))
+
+
+def plot(rows: list[dict], out: str) -> list[str]:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  paths = []
+  for key in sorted({(r["model"], r["target"]) for r in rows}):
+    group = [r for r in rows if (r["model"], r["target"]) == key and "ms" in r]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in group:
+      if r["method"] != "jaxmem":
+        ax.plot(r["footprint"] / MIB, r["ms"], "o")
+        ax.annotate(r["method"].replace("remat:", ""), (r["footprint"] / MIB, r["ms"]),
+                    fontsize=7, xytext=(3, 3), textcoords="offset points")
+    curve = sorted((r["footprint"] / MIB, r["ms"]) for r in group if r["method"] == "jaxmem")
+    if curve:
+      ax.plot(*zip(*curve), "k.-", label="jaxmem over budgets")
+      ax.legend(fontsize=8)
+    ax.set_xlabel("XLA:GPU footprint (MiB)")
+    ax.set_ylabel(f"predicted step time on {key[1]} (ms)")
+    ax.set_title(f"{key[0]} on {key[1]}")
+    fig.tight_layout()
+    path = os.path.join(out, f"{key[0]}-{key[1]}.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    paths.append(path)
+  return paths
+
+
+def main(argv=None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--targets", nargs="*", default=["t4", "h100"])
+  parser.add_argument("--models", nargs="*", default=list(BLOCK_MODELS))
+  parser.add_argument("--policies", nargs="*", default=list(REMAT))
+  parser.add_argument("--budgets", nargs="*", default=list(BUDGETS))
+  parser.add_argument("--cpu-sizes", action="store_true",
+                      help="the zoo's CPU sizes instead of the GPU check's edge sizes")
+  parser.add_argument("--out", default=None, help="folder for the results and plots")
+  opts = parser.parse_args(argv)
+  configs = models().CPU_SIZES if opts.cpu_sizes else CONFIGS
+  rows = [row for name in opts.models for target in opts.targets
+          for row in measure(name, configs[name], target, opts.policies, opts.budgets)]
+  table = render(rows)
+  print(table)
+  if opts.out:
+    sizes = "the zoo's CPU sizes" if opts.cpu_sizes else "the GPU check's edge sizes"
+    write(opts.out, "benchmarks/policies.py", sys.argv[1:] if argv is None else argv,
+          "jaxmem against per-block remat policies, on GPU targets",
+          f"compiled on a 2-core CPU-only machine for compile-only targets, {sizes}",
+          table, rows)
+    plot(rows, opts.out)
+
+
+if __name__ == "__main__":
+  main()
