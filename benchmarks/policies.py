@@ -79,20 +79,25 @@ def _fit_row(task, target: str, budget, label: str) -> dict:
           "offloads": fit.plan.uses_host, "seconds": time.perf_counter() - start}
 
 
+def _show(row: dict) -> dict:
+  print(f"{row['model']:12s} {row['target']:5s} {row['method']:45s} "
+        f"{str(row.get('budget', '')):45s} {row.get('footprint', 0) / MIB:9.1f} MiB "
+        f"{row.get('ms', float('nan')):8.2f} ms {row['seconds']:6.1f} s", flush=True)
+  return row
+
+
 def measure(name: str, config: dict, target: str, policies, budgets) -> list[dict]:
+  """The step as written, the policies and jaxmem's fits of one model on
+  one target, each row printed as it is made."""
   base = dict(model=name, target=target)
-  rows = [dict(base, **_compiled_row(_task(name, config), target, "unmodified"))]
+  rows = [_show(dict(base, **_compiled_row(_task(name, config), target, "unmodified")))]
   for policy in policies:
-    rows.append(dict(base, **_compiled_row(_task(name, config, policy), target,
-                                           f"remat:{policy}")))
+    rows.append(_show(dict(base, **_compiled_row(_task(name, config, policy), target,
+                                                 f"remat:{policy}"))))
   task = _task(name, config)
   at = [(b, b) for b in budgets] + [(r["footprint"], r["method"]) for r in rows[1:]]
   for budget, label in at:
-    rows.append(dict(base, **_fit_row(task, target, budget, label)))
-  for row in rows:
-    print(f"{name:12s} {target:5s} {row['method']:45s} {row.get('budget', ''):45s} "
-          f"{row.get('footprint', 0) / MIB:9.1f} MiB {row.get('ms', float('nan')):8.2f} ms",
-          flush=True)
+    rows.append(_show(dict(base, **_fit_row(task, target, budget, label))))
   return rows
 
 
