@@ -249,16 +249,31 @@ def _matmul_flops(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instructio
   target = _TARGET.search(inst.rest)
   if labels and (inst.opcode == "convolution"
                  or (target and target.group(1).startswith("__cudnn$conv"))):
-    kernel = operands[1][0]
+    output, kernel = _forward_convolution(target.group(1) if target else "", out[0],
+                                          operands[0][0], operands[1][0])
     feature = labels.group(2).find("o")
     per_output = kernel.size / max(kernel.dims[feature], 1) if feature >= 0 else kernel.size
-    return 2.0 * out[0].size * per_output
+    return 2.0 * output.size * per_output
   contracting = _contracting(inst)
   if contracting is None:
     return 0.0
   lhs = operands[0][0]
   depth = int(np.prod([lhs.dims[d] for d in contracting if d < len(lhs.dims)]))
   return 2.0 * out[0].size * depth
+
+
+def _forward_convolution(call: str, result: hlo.Array, first: hlo.Array,
+                         second: hlo.Array) -> tuple[hlo.Array, hlo.Array]:
+  """(output, filter) of the forward convolution a convolution kernel
+  computes or differentiates: a cuDNN call keeps the forward convolution's
+  dimension labels and permutes its arrays by kind (the filter's gradient
+  from the input and the output's gradient; the input's from the output's
+  gradient and the filter); an HLO convolution is its own forward one."""
+  if call.endswith("BackwardFilter"):
+    return second, result
+  if call.endswith("BackwardInput"):
+    return first, second
+  return result, second
 
 
 def _contracting(inst: hlo.Instruction) -> list[int] | None:

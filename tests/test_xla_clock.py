@@ -126,3 +126,22 @@ def test_the_matrix_products_of_a_compiled_step_are_priced_by_their_flops():
   matmul_only = dataclasses.replace(TOY, memory_bandwidth=1e30)
   assert program_time(compiled.as_text(), matmul_only).seconds == pytest.approx(
       flops / 1e9, rel=1e-6)
+
+
+def test_convolutions_and_their_gradients_are_priced_by_the_forward_flops():
+  """Two 3x3 convolutions: each forward pass and each filter gradient is
+  N*H*W*Co*3*3*Ci multiply-adds, and so is the second's input gradient (the
+  first's is not computed). cuDNN's gradient calls permute the forward
+  convolution's arrays; the clock counts the forward convolution's FLOPs."""
+  conv = lambda x, w: jax.lax.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  loss = lambda ws, x: jnp.sum(jnp.tanh(conv(conv(x, ws[0]), ws[1])))
+  step = lambda ws, x: jax.tree.map(lambda w, g: w - g, ws, jax.grad(loss)(ws, x))
+  n, h, w, c_in, c = 2, 16, 16, 4, 8  # a batch unlike the channels
+  ws = (jnp.ones((3, 3, c_in, c)), jnp.ones((3, 3, c, c)))
+  args = placed((ws, jnp.ones((n, h, w, c_in))), "t4")
+  compiled = jax.jit(step, compiler_options=resolve("t4", ()).options()).lower(*args).compile()
+  first, second = (2 * n * h * w * c * 9 * k for k in (c_in, c))
+  matmul_only = dataclasses.replace(TOY, memory_bandwidth=1e30)
+  assert program_time(compiled.as_text(), matmul_only).seconds == pytest.approx(
+      (2 * first + 3 * second) / 1e9, rel=1e-6)
