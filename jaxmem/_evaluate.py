@@ -193,7 +193,7 @@ def prefetch_point(schedule: Schedule, residual: Residual, profile: DeviceProfil
     op = ops[pos]
     if op.kind == "node" and not graph.nodes[op.node].backward:
       break
-    covered += profile.op_seconds(costs[pos].flops, costs[pos].nbytes)
+    covered += costs[pos].seconds(profile)
     if queue and op.kind == "prefetch":  # issued in between: ahead on the link
       need += profile.transfer_seconds(schedule.nbytes(op.outs[0]), "h2d")
     if op.kind == "node":

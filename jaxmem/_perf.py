@@ -24,12 +24,27 @@ from jaxmem import _primitives
 from jaxmem.targets._profiles import DeviceProfile
 
 
+# Primitives whose FLOPs run at the profile's matmul throughput.
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+
+
 @dataclasses.dataclass(frozen=True)
 class OpCost:
-  """One op on the compute stream: a label, its FLOPs and the bytes it moves."""
+  """One op on the compute stream: a label, its FLOPs and the bytes it
+  moves; whether its FLOPs are a matrix product's or a convolution's (they
+  run at the profile's matmul throughput) and whether it ends a kernel (it
+  pays the profile's kernel latency)."""
   label: str
   flops: float
   nbytes: int
+  matmul: bool = False
+  launch: bool = False
+
+  def seconds(self, profile: DeviceProfile) -> float:
+    """Its roofline time on ``profile``."""
+    rate = profile.matmul_throughput if self.matmul else profile.flops
+    return (max(self.flops / rate, self.nbytes / profile.memory_bandwidth)
+            + (profile.kernel_latency if self.launch else 0.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +81,7 @@ def predict(ops: list[OpCost], transfers: list[Transfer],
             profile: DeviceProfile) -> Timing:
   """Simulates the compute stream and the two copy streams; see the module
   docstring."""
-  durations = [profile.op_seconds(op.flops, op.nbytes) for op in ops]
+  durations = [op.seconds(profile) for op in ops]
   by_issue: dict[int, list[int]] = {}
   for i, t in enumerate(transfers):
     if t.need is not None and t.need <= t.issue:
@@ -104,12 +119,21 @@ def predict(ops: list[OpCost], transfers: list[Transfer],
 
 def schedule_costs(schedule) -> list[OpCost]:
   """The compute-stream costs of a rewritten step's ops (``_schedule``):
-  node FLOPs, and bytes read and written; views and barriers cost nothing."""
+  node FLOPs, and bytes read and written; views and barriers cost nothing.
+  Where the graph carries the buffers its target's compiler gives it
+  (``Graph.buffers``, learned from XLA:GPU's program), an op moves only the
+  values that have a buffer (the rest live inside the kernel that reads
+  them) and ends a kernel where its node ended one in that program; else
+  every op is a kernel that reads and writes all its values."""
   graph = schedule.graph
+  buffers = graph.buffers
+  moves = ((lambda k: True) if buffers is None
+           else (lambda k: k[0] in buffers.materialized))
   costs = []
   for op in schedule.ops:
-    moved = (sum(schedule.nbytes(k) for k in op.ins if isinstance(k, tuple))
-             + sum(schedule.nbytes(k) for k in op.outs))
+    written = [k for k in op.outs if moves(k)]
+    moved = (sum(schedule.nbytes(k) for k in op.ins if isinstance(k, tuple) and moves(k))
+             + sum(schedule.nbytes(k) for k in written))
     if op.kind in ("split", "merge"):  # a vTensor's chunks copied out / in
       costs.append(OpCost(op.kind, 0.0, moved))
       continue
@@ -120,7 +144,9 @@ def schedule_costs(schedule) -> list[OpCost]:
     if _primitives.is_free(node.prim.name):
       costs.append(OpCost(node.prim.name, 0.0, 0))
       continue
-    costs.append(OpCost(node.prim.name, node.flops, moved))
+    costs.append(OpCost(node.prim.name, node.flops, moved,
+                        matmul=node.prim.name in _MATMULS,
+                        launch=buffers is not None and op.node in buffers.launches))
   return costs
 
 

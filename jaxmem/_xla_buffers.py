@@ -50,9 +50,13 @@ class Buffers:
     extra: node index -> bytes of buffers made for that node beyond its
       outputs (a padded or relaid copy of its value for a convolution that
       reads it), live as long as the node's first output.
+    launches: indices of the nodes that end a kernel: of each kernel's
+      buffers, the first one's node (a kernel writing several nodes'
+      values, as a multi-output fusion does, launches once).
   """
   materialized: frozenset
   extra: Mapping[int, int]
+  launches: frozenset = frozenset()
 
 
 def tag_of(inst: hlo.Instruction) -> int | None:
@@ -67,16 +71,28 @@ def written_buffers(text: str) -> dict[int, list[tuple[int, int]]]:
   it: outputs of the scheduled computations' instructions (the entry's, and
   the bodies of its loops and conditionals), a fusion's named by the fused
   instructions that produce them."""
-  program = hlo.parse(text)
   written: dict[int, list[tuple[int, int]]] = {}
+  for tags in _kernels(hlo.parse(text)):
+    for tag, array in tags:
+      written.setdefault(tag, []).append((array.size, array.nbytes))
+  return written
+
+
+def launching(text: str) -> frozenset:
+  """The tags that end a kernel: each kernel's first buffer's."""
+  return frozenset(tags[0][0] for tags in _kernels(hlo.parse(text)) if tags)
+
+
+def _kernels(program: hlo.Program) -> list[list]:
+  """Per instruction that writes buffers in the scheduled computations, the
+  (tag, array) of each buffer with a tag."""
+  found = []
   for name in program.scheduled():
     for inst in program.computations[name]:
-      if inst.opcode in _NO_BUFFER:
-        continue
-      for tag, array in _producers(inst, program.computations):
-        if tag is not None:
-          written.setdefault(tag, []).append((array.size, array.nbytes))
-  return written
+      if inst.opcode not in _NO_BUFFER:
+        found.append([(tag, array) for tag, array in _producers(inst, program.computations)
+                      if tag is not None])
+  return found
 
 
 def _producers(inst: hlo.Instruction, computations: dict) -> list:
@@ -139,9 +155,11 @@ def learn(graph: Graph, target) -> Buffers:
   args = target.place([jax.ShapeDtypeStruct(graph.values[v].aval.shape,
                                             graph.values[v].aval.dtype)
                        for v in graph.inputs])
-  compiled = jax.jit(run, compiler_options=target.options(measuring=True) or None
-                     ).lower(*args).compile()
-  return assign(graph, written_buffers(compiled.as_text()))
+  text = jax.jit(run, compiler_options=target.options(measuring=True) or None
+                 ).lower(*args).compile().as_text()
+  found = assign(graph, written_buffers(text))
+  return dataclasses.replace(found, launches=frozenset(
+      t for t in launching(text) if t < len(graph.nodes)))
 
 
 def with_buffers(graph: Graph, buffers: Buffers | None) -> Graph:

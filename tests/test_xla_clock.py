@@ -145,3 +145,29 @@ def test_convolutions_and_their_gradients_are_priced_by_the_forward_flops():
   matmul_only = dataclasses.replace(TOY, memory_bandwidth=1e30)
   assert program_time(compiled.as_text(), matmul_only).seconds == pytest.approx(
       (2 * first + 3 * second) / 1e9, rel=1e-6)
+
+
+@pytest.mark.parametrize("name, config", [
+    ("mlp", dict(depth=16, width=64, batch=512, features=32)),
+    ("transformer", dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64))])
+def test_the_planners_cost_follows_the_clock_on_a_gpu_target(name, config):
+  """With the buffers and kernels learned from XLA:GPU's program for a T4
+  (``_xla_buffers``), the planners' per-equation cost of the step as written
+  (``_perf``: only values with a buffer move, one launch per kernel) is
+  within 25% of the clock's time for that program."""
+  import jaxmem_models as models
+  from jaxmem._evaluate import unplanned
+  from jaxmem._graph import build_graph
+  from jaxmem._perf import predict_schedule
+  from jaxmem._xla_buffers import learn, with_buffers
+
+  task = models.get(name, **config)
+  shapes = jax.eval_shape(task.init)
+  target = resolve("t4", jax.tree_util.tree_leaves(shapes))
+  compiled = jax.jit(task.step, compiler_options=target.options()).lower(
+      *placed(shapes, "t4")).compile()
+  clock = program_time(compiled.as_text(), target.profile).seconds
+  graph = build_graph(jax.make_jaxpr(task.step)(*shapes))
+  graph = with_buffers(graph, learn(graph, target))
+  modelled = predict_schedule(unplanned(graph, 0).schedule, target.profile).seconds
+  assert 0.75 < modelled / clock < 1.25, (modelled, clock)

@@ -421,7 +421,7 @@ class LGM(Planner):
     their first backward reader; the most room first."""
     elapsed = [0.0]
     for c in peak.costs:
-      elapsed.append(elapsed[-1] + peak.profile.op_seconds(c.flops, c.nbytes))
+      elapsed.append(elapsed[-1] + c.seconds(peak.profile))
     fused = fused_values(graph)
     ops = peak.schedule.ops
     position, chunk_of = {}, {}

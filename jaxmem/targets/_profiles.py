@@ -95,10 +95,6 @@ class DeviceProfile:
     wire = nbytes / (self.d2h_bandwidth if direction == "d2h" else self.h2d_bandwidth)
     return wire / self.transfer_seconds(nbytes, direction) if nbytes else 0.0
 
-  def op_seconds(self, flops: float, nbytes: int) -> float:
-    """Roofline time of one operation: bounded by compute or by memory."""
-    return max(flops / self.flops, nbytes / self.memory_bandwidth)
-
 
 _GB = 1e9
 _GIB = 2**30
