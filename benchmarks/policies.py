@@ -64,17 +64,16 @@ def _compiled_row(task, target: str, method: str) -> dict:
           "seconds": time.perf_counter() - start}
 
 
-def _fit_row(task, target: str, budget, label: str) -> dict:
-  """jaxmem's fit of ``task`` at ``budget`` on ``target``."""
+def _fit_row(task, target: str, budget: int, label: str) -> dict:
+  """jaxmem's fit of ``task`` at ``budget`` bytes on ``target``."""
   shapes = placed(jax.eval_shape(task.init), target)
   start = time.perf_counter()
-  row = {"method": "jaxmem", "budget": label,
-         "budget_bytes": budget if isinstance(budget, int) else None}
+  row = {"method": "jaxmem", "budget": label, "budget_bytes": budget}
   try:
     fit = jaxmem.transform(task.step, budget=budget, target=target, reserve=0).fit(*shapes)
   except jaxmem.BudgetError as err:
     return {**row, "smallest": err.smallest, "seconds": time.perf_counter() - start}
-  return {**row, "budget_bytes": fit.budget, "footprint": fit.footprint,
+  return {**row, "footprint": fit.footprint,
           "ms": fit.predicted * 1e3, "plan_size": len(fit.plan),
           "offloads": fit.plan.uses_host, "seconds": time.perf_counter() - start}
 
@@ -95,7 +94,11 @@ def measure(name: str, config: dict, target: str, policies, budgets) -> list[dic
     rows.append(_show(dict(base, **_compiled_row(_task(name, config, policy), target,
                                                  f"remat:{policy}"))))
   task = _task(name, config)
-  at = [(b, b) for b in budgets] + [(r["footprint"], r["method"]) for r in rows[1:]]
+  # Fractions of the step's footprint on the target, in bytes, so that every
+  # row (a fit that fails included) says which budget it was held to.
+  unmodified = rows[0]["footprint"]
+  at = ([(int(float(b.rstrip("%")) / 100 * unmodified), b) for b in budgets]
+        + [(r["footprint"], r["method"]) for r in rows[1:]])
   for budget, label in at:
     rows.append(_show(dict(base, **_fit_row(task, target, budget, label))))
   return rows
@@ -111,8 +114,7 @@ def checks(rows: list[dict]) -> list[str]:
     fits = [r for r in group if r["method"] == "jaxmem"]
     missed, slower = [], []
     for fit in fits:
-      budget = fit["budget_bytes"] or 0
-      fitting = [p for p in policies if budget and p["footprint"] <= budget]
+      fitting = [p for p in policies if p["footprint"] <= fit["budget_bytes"]]
       if fitting and "ms" not in fit:
         missed.append(fit["budget"])
       elif fitting and fit["ms"] > min(p["ms"] for p in fitting) * 1.0001:
