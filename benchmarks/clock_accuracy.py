@@ -35,7 +35,6 @@ import os
 import re
 import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -43,10 +42,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 from jaxmem._xla_clock import program_time  # noqa: E402
-from jaxmem._zoo import models  # noqa: E402
-from jaxmem.targets import get_profile, placed, resolve  # noqa: E402
+from jaxmem.targets import get_profile  # noqa: E402
 
 from benchmarks._results import write  # noqa: E402
+from benchmarks._steps import compile_for, task as zoo_task  # noqa: E402
 
 # Calibrations that read the memory's bandwidth, not the dispatch's.
 _LEAST_ELEMENTWISE = 2**28
@@ -87,18 +86,11 @@ def calibrated_profile(preset, figures: list[dict]):
 
 def compile_text(model: str, config: dict, method: str, slop, target: str) -> tuple[str, float]:
   """The optimized HLO of one measured step compiled for ``target``."""
-  config = dict(config)
   remat = method.split(":", 1)[1] if method.startswith("remat:") else None
-  task = models().get(config.pop("zoo", model), remat=remat, **config)
-  shapes = jax.eval_shape(task.init)
-  where = resolve(target, jax.tree_util.tree_leaves(shapes))
-  options = dict(where.options())
-  if method == "xla:remat":
-    options["xla_gpu_memory_limit_slop_factor"] = slop
-  start = time.perf_counter()
-  compiled = jax.jit(task.step, compiler_options=options).lower(
-    *placed(shapes, target)).compile()
-  return compiled.as_text(), time.perf_counter() - start
+  task = zoo_task(model, config, remat)
+  options = {"xla_gpu_memory_limit_slop_factor": slop} if method == "xla:remat" else {}
+  compiled, _, seconds = compile_for(task.step, jax.eval_shape(task.init), target, **options)
+  return compiled.as_text(), seconds
 
 
 def cached_text(cache: str | None, model: str, config: str, method: str, slop,

@@ -37,31 +37,23 @@ import jax  # noqa: E402
 import jaxmem  # noqa: E402
 from jaxmem._xla_clock import program_time  # noqa: E402
 from jaxmem._zoo import models  # noqa: E402
-from jaxmem.targets import get_profile, placed, resolve, xla_footprint  # noqa: E402
+from jaxmem.targets import get_profile, placed, xla_footprint  # noqa: E402
 
 from benchmarks._results import write  # noqa: E402
+from benchmarks._steps import compile_for, task as zoo_task  # noqa: E402
 from benchmarks.gpu import BUDGETS, CONFIGS, REMAT  # noqa: E402
 
 BLOCK_MODELS = ("gpt2", "vit", "resnet18", "mobilenetv2", "unet")
 MIB = 2.0**20
 
 
-def _task(name: str, config: dict, remat: str | None = None):
-  config = dict(config)
-  return models().get(config.pop("zoo", name), remat=remat, **config)
-
-
 def _compiled_row(task, target: str, method: str) -> dict:
   """The footprint and predicted time of ``task``'s step as jax.jit compiles
   it for ``target``."""
-  shapes = jax.eval_shape(task.init)
-  where = resolve(target, jax.tree_util.tree_leaves(shapes))
-  start = time.perf_counter()
-  compiled = jax.jit(task.step, compiler_options=where.options() or None).lower(
-      *placed(shapes, target)).compile()
+  compiled, _, seconds = compile_for(task.step, jax.eval_shape(task.init), target)
   return {"method": method, "footprint": xla_footprint(compiled),
           "ms": program_time(compiled.as_text(), get_profile(target)).seconds * 1e3,
-          "seconds": time.perf_counter() - start}
+          "seconds": seconds}
 
 
 def _fit_row(task, target: str, budget: int, label: str) -> dict:
@@ -89,11 +81,11 @@ def measure(name: str, config: dict, target: str, policies, budgets) -> list[dic
   """The step as written, the policies and jaxmem's fits of one model on
   one target, each row printed as it is made."""
   base = dict(model=name, target=target)
-  rows = [_show(dict(base, **_compiled_row(_task(name, config), target, "unmodified")))]
+  rows = [_show(dict(base, **_compiled_row(zoo_task(name, config), target, "unmodified")))]
   for policy in policies:
-    rows.append(_show(dict(base, **_compiled_row(_task(name, config, policy), target,
+    rows.append(_show(dict(base, **_compiled_row(zoo_task(name, config, policy), target,
                                                  f"remat:{policy}"))))
-  task = _task(name, config)
+  task = zoo_task(name, config)
   # Fractions of the step's footprint on the target, in bytes, so that every
   # row (a fit that fails included) says which budget it was held to.
   unmodified = rows[0]["footprint"]

@@ -32,22 +32,12 @@ import jaxmem  # noqa: E402
 from jaxmem._evaluate import unplanned  # noqa: E402
 from jaxmem._graph import build_graph, trace  # noqa: E402
 from jaxmem._xla_buffers import learn, with_buffers  # noqa: E402
-from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint  # noqa: E402
+from jaxmem.targets import placed, workspace_bytes, xla_footprint  # noqa: E402
 from jaxmem._zoo import models  # noqa: E402
 
 from benchmarks._results import write  # noqa: E402
+from benchmarks._steps import compile_for, task as zoo_task  # noqa: E402
 from benchmarks.gpu import CONFIGS  # noqa: E402
-
-
-def _compiled(step, shapes, target: str | None):
-  """``step`` compiled for ``target`` (None: XLA:CPU), the target, and the
-  seconds the compilation took."""
-  where = resolve(target, jax.tree_util.tree_leaves(shapes))
-  args = shapes if target is None else placed(shapes, target)
-  start = time.perf_counter()
-  compiled = jax.jit(step, compiler_options=where.options(measuring=True)).lower(
-      *args).compile()
-  return compiled, where, time.perf_counter() - start
 
 
 def _footprint(compiled) -> int:
@@ -71,9 +61,7 @@ def _planned(task, budget: str, target: str) -> dict:
 
 
 def measure(name: str, config: dict, targets: list[str], budgets: list[str]) -> dict:
-  zoo = models()
-  config = dict(config)
-  task = zoo.get(config.pop("zoo", name), **config)
+  task = zoo_task(name, config)
   shapes = jax.eval_shape(task.init)
   closed, _ = trace(jax.jit(task.step), *shapes)
   graph = build_graph(closed)
@@ -81,7 +69,7 @@ def measure(name: str, config: dict, targets: list[str], budgets: list[str]) -> 
   row = {"model": name, "config": config, "emulated": emulated}
   for target in [None, *targets]:
     label = target or "xla:cpu"
-    compiled, where, seconds = _compiled(task.step, shapes, target)
+    compiled, where, seconds = compile_for(task.step, shapes, target, measuring=True)
     xla = _footprint(compiled)
     start = time.perf_counter()
     learned = unplanned(with_buffers(graph, learn(graph, where)), 0).peak

@@ -34,6 +34,11 @@ _CALLED = re.compile(
     r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _HOST_SPACE = "S(5)"  # the memory space XLA puts host buffers in
+# Instructions that write no buffer of their own: they name, forward or
+# alias what others wrote, or wait for what an earlier one started.
+NO_BUFFER = frozenset({
+    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
+    "after-all", "partition-id", "replica-id", "copy-done", "send-done", "recv-done"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,11 +78,14 @@ class Instruction:
                   _HOST_SPACE in (layout or ""))
             for dtype, dims, layout in _ARRAY.findall(self.shape)]
 
+  def results(self) -> list[Array]:
+    """The arrays it writes: its shape's, but of a library call (cuBLAS,
+    cuDNN) only the result, not the workspace beside it."""
+    arrays = self.arrays()
+    return arrays[:1] if self.opcode == "custom-call" and len(arrays) > 1 else arrays
+
   def operands(self) -> list[str]:
     return re.findall(r"%([\w.\-]+)", self.rest[:closing(self.rest, depth=1)])
-
-  def attributes(self) -> str:
-    return self.rest[closing(self.rest, depth=1) + 1:]
 
   def called(self) -> list[tuple[str, str]]:
     """(role, computation) of each computation it calls: ``calls`` (a
@@ -97,6 +105,14 @@ class Program:
   @property
   def entry_instructions(self) -> list[Instruction]:
     return self.computations[self.entry]
+
+  def fused_body(self, inst: Instruction) -> list[Instruction]:
+    """The instructions a fusion computes in its one kernel; [] for any
+    other instruction."""
+    called = [c for role, c in inst.called() if role == "calls"]
+    if inst.opcode != "fusion" or not called:
+      return []
+    return self.computations.get(called[0], [])
 
   def scheduled(self) -> list[str]:
     """The computations that run as a schedule of kernels: the entry and

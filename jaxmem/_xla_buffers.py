@@ -34,11 +34,6 @@ from jaxmem._xla_cpu_fusion import Fusion
 
 TAG = "jaxmem#"
 _TAG = re.compile(re.escape(TAG) + r"(\d+)")
-# Instructions that write no buffer of their own: they name, forward or
-# alias what others wrote.
-_NO_BUFFER = frozenset({
-    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
-    "after-all", "partition-id", "replica-id", "copy-done", "send-done", "recv-done"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,16 +66,20 @@ def written_buffers(text: str) -> dict[int, list[tuple[int, int]]]:
   it: outputs of the scheduled computations' instructions (the entry's, and
   the bodies of its loops and conditionals), a fusion's named by the fused
   instructions that produce them."""
+  return _written(_kernels(hlo.parse(text)))
+
+
+def _written(kernels: list[list]) -> dict[int, list[tuple[int, int]]]:
   written: dict[int, list[tuple[int, int]]] = {}
-  for tags in _kernels(hlo.parse(text)):
+  for tags in kernels:
     for tag, array in tags:
       written.setdefault(tag, []).append((array.size, array.nbytes))
   return written
 
 
-def launching(text: str) -> frozenset:
+def _launching(kernels: list[list]) -> frozenset:
   """The tags that end a kernel: each kernel's first buffer's."""
-  return frozenset(tags[0][0] for tags in _kernels(hlo.parse(text)) if tags)
+  return frozenset(tags[0][0] for tags in kernels if tags)
 
 
 def _kernels(program: hlo.Program) -> list[list]:
@@ -89,17 +88,16 @@ def _kernels(program: hlo.Program) -> list[list]:
   found = []
   for name in program.scheduled():
     for inst in program.computations[name]:
-      if inst.opcode not in _NO_BUFFER:
-        found.append([(tag, array) for tag, array in _producers(inst, program.computations)
+      if inst.opcode not in hlo.NO_BUFFER:
+        found.append([(tag, array) for tag, array in _producers(inst, program)
                       if tag is not None])
   return found
 
 
-def _producers(inst: hlo.Instruction, computations: dict) -> list:
+def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:
   """(tag, array) of each buffer ``inst`` writes."""
-  if inst.opcode == "fusion":
-    called = [c for role, c in inst.called() if role == "calls"]
-    body = computations.get(called[0], []) if called else []
+  body = program.fused_body(inst)
+  if body:
     root = next((i for i in body if i.root), None)
     if root is not None:
       by_name = {i.name: i for i in body}
@@ -112,10 +110,7 @@ def _producers(inst: hlo.Instruction, computations: dict) -> list:
         tag = tag_of(out)
         found.extend((tag if tag is not None else tag_of(inst), a) for a in out.arrays()[:1])
       return found
-  arrays = inst.arrays()
-  if inst.opcode == "custom-call" and len(arrays) > 1:
-    arrays = arrays[:1]  # a library call's result; the rest is its workspace
-  return [(tag_of(inst), a) for a in arrays]
+  return [(tag_of(inst), a) for a in inst.results()]
 
 
 def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
@@ -157,9 +152,10 @@ def learn(graph: Graph, target) -> Buffers:
                        for v in graph.inputs])
   text = jax.jit(run, compiler_options=target.options(measuring=True) or None
                  ).lower(*args).compile().as_text()
-  found = assign(graph, written_buffers(text))
+  kernels = _kernels(hlo.parse(text))
+  found = assign(graph, _written(kernels))
   return dataclasses.replace(found, launches=frozenset(
-      t for t in launching(text) if t < len(graph.nodes)))
+      t for t in _launching(kernels) if t < len(graph.nodes)))
 
 
 def with_buffers(graph: Graph, buffers: Buffers | None) -> Graph:

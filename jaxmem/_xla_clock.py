@@ -47,13 +47,11 @@ import numpy as np
 from jaxmem import _hlo as hlo
 from jaxmem.targets import DeviceProfile
 
-# Instructions that run no kernel: they name, forward or alias buffers, or
-# wait for work priced where it was issued.
-_FREE = frozenset({
-    "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
-    "after-all", "partition-id", "replica-id", "copy-done", "send-done", "recv-done",
+# Instructions that run no kernel: those that write no buffer, and more that
+# wait for work priced where it was issued or only order others.
+_FREE = hlo.NO_BUFFER | {
     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
-    "async-update", "add-dependency", "domain"})
+    "async-update", "add-dependency", "domain"}
 _SLICES = frozenset({"slice", "dynamic-slice", "gather"})
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
@@ -116,10 +114,10 @@ def _schedule(program: hlo.Program, name: str, profile: DeviceProfile, clock: _C
   """Advances ``clock`` through computation ``name``'s instructions."""
   shapes = {i.name: i.arrays() for i in program.computations.get(name, [])}
   for inst in program.computations.get(name, []):
-    if inst.opcode in _FREE and inst.opcode != "copy-done":
-      continue
-    if inst.opcode == "copy-done":
+    if inst.opcode == "copy-done":  # the kernels wait for a copy to the host or back
       clock.compute = max(clock.compute, clock.pending.pop(inst.operands()[0], 0.0))
+    elif inst.opcode in _FREE:
+      continue
     elif inst.opcode == "copy-start" and _crosses_memory(inst):
       _copy(inst, profile, clock)
     elif inst.opcode in ("while", "conditional", "call"):
@@ -149,18 +147,18 @@ def _control(program: hlo.Program, inst: hlo.Instruction, profile: DeviceProfile
   """A loop (its body and condition per trip), a conditional (its slowest
   branch) or a call, priced on a clock of its own and added to ``clock``."""
   parts = []
-  for role, called in inst.called():
+  for _, called in inst.called():
     inner = _Clock()
     _schedule(program, called, profile, inner)
-    parts.append((role, inner))
+    parts.append(inner)
   trips = 1
   if inst.opcode == "while":
     found = _TRIPS.search(inst.rest)
     trips = int(found.group(1)) if found else 1
     clock.unknown_trips += found is None
   if inst.opcode == "conditional":
-    parts = [max(parts, key=lambda p: p[1].end)] if parts else []
-  for _, inner in parts:
+    parts = [max(parts, key=lambda p: p.end)] if parts else []
+  for inner in parts:
     clock.compute += trips * inner.end
     clock.kernels += trips * inner.kernels
     clock.count += trips * inner.count
@@ -171,31 +169,17 @@ def _control(program: hlo.Program, inst: hlo.Instruction, profile: DeviceProfile
 def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
                    profile: DeviceProfile) -> float:
   """One kernel's roofline time plus the profile's kernel latency."""
-  body = _fused_body(inst, program)
+  body = program.fused_body(inst)
   nbytes = _bytes(inst, shapes, body)
   flops = _matmul_flops(inst, shapes, body)
   return profile.kernel_latency + max(nbytes / profile.memory_bandwidth,
                                       flops / profile.matmul_throughput)
 
 
-def _fused_body(inst: hlo.Instruction, program: hlo.Program) -> list[hlo.Instruction]:
-  if inst.opcode != "fusion":
-    return []
-  called = [c for role, c in inst.called() if role == "calls"]
-  return program.computations.get(called[0], []) if called else []
-
-
-def _outputs(inst: hlo.Instruction) -> list[hlo.Array]:
-  """The arrays a kernel writes: a library call's result, not its
-  workspace."""
-  arrays = inst.arrays()
-  return arrays[:1] if inst.opcode == "custom-call" and len(arrays) > 1 else arrays
-
-
 def _bytes(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instruction]) -> int:
   """Bytes a kernel reads and writes (see the module docstring)."""
   operands = [sum(a.nbytes for a in shapes.get(o, [])) for o in inst.operands()]
-  written = sum(a.nbytes for a in _outputs(inst))
+  written = sum(a.nbytes for a in inst.results())
   if inst.opcode in _SLICES:
     return 2 * written
   if inst.opcode == "dynamic-update-slice" and len(operands) > 1:
@@ -241,7 +225,7 @@ def _matmul_flops(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instructio
     inner = {i.name: i.arrays() for i in body}
     return sum(_matmul_flops(i, inner, []) for i in body
                if i.opcode in ("dot", "convolution", "custom-call"))
-  out = _outputs(inst)
+  out = inst.results()
   operands = [shapes.get(o, []) for o in inst.operands()]
   if not out or len(operands) < 2 or not operands[0] or not operands[1]:
     return 0.0
