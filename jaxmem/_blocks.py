@@ -11,7 +11,9 @@ from these.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import re
 
 from jaxmem import _primitives
 from jaxmem._decisions import KEEP, RECOMPUTE, SAVE, Plan
@@ -94,22 +96,57 @@ def checkpoint_moves(graph: Graph, seg: Segment, decisions: dict) -> list[tuple]
   return move
 
 
+def _no_batch_dims(node) -> bool:
+  """A matrix product without batch dimensions (a projection, not an
+  attention score): what ``dots_with_no_batch_dims_saveable`` keeps."""
+  if node.prim.name != "dot_general":
+    return False
+  (_, _), (lhs_batch, rhs_batch) = node.params["dimension_numbers"]
+  return not lhs_batch and not rhs_batch
+
+
+# What each per-block policy keeps of a block's own equations, by the name
+# of the ``jax.checkpoint_policies`` policy it mirrors.
+KEEPS = {
+    "nothing_saveable": lambda node: False,
+    "dots_saveable": lambda node: _primitives.is_matmul(node.prim.name),
+    "dots_with_no_batch_dims_saveable": _no_batch_dims,
+}
+
+
+def _repeated(names: list[str]) -> set[str]:
+  """The names that are layers of a stack: those that, digits aside, more
+  than one name shares (``GPT2/block0``, ``GPT2/block1``; not
+  ``GPT2/ln_f``)."""
+  shapes = collections.Counter(re.sub(r"\d+", "#", n) for n in names)
+  return {n for n in names if shapes[re.sub(r"\d+", "#", n)] > 1}
+
+
 @analysis
-def block_plans(graph: Graph, keep_matmuls: bool = False) -> list[Plan]:
+def block_plans(graph: Graph, keep: str = "nothing_saveable",
+                layers: bool = False) -> list[Plan]:
   """Every block checkpointed, at module depth 2 and at depth 3: the plans
-  per-block ``jax.checkpoint`` with ``nothing_saveable`` would give (with
-  ``keep_matmuls``, ``dots_saveable``'s: matmul and convolution outputs
-  kept), as starting points and as candidates for the lowest footprint
-  (XLA follows them closely: recomputation starts at saved block
-  boundaries)."""
+  per-block ``jax.checkpoint`` with policy ``keep`` (a key of
+  :data:`KEEPS`) would give: the outputs of the block's equations the
+  policy saves are kept, the rest recomputed from the block's boundary.
+  With ``layers``, only the blocks that repeat (:func:`_repeated`), as
+  wrapping a model's layers in ``nn.remat`` leaves its embedding and head
+  alone. They serve as starting points and as candidates for the lowest
+  footprint and for a plan's time (XLA follows them closely:
+  recomputation starts at saved block boundaries)."""
+  keeps = KEEPS[keep]
   plans = []
   for depth in (2, 3):
     decisions: dict = {}
-    for seg in segments(graph, (depth,)):
+    found = segments(graph, (depth,))
+    chosen = _repeated([seg.name for seg in found]) if layers else None
+    for seg in found:
+      if chosen is not None and seg.name not in chosen:
+        continue
       decisions.update(checkpoint_moves(graph, seg, decisions))
       for index in graph.blocks(depth)[seg.name]:
         node = graph.nodes[index]
-        if keep_matmuls and _primitives.is_matmul(node.prim.name):
+        if keeps(node):
           for vid in node.outs:  # kept: a residual, or saved for rebuilding
             if graph.is_residual(vid):
               decisions.pop(vid, None)
@@ -122,8 +159,12 @@ def block_plans(graph: Graph, keep_matmuls: bool = False) -> list[Plan]:
 
 
 @analysis
-def block_candidates(graph: Graph) -> list[Candidate]:
-  """The plans of :func:`block_plans` (everything recomputed, then matmul
-  outputs kept), evaluated once per graph."""
-  return [candidate(graph, plan)
-          for plan in block_plans(graph) + block_plans(graph, True)]
+def block_candidates(graph: Graph, keeps: tuple = tuple(KEEPS)) -> list[Candidate]:
+  """The plans of :func:`block_plans` under each policy of ``keeps`` (keys
+  of :data:`KEEPS`), every block's first, then the layers', each plan once,
+  evaluated once per graph."""
+  plans = []
+  for layers in (False, True):
+    for keep in keeps:
+      plans += [p for p in block_plans(graph, keep, layers) if p not in plans]
+  return [candidate(graph, plan) for plan in plans]

@@ -11,8 +11,9 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
 2. *Loosen*: a plan far under the budget recomputes more than it needs to;
    plan again for a looser aim and keep it where XLA still fits and it
    costs less.
-3. *Structured*: plans shaped like per-block remat, which XLA follows
-   closely, replace the plan where they cost less and fit.
+3. *Structured*: plans shaped like per-block remat policies, which XLA
+   follows closely, replace the plan where they fit and cost less (on a
+   GPU target: run faster by the clock).
 4. *Lowest*: where nothing fits, every candidate for the smallest footprint
    is compiled, and the error names the smallest XLA gives.
 """
@@ -29,6 +30,11 @@ from jaxmem._graph import Graph
 from jaxmem._scan_remat import loop_variants
 from jaxmem.planners import Planner
 from jaxmem.targets import holds_host_memory, xla_footprint
+
+# How many plans shaped like the per-block policies a fit compiles on a
+# target with a clock, to rank them by predicted time (each is one
+# compilation of the step).
+STRUCTURED_COMPILES = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,20 +191,37 @@ class Fitter:
     return found
 
   def structured(self, found: Trial, cheaper: bool = True) -> Trial:
-    """The planner's plans shaped like the per-block remat baselines
-    (:meth:`Planner.structured`), cheapest first, where they cost less than
-    the plan found (any cost, without ``cheaper``): the first whose XLA
-    footprint fits the budget, and that is cheaper compiled
-    (:meth:`cheaper`), replaces it."""
+    """The planner's plans shaped like the per-block remat policies
+    (:meth:`Planner.structured`) against the plan found. With a clock,
+    the cheapest :data:`STRUCTURED_COMPILES` whose model peak is within
+    reach of the budget are compiled, and the fastest on the target whose
+    XLA footprint fits replaces the plan where it is faster (or, without
+    ``cheaper``, at any time): the planner's cost model does not rank
+    these as the clock does. Without a clock, the
+    first, cheapest first, that the planner's cost rates below the plan and
+    that fits and is cheaper compiled replaces it."""
+    best = found
     limit = self.cost(found) if cheaper else float("inf")
+    reach = self._model_part(self.budget) * self.model_scale / 0.9
+    compiles = 0
     for candidate in self.planner.structured(self.graph):
-      if self.cost(candidate) >= limit:
+      if self.clock is None and self.cost(candidate) >= limit:
         break
+      if self.clock is not None:
+        if candidate.peak > reach:
+          continue
+        compiles += 1
+        if compiles > STRUCTURED_COMPILES:
+          break
       candidate = dataclasses.replace(candidate, aim=found.candidate.aim, fits=True)
       trial = self.compile(candidate)
-      if trial.measured <= self.budget and (not cheaper or self.cheaper(trial, found)):
-        return trial
-    return found
+      if trial.measured > self.budget:
+        continue
+      if best is found and not cheaper or self.cheaper(trial, best):
+        best = trial
+        if self.clock is None:
+          break
+    return best
 
   def lowest(self, tried: Trial) -> Trial:
     """The planner's candidates for the smallest footprint

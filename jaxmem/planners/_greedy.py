@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 
-from jaxmem._blocks import block_candidates, block_plans, checkpoint_moves, segments
+from jaxmem._blocks import KEEPS, block_candidates, block_plans, checkpoint_moves, segments
 from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem.targets._profiles import PROFILES, get_profile
 from jaxmem._evaluate import (Candidate, candidate, chain_flops, evaluate, fused_values,
@@ -239,27 +239,29 @@ class Greedy(Planner):
       result = runs[fraction]
       plan = result.plan
       yield result.aimed(aim)
-    # Then every block checkpointed (the plan XLA follows best), and the
-    # greedy's descent from there (run only when asked for; not from the
-    # plans that keep matmul outputs, which start higher).
-    descend = len(block_plans(graph))
-    for i, result in enumerate(self._block_results(graph)):
+    # Then every block (or every layer) checkpointed with nothing saved,
+    # the plans XLA follows best, and the greedy's descent from those of
+    # every block (run only when asked for).
+    descend = block_plans(graph)
+    for i, result in enumerate(self._block_results(graph, ("nothing_saveable",))):
       yield result.aimed(aim)
-      if i >= descend:
+      if result.plan not in descend:
         continue
       if ("blocks", i, 0) not in runs:
         runs["blocks", i, 0] = self._greedy(graph, 0, 0, candidates, result.plan)
       result = runs["blocks", i, 0]
       yield result.aimed(aim)
 
-  def _block_results(self, graph) -> list[Candidate]:
-    """The every-block-checkpointed plans (:func:`block_candidates`); none
-    for a planner that may not recompute."""
-    return block_candidates(graph) if self.recompute else []
+  def _block_results(self, graph, keeps: tuple = tuple(KEEPS)) -> list[Candidate]:
+    """The block-checkpointed plans under the policies ``keeps``
+    (:func:`block_candidates`); none for a planner that may not
+    recompute."""
+    return block_candidates(graph, keeps) if self.recompute else []
 
   def structured(self, graph: Graph) -> list[Candidate]:
-    """Plans shaped like the per-block remat baselines (every block
-    checkpointed; matmul outputs kept or not), cheapest first: XLA follows
+    """Plans shaped like the per-block remat policies (every block or
+    every layer checkpointed, under each policy of :data:`KEEPS`), cheapest
+    first: XLA follows
     them closely, so the fit loop measures them against the plan it has."""
     return sorted(self._block_results(graph), key=lambda r: self.cost(r.schedule))
 
