@@ -14,13 +14,16 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
 3. *Structured*: plans shaped like per-block remat policies, which XLA
    follows closely, replace the plan where they fit and cost less (on a
    GPU target: run faster by the clock).
-4. *Lowest*: where nothing fits, every candidate for the smallest footprint
-   is compiled, and the error names the smallest XLA gives.
+4. *Lowest*: where the search toward the budget does not fit, every
+   candidate for the smallest footprint is compiled; the cheapest that fits
+   is taken (and 3. tried against it), or the error names the smallest
+   footprint XLA gives.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 from typing import Callable
 
@@ -117,10 +120,12 @@ class Fitter:
     if not find_smallest:
       shaped = self.structured(trial, cheaper=False)
       return (shaped, rounds) if shaped.measured <= self.budget else None
-    lowest = self.lowest(trial)
-    if lowest.measured <= self.budget:
-      return lowest, rounds
-    raise self.error(lowest.measured)
+    trials = self.lowest(trial)
+    fitting = [t for t in trials if t.measured <= self.budget]
+    if not fitting:
+      raise self.error(min(t.measured for t in trials))
+    cheapest = functools.reduce(lambda a, b: b if self.cheaper(b, a) else a, fitting)
+    return self.structured(cheapest), rounds
 
   def compile(self, candidate: Candidate) -> Trial:
     """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
@@ -158,7 +163,11 @@ class Fitter:
       if (trial.measured <= self.budget or not candidate.fits
           or rounds >= self.max_rounds):
         return trial, rounds
-      scale *= self._model_part(self.budget) / self._model_part(trial.measured) * 0.99
+      # The next aim lies under the plan just compiled (scaled by how far
+      # XLA's footprint overshot), not only under the last aim: a plan well
+      # within its aim would otherwise come back unchanged.
+      scale = (min(scale, candidate.peak / self._model_part(self.budget))
+               * self._model_part(self.budget) / self._model_part(trial.measured) * 0.99)
 
   def needs_plan(self, aim: int) -> bool:
     """Whether the step must be planned: it has a backward pass, the budget
@@ -194,7 +203,8 @@ class Fitter:
     """The planner's plans shaped like the per-block remat policies
     (:meth:`Planner.structured`) against the plan found. With a clock,
     the cheapest :data:`STRUCTURED_COMPILES` whose model peak is within
-    reach of the budget are compiled, and the fastest on the target whose
+    reach of the budget (and under that of any that did not fit) are
+    compiled, and the fastest on the target whose
     XLA footprint fits replaces the plan where it is faster (or, without
     ``cheaper``, at any time): the planner's cost model does not rank
     these as the clock does. Without a clock, the
@@ -216,6 +226,8 @@ class Fitter:
       candidate = dataclasses.replace(candidate, aim=found.candidate.aim, fits=True)
       trial = self.compile(candidate)
       if trial.measured > self.budget:
+        # Plans the model rates as large as this one will not fit either.
+        reach = min(reach, candidate.peak * 0.999)
         continue
       if best is found and not cheaper or self.cheaper(trial, best):
         best = trial
@@ -223,17 +235,17 @@ class Fitter:
           break
     return best
 
-  def lowest(self, tried: Trial) -> Trial:
+  def lowest(self, tried: Trial) -> list[Trial]:
     """The planner's candidates for the smallest footprint
     (:meth:`Planner.lowest`) and the last plan with its loops in each
-    shape (:func:`~jaxmem._scan_remat.loop_variants`), each compiled: the
-    one with the smallest measured footprint, ``tried`` (the last plan
-    compiled) included, so the smallest budget an error names is XLA's, not
-    the model's."""
+    shape (:func:`~jaxmem._scan_remat.loop_variants`), each compiled, with
+    ``tried`` (the last plan compiled): the smallest of them is the
+    smallest budget an error names (XLA's figure, not the model's), and of
+    those that fit the budget the fit takes the cheapest."""
     candidates = [unplanned(self.graph, 0)]  # the step as written is always one
     if self.graph.has_backward:
       candidates += list(self.planner.lowest(self.graph))
-    best, seen = tried, {tried.candidate.plan}
+    trials, seen = [tried], {tried.candidate.plan}
     variants = [candidate(self.graph, p)
                 for p in loop_variants(self.graph, tried.candidate.plan,
                                        host=self.planner.may_offload())]
@@ -241,10 +253,8 @@ class Fitter:
       if option.plan in seen:
         continue
       seen.add(option.plan)
-      trial = self.compile(option)
-      if trial.measured < best.measured:
-        best = trial
-    return best
+      trials.append(self.compile(option))
+    return trials
 
   def error(self, smallest: int) -> BudgetError:
     """The error for a budget under ``smallest``, the least reached."""
