@@ -451,7 +451,7 @@ def emission_position(graph: Graph) -> dict[int, int]:
 
 
 def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
-                   separate: bool | None = None) -> Schedule:
+                   separate: bool = True) -> Schedule:
   """Applies ``plan`` to ``graph``; see the module docstring.
 
   Args:
@@ -463,10 +463,7 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
       instead of the value.
     separate: whether backward reads that XLA would share with the forward
       pass are separated from it (``_Builder.separate``); off, a plan that
-      keeps everything gives back the step as it was. By default, where the
-      graph is modelled by XLA:CPU's emulated fusion (no learned
-      :attr:`Graph.buffers`), whose rule it is: XLA:GPU computes those
-      broadcasts inside the reductions that read them.
+      keeps everything gives back the step as it was.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -478,6 +475,4 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
     >>> [op.kind for op in s.ops].count("recompute")
     2
   """
-  if separate is None:
-    separate = graph.buffers is None
   return _Builder(graph, plan, fused or {}, separate).run()
