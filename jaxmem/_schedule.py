@@ -122,6 +122,12 @@ class _Builder:
     # backward pass stays in the block they were rebuilt for (``scope``).
     self.scratch: dict[int, Key] = {}
     self.scope: str | None = None
+    # Kept values a recomputation in ``scope`` read through its barrier ->
+    # the barrier copy: the block's backward equations read the copy too,
+    # as in ``jax.checkpoint``'s backward pass, so XLA can fuse what
+    # they compute from it with the recomputation (the reductions of a
+    # LayerNorm's backward with its forward statistics).
+    self.pinned: dict[int, Key] = {}
     # Backward value -> its latest barrier copy: later readers read the copy,
     # so XLA cannot prune it out of the barrier that orders a group.
     self.routed: dict[int, Key] = {}
@@ -192,6 +198,9 @@ class _Builder:
           if rebuild:
             self.recompute(rebuild, node, separated=True)
       ins = tuple(self.read(a, node.backward) for a in node.ins)
+      if node.backward and self.pinned and node.scope() == self.scope:
+        ins = tuple(self.pinned.get(a, k) if isinstance(a, int) and k == self.key(a)
+                    else k for a, k in zip(node.ins, ins))
       if node.backward and self.separating:
         ins = self.separate(node, ins)
       if node.backward and graph.transposes_inputs(node):
@@ -246,7 +255,7 @@ class _Builder:
     graph = self.graph
     scope = consumer.scope()
     if scope != self.scope:
-      self.scope, self.scratch = scope, {}
+      self.scope, self.scratch, self.pinned = scope, {}, {}
     to_run: set[int] = set()
     leaves: set[int] = set()
     stack = list(missing)
@@ -276,6 +285,7 @@ class _Builder:
                  default=0)
       copies = self.pin(tuple(map(self.key, tied)), consumer, size)
       local.update(zip(tied, copies))
+      self.pinned.update(zip(tied, copies))
       if separated:
         self.separated.update(zip(tied, copies))
     for index in sorted(to_run):
