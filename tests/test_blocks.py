@@ -79,6 +79,58 @@ def test_block_plan_gives_the_same_numbers(gpt2):
     got_leaves = got[:-1] + got_leaves[len(got) - 1:]
 
 
+def _recomputed_producers(graph, plan) -> set:
+  """The nodes whose outputs ``plan`` drops."""
+  return {graph.values[v].producer for v in plan.values_with("recompute")}
+
+
+def test_policy_shaped_plans_keep_what_the_policy_saves(gpt2):
+  """``dots_with_no_batch_dims_saveable``'s plan keeps (or saves) every
+  projection's output, so it recomputes fewer FLOPs than
+  ``nothing_saveable``'s. With ``layers``, only the repeated blocks are
+  checkpointed: the embedding, final norm and head keep what they made."""
+  _, _, graph = gpt2
+  plan = block_plans(graph, "dots_with_no_batch_dims_saveable", False)[0]
+  dropped = _recomputed_producers(graph, plan)
+  dots = [n for n in graph.nodes if n.prim.name == "dot_general" and not n.backward
+          and n.scope(2) in ("GPT2/block0", "GPT2/block1")]
+  projections = [n for n in dots if not n.params["dimension_numbers"][1][0]]
+  scores = [n for n in dots if n.params["dimension_numbers"][1][0]]
+  assert projections and scores
+  assert not dropped & {n.index for n in projections}
+  nothing = block_plans(graph, "nothing_saveable", False)[0]
+  assert plan.values_with("recompute")
+  assert (evaluate(graph, plan)[0].recompute_flops
+          < evaluate(graph, nothing)[0].recompute_flops)
+  layers = block_plans(graph, "nothing_saveable", True)[0]
+  assert {graph.nodes[i].scope(2) for i in _recomputed_producers(graph, layers)} == {
+      "GPT2/block0", "GPT2/block1"}
+  assert len(nothing.values_with("recompute")) > len(layers.values_with("recompute"))
+
+
+def test_a_blocks_backward_reads_what_its_recomputation_started_from(gpt2):
+  """After a block's recomputation, the block's backward equations read
+  the barrier copies of the kept values the recomputation started from (as
+  ``jax.checkpoint``'s backward pass does), not the originals, so the
+  compiler may fuse what they compute from them with the recomputation."""
+  _, _, graph = gpt2
+  ops = evaluate(graph, block_plans(graph)[0])[0].ops
+  copies, scope, checked = {}, None, 0
+  for pos, op in enumerate(ops):
+    following = [o for o in ops[pos + 1:] if o.kind in ("recompute", "node")]
+    if op.kind == "barrier" and following and following[0].kind == "recompute":
+      # A recomputation's barrier: the block is that of the node it serves.
+      scope = graph.nodes[next(o for o in following if o.kind == "node").node].scope()
+      copies = {key[0]: copy for key, copy in zip(op.ins, op.outs)}
+    elif (op.kind == "node" and graph.nodes[op.node].backward
+          and graph.nodes[op.node].scope() == scope):
+      for key in op.ins:
+        if isinstance(key, tuple) and key[0] in copies:
+          assert key == copies[key[0]], (graph.nodes[op.node].readable, key)
+          checked += 1
+  assert checked
+
+
 def flops(compiled) -> float:
   cost = compiled.cost_analysis()
   return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
