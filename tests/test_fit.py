@@ -1,0 +1,82 @@
+"""The fit loop's choices among compiled plans (``jaxmem._fit.Fitter``),
+with the compiler replaced by a table: each plan's footprint and predicted
+time are given, so what the loop takes follows from its rules alone."""
+
+import types
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxmem
+from jaxmem._decisions import RECOMPUTE, Plan
+from jaxmem._evaluate import candidate, unplanned
+from jaxmem._fit import Fitter
+from jaxmem._graph import build_graph
+
+
+def _step(w, x):
+  return jax.grad(lambda w: jnp.sum(jnp.tanh(jnp.tanh(x @ w) @ w)))(w)
+
+
+def _graph():
+  return build_graph(jax.make_jaxpr(_step)(jnp.ones((16, 16)), jnp.ones((8, 16))))
+
+
+def _compiled(footprint: int, seconds: float):
+  """What the fit reads of a compiled program: its memory analysis and,
+  through the clock below, its predicted time."""
+  stats = types.SimpleNamespace(
+      temp_size_in_bytes=footprint, argument_size_in_bytes=0, output_size_in_bytes=0,
+      alias_size_in_bytes=0, host_temp_size_in_bytes=0, host_output_size_in_bytes=0,
+      host_argument_size_in_bytes=0)
+  return types.SimpleNamespace(memory_analysis=lambda: stats, seconds=seconds)
+
+
+class _Table(jaxmem.Planner):
+  """A planner whose search toward the budget ends on ``searched`` and
+  whose candidates for the smallest footprint are ``lowest``."""
+  name = "table"
+
+  def __init__(self, searched, lowest):
+    super().__init__()
+    self.searched, self.low = searched, lowest
+
+  def plan(self, graph, aim, start=None):
+    return self.searched.aimed(aim)
+
+  def lowest(self, graph, start=None):
+    return list(self.low)
+
+
+def _fitter(graph, planner, table: dict, budget: int) -> Fitter:
+  return Fitter(graph, planner, budget, unconstrained=1000, model_scale=1.0,
+                jit=lambda c: _compiled(*table[c.plan]), max_rounds=1,
+                clock=lambda compiled: compiled.seconds)
+
+
+def test_where_the_search_misses_the_fastest_fitting_low_plan_is_taken():
+  """The search's plan compiles over the budget; of the candidates for the
+  smallest footprint, two fit. The fit takes the faster, not the smaller,
+  and the error it would raise without them names the smallest."""
+  graph = _graph()
+  residuals = [r.value for r in graph.residuals]
+  assert len(residuals) >= 2
+  over, small, fast = (Plan().with_decision(residuals[0], RECOMPUTE),
+                       Plan().with_decision(residuals[1], RECOMPUTE),
+                       Plan.of({v: RECOMPUTE for v in residuals[:2]}))
+  table = {Plan(): (1000, 1.0), over: (900, 1.1), small: (500, 1.6), fast: (700, 1.2)}
+  planner = _Table(candidate(graph, over), [candidate(graph, small), candidate(graph, fast)])
+  trial, _ = _fitter(graph, planner, table, budget=800).fit()
+  assert trial.candidate.plan == fast and trial.measured == 700
+  with pytest.raises(jaxmem.BudgetError) as err:
+    _fitter(graph, planner, table, budget=400).fit()
+  assert err.value.smallest == 500
+
+
+def test_the_step_as_written_is_taken_where_it_fits():
+  """At a budget the step as written meets, nothing is planned."""
+  graph = _graph()
+  planner = _Table(unplanned(graph, 0), [])
+  trial, _ = _fitter(graph, planner, {Plan(): (1000, 1.0)}, budget=1000).fit()
+  assert not len(trial.candidate.plan)
