@@ -201,15 +201,16 @@ class Fitter:
 
   def structured(self, found: Trial, cheaper: bool = True) -> Trial:
     """The planner's plans shaped like the per-block remat policies
-    (:meth:`Planner.structured`) against the plan found. With a clock,
-    the cheapest :data:`STRUCTURED_COMPILES` whose model peak is within
-    reach of the budget (and under that of any that did not fit) are
-    compiled, and the fastest on the target whose
-    XLA footprint fits replaces the plan where it is faster (or, without
-    ``cheaper``, at any time): the planner's cost model does not rank
-    these as the clock does. Without a clock, the
-    first, cheapest first, that the planner's cost rates below the plan and
-    that fits and is cheaper compiled replaces it."""
+    (:meth:`Planner.structured`) against the plan found.
+
+    With a clock, the cheapest :data:`STRUCTURED_COMPILES` whose model peak
+    is within reach of the budget (and under that of any that did not fit)
+    are compiled; the fastest on the target whose XLA footprint fits
+    replaces the plan where it is faster (without ``cheaper``, whatever its
+    time): the planner's cost model does not rank these as the clock does.
+    Without a clock, the first, cheapest first, that the planner's cost
+    rates below the plan and that fits and is cheaper compiled replaces
+    it."""
     best = found
     limit = self.cost(found) if cheaper else float("inf")
     reach = self._model_part(self.budget) * self.model_scale / 0.9
@@ -229,7 +230,7 @@ class Fitter:
         # Plans the model rates as large as this one will not fit either.
         reach = min(reach, candidate.peak * 0.999)
         continue
-      if best is found and not cheaper or self.cheaper(trial, best):
+      if (best is found and not cheaper) or self.cheaper(trial, best):
         best = trial
         if self.clock is None:
           break
