@@ -199,8 +199,7 @@ class _Builder:
             self.recompute(rebuild, node, separated=True)
       ins = tuple(self.read(a, node.backward) for a in node.ins)
       if node.backward and self.pinned and node.scope() == self.scope:
-        ins = tuple(self.pinned.get(a, k) if isinstance(a, int) and k == self.key(a)
-                    else k for a, k in zip(node.ins, ins))
+        ins = self.copies_read(node, ins, self.pinned)
       if node.backward and self.separating:
         ins = self.separate(node, ins)
       if node.backward and graph.transposes_inputs(node):
@@ -377,7 +376,12 @@ class _Builder:
       size = self.graph.values[node.outs[0]].nbytes
       copies = self.pin(tuple(map(self.key, missing)), node, size)
       self.separated.update(zip(missing, copies))
-    return tuple(self.separated.get(a, k) if isinstance(a, int) and k == self.key(a)
+    return self.copies_read(node, ins, self.separated)
+
+  def copies_read(self, node, ins: tuple, copies: dict) -> tuple:
+    """``node``'s input keys ``ins`` with each original value that has a
+    barrier copy in ``copies`` read through the copy."""
+    return tuple(copies.get(a, k) if isinstance(a, int) and k == self.key(a)
                  else k for a, k in zip(node.ins, ins))
 
   def pin(self, keys: tuple, consumer, size: int) -> tuple:

@@ -261,8 +261,8 @@ class Greedy(Planner):
   def structured(self, graph: Graph) -> list[Candidate]:
     """Plans shaped like the per-block remat policies (every block or
     every layer checkpointed, under each policy of :data:`KEEPS`), cheapest
-    first: XLA follows
-    them closely, so the fit loop measures them against the plan it has."""
+    first: XLA follows them closely, so the fit loop measures them against
+    the plan it has."""
     return sorted(self._block_results(graph), key=lambda r: self.cost(r.schedule))
 
   def _greedy(self, graph, aim, goal, candidates, plan) -> Candidate:
