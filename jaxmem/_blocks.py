@@ -32,11 +32,13 @@ class Segment:
     saves: forward values made outside the block that it reads: where its
       recomputation starts.
     flops: FLOPs of the block's forward equations.
+    depth: the module depth its path is cut at.
   """
   name: str
   drops: tuple
   saves: tuple
   flops: float
+  depth: int
 
 
 @analysis
@@ -78,7 +80,7 @@ def segments(graph: Graph, depths: tuple = (2, 3)) -> list[Segment]:
       if drops and (drops, saves) not in seen:
         seen.add((drops, saves))
         found.append(Segment(name, drops, saves,
-                             sum(graph.nodes[i].flops for i in nodes)))
+                             sum(graph.nodes[i].flops for i in nodes), depth))
   return found
 
 
@@ -94,6 +96,24 @@ def checkpoint_moves(graph: Graph, seg: Segment, decisions: dict) -> list[tuple]
     elif decisions.get(v, KEEP).kind == "recompute":
       move.append((v, KEEP))
   return move
+
+
+def checkpoint_block(graph: Graph, seg: Segment, keep: str, decisions: dict) -> None:
+  """Checkpoints ``seg`` under the per-block policy ``keep`` (a key of
+  :data:`KEEPS`) on top of ``decisions``, in place: its boundary saved
+  (:func:`checkpoint_moves`), the outputs of its equations the policy saves
+  kept, the rest of its residuals recomputed. Blocks applied in forward
+  order give what per-block ``jax.checkpoint`` would."""
+  keeps = KEEPS[keep]
+  decisions.update(checkpoint_moves(graph, seg, decisions))
+  for index in graph.blocks(seg.depth)[seg.name]:
+    node = graph.nodes[index]
+    if keeps(node):
+      for vid in node.outs:  # kept: a residual, or saved for rebuilding
+        if graph.is_residual(vid):
+          decisions.pop(vid, None)
+        else:
+          decisions[vid] = SAVE
 
 
 def _no_batch_dims(node) -> bool:
@@ -134,24 +154,14 @@ def block_plans(graph: Graph, keep: str = "nothing_saveable",
   alone. They serve as starting points and as candidates for the lowest
   footprint and for a plan's time (XLA follows them closely:
   recomputation starts at saved block boundaries)."""
-  keeps = KEEPS[keep]
   plans = []
   for depth in (2, 3):
     decisions: dict = {}
     found = segments(graph, (depth,))
     chosen = _repeated([seg.name for seg in found]) if layers else None
     for seg in found:
-      if chosen is not None and seg.name not in chosen:
-        continue
-      decisions.update(checkpoint_moves(graph, seg, decisions))
-      for index in graph.blocks(depth)[seg.name]:
-        node = graph.nodes[index]
-        if keeps(node):
-          for vid in node.outs:  # kept: a residual, or saved for rebuilding
-            if graph.is_residual(vid):
-              decisions.pop(vid, None)
-            else:
-              decisions[vid] = SAVE
+      if chosen is None or seg.name in chosen:
+        checkpoint_block(graph, seg, keep, decisions)
     if any(d.kind == "recompute" for d in decisions.values()) and \
         Plan.of(decisions) not in plans:
       plans.append(Plan.of(decisions))

@@ -9,11 +9,13 @@ Every planner is a :class:`Planner` (``plan``, ``lowest``, ``structured``,
   that does not fit, then recomputations switched to offloads that pay;
 * ``offload``: :class:`Greedy` with offload moves only;
 * ``lgm``: :class:`LGM` (vTensor), chunks swapped to cover each peak;
+* ``ilp``: :class:`ILP`, the cheapest combination of per-block policies,
+  solved exactly (HiGHS, through ``scipy.optimize.milp``);
 * ablations ``lgm-whole`` and ``lgm-unreserved``.
 
 Example:
   >>> sorted(PLANNERS)[:3]
-  ['hybrid', 'lgm', 'lgm-unreserved']
+  ['hybrid', 'ilp', 'lgm']
   >>> get_planner("hybrid").describe()[:16]
   'hybrid on t4 (as'
 """
@@ -25,6 +27,7 @@ from typing import Callable
 from jaxmem.planners._base import DEFAULT_TARGET, Planner, with_target
 from jaxmem.planners._greedy import Greedy
 from jaxmem.planners._hybrid import Hybrid
+from jaxmem.planners._ilp import ILP, Solution
 from jaxmem.planners._lgm import LGM, LayerReport, SwapRecord, reservation_floor
 
 
@@ -59,6 +62,12 @@ def offload_only(target=None, **options) -> Greedy:
                 assumed_target=assumed, **options)
 
 
+def ilp(target=None, **options) -> ILP:
+  """The exact per-block planner (:class:`ILP`); with ``target``, plans are
+  costed by predicted time on it instead of recomputed FLOPs."""
+  return ILP(target=target, **options)
+
+
 def lgm(target=None, **options) -> LGM:
   """The vTensor planner (:class:`LGM`) for ``target`` (None assumes
   ``"t4"``)."""
@@ -80,7 +89,7 @@ def lgm_unreserved(target=None, **options) -> LGM:
 # DeviceProfile).
 PLANNERS: dict[str, Callable[..., Planner]] = {
     "recompute": recompute, "hybrid": hybrid, "offload": offload_only,
-    "lgm": lgm, "lgm-whole": lgm_whole, "lgm-unreserved": lgm_unreserved}
+    "lgm": lgm, "ilp": ilp, "lgm-whole": lgm_whole, "lgm-unreserved": lgm_unreserved}
 # Planners that exist to be compared against (left out of default runs).
 ABLATIONS = frozenset({"lgm-whole", "lgm-unreserved"})
 
@@ -103,7 +112,7 @@ def get_planner(planner, target=None) -> Planner:
 
 
 __all__ = [
-    "ABLATIONS", "DEFAULT_TARGET", "Greedy", "Hybrid", "LGM", "LayerReport", "PLANNERS",
-    "Planner", "SwapRecord", "get_planner", "hybrid", "lgm", "lgm_unreserved",
+    "ABLATIONS", "DEFAULT_TARGET", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport", "PLANNERS",
+    "Planner", "Solution", "SwapRecord", "get_planner", "hybrid", "ilp", "lgm", "lgm_unreserved",
     "lgm_whole", "offload_only", "recompute", "reservation_floor",
 ]

@@ -64,7 +64,7 @@ class Greedy(Planner):
   # Bulk moves (``_bulk``): shares of the bytes above the goal to drop at once.
   bulk: tuple = (0.25, 0.5)
   bulk_above: float = 0.5
-  # Evaluations the refinement of a fitting plan may spend (``_refine``).
+  # Evaluations the refinement of a fitting plan may spend (:meth:`refined`).
   refine: int = 24
   # Which moves a step may take, and what a plan costs (``Planner.cost``):
   # without a target, recomputed FLOPs; with one (a name in jaxmem.PROFILES
@@ -121,7 +121,7 @@ class Greedy(Planner):
           break
     if best.fits:
       with paused_gc():
-        best = (self._refine(graph, best, aim) if self.recompute
+        best = (self.refined(graph, best, aim) if self.recompute
                 else self._keep_copies(graph, best, aim))
     best.seconds = time.perf_counter() - began
     return best
@@ -138,7 +138,7 @@ class Greedy(Planner):
                    key=lambda v: (-graph.values[v].nbytes, v))
     return self._give_back(graph, result, aim, "offload", [[v] for v in moved])
 
-  def _refine(self, graph, result: Candidate, aim: int) -> Candidate:
+  def refined(self, graph, result: Candidate, aim: int) -> Candidate:
     """Libra's greedy refinement of a plan that fits: recomputed residuals
     are kept again wherever the peak stays within ``aim``, whole blocks
     first, then one by one, the costliest rebuilds per byte first (matmul

@@ -1,0 +1,470 @@
+"""The exact planner: per-block checkpointing solved as a 0/1 program.
+
+Each module block (:func:`~jaxmem._blocks.segments`, at module depths 2
+and 3) is either left as written or checkpointed under one of the per-block
+policies of :data:`~jaxmem._blocks.KEEPS` (``nothing_saveable``,
+``dots_saveable``, ``dots_with_no_batch_dims_saveable``). The memory model
+evaluates each such choice alone, against the plan that keeps everything:
+what it adds to the live bytes at each equation of the step and what it adds
+to the plan's cost are the coefficients of a mixed-integer program, which
+HiGHS solves (``scipy.optimize.milp``):
+
+    minimize    sum_c cost_c x_c
+    subject to  base_n + sum_c delta_nc x_c <= aim   for every equation n
+                at most one choice per block (and per nested block)
+                x_c in {0, 1}
+
+The plan of the chosen blocks is then evaluated by the memory model itself.
+Where it disagrees with the sum (a block's boundary that the block before
+recomputes is kept again; two recomputations overlap), that combination is
+excluded and the program solved again, up to ``rounds`` times. Last, the
+greedy's refinement (:meth:`~jaxmem.planners.Greedy.refined`) keeps
+residuals of the chosen blocks again wherever the peak stays within the aim:
+the program's blocks are whole, the refinement is not.
+
+What the optimum is optimal over: plans made of per-block policy choices,
+each block's own, under the model's costs; what :class:`Solution` reports
+(the solver's dual bound and gap) bounds that space. Plans at residual
+granularity (the greedy's) lie outside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+from scipy import optimize
+
+from jaxmem._blocks import KEEPS, Segment, block_candidates, checkpoint_block, segments
+from jaxmem._decisions import RECOMPUTE, Plan
+from jaxmem._evaluate import (Candidate, Details, candidate, fused_values, paused_gc,
+                              recomputable, unplanned_liveness)
+from jaxmem._graph import Graph
+from jaxmem._memory import Liveness
+from jaxmem.planners._base import Planner
+from jaxmem.planners._greedy import Greedy
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+  """One block checkpointed under one policy (a key of :data:`KEEPS`)."""
+  segment: Segment
+  keep: str
+
+  def decisions(self, graph: Graph, into: dict) -> None:
+    checkpoint_block(graph, self.segment, self.keep, into)
+
+  def describe(self, graph: Graph) -> tuple[str, str]:
+    return self.segment.name, self.keep
+
+
+@dataclasses.dataclass(frozen=True)
+class Drop:
+  """Residuals recomputed on their own, from the values their rebuild
+  reads (a residual with the kept residuals XLA computes from its buffer:
+  :func:`rebuild_groups`)."""
+  values: tuple
+
+  def decisions(self, graph: Graph, into: dict) -> None:
+    into.update({v: RECOMPUTE for v in self.values if v not in into})
+
+  def describe(self, graph: Graph) -> tuple[str, str]:
+    node = graph.producer(self.values[0])
+    more = f" (+{len(self.values) - 1})" if len(self.values) > 1 else ""
+    return f"{node.readable} {node.prim.name}{more}", "recompute"
+
+
+def rebuild_groups(graph: Graph) -> list[tuple]:
+  """Each recomputable residual with the recomputable residuals fused onto
+  its buffer (XLA computes them from it where they are read: dropping
+  one without the others frees nothing), each group once."""
+  candidates = recomputable(graph)
+  riders: dict = {}
+  for vid, bufs in fused_values(graph).items():
+    if vid in candidates:
+      for buf in bufs:
+        riders.setdefault(buf, []).append(vid)
+  found = []
+  for vid in candidates:
+    group = tuple(sorted({vid, *riders.get(vid, ())}))
+    if group not in found and vid not in fused_values(graph):
+      found.append(group)
+  return found
+
+
+@dataclasses.dataclass
+class Solution(Details):
+  """What the solver proved about a plan.
+
+  Attributes:
+    chosen: ``(block, policy)`` of each block the plan checkpoints.
+    cost: the program's cost of the chosen blocks over the step as written
+      (recomputed FLOPs, or with a target predicted seconds in FLOPs of the
+      target).
+    bound: the solver's lower bound on that cost (equal to ``cost`` when
+      the program was solved to optimality).
+    refined: the plan's cost after the refinement (at most ``cost`` where
+      the two models agree; None before it).
+    status: ``"optimal"``, ``"time limit"`` (the incumbent, with its gap)
+      or ``"infeasible"`` (no choice of block policies fits; the plan is
+      the lowest).
+    rounds: programs solved (one more per combination the memory model
+      refused).
+    seconds: time in the solver.
+  """
+  chosen: list
+  cost: float
+  bound: float
+  status: str
+  rounds: int
+  seconds: float
+  refined: float | None = None
+
+  @property
+  def gap(self) -> float:
+    """``(cost - bound) / cost``: how far from the optimum the plan may be
+    (0 when it is the optimum)."""
+    return 0.0 if self.cost <= 0 else max(self.cost - self.bound, 0.0) / self.cost
+
+  def rows(self) -> list[dict]:
+    return [{"block": name, "policy": keep} for name, keep in self.chosen]
+
+  def table(self) -> str:
+    if self.status == "infeasible":
+      head = "exact planner: no choice of block policies fits; the lowest is taken"
+    elif self.gap == 0:
+      head = "exact planner: optimal over per-block policy choices"
+    else:
+      head = (f"exact planner ({self.status}): within {self.gap:.1%} of the optimum over "
+              "per-block policy choices")
+    if self.refined is not None and self.refined < self.cost:
+      head += f"; the refinement cuts its cost to {self.refined / self.cost:.1%} of that"
+    lines = [f"{head} ({self.rounds} programs, {self.seconds:.2f} s):"]
+    lines += [f"  {name:<40} {keep}" for name, keep in self.chosen] or ["  (nothing)"]
+    return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _Table:
+  """The program's coefficients for one graph: per choice, what it adds to
+  the live bytes at each equation (``delta``, rows as ``base``) and to the
+  cost; what any recomputation adds (``overhead``, ``overhead_cost``: see
+  :meth:`ILP.table`); ``exclusive`` lists the groups of choices at most one
+  of which is taken."""
+  choices: list
+  base: np.ndarray
+  delta: np.ndarray
+  cost: np.ndarray
+  overhead: np.ndarray
+  overhead_cost: float
+  exclusive: list
+  reference: tuple
+
+  def plan(self, graph: Graph, chosen: list) -> Plan:
+    """The plan of the choices at indices ``chosen``, with the reference
+    drop the overhead was measured with where any is taken."""
+    choices = [self.choices[i] for i in chosen]
+    if choices:
+      choices.append(Drop(self.reference))
+    return plan_of(graph, choices)
+
+
+def levels(memory: Liveness) -> dict[int, int]:
+  """Live bytes at each equation of a schedule: node index -> the most
+  bytes live from the op after the previous equation up to its own (the
+  recomputations and copies a rewrite puts before an equation count at
+  it); ``-1``: the ops after the last equation.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jaxmem._graph import build_graph
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(x))))(jnp.ones(8)))
+    >>> memory = unplanned_liveness(g)
+    >>> max(levels(memory).values()) == memory.peak
+    True
+  """
+  found, pending = {}, 0
+  for op, live in zip(memory.schedule.ops, memory.timeline):
+    pending = max(pending, live)
+    if op.kind == "node":
+      found[op.node] = max(found.get(op.node, 0), pending)
+      pending = 0
+  found[-1] = pending
+  return found
+
+
+def plan_of(graph: Graph, chosen) -> Plan:
+  """The plan of ``chosen`` :class:`Choice` s, applied in forward order as
+  per-block ``jax.checkpoint`` would be."""
+  decisions: dict = {}
+  blocks = [c for c in chosen if isinstance(c, Choice)]
+  first = lambda c: graph.blocks(c.segment.depth)[c.segment.name][0]
+  for choice in sorted(blocks, key=first) + [c for c in chosen if isinstance(c, Drop)]:
+    choice.decisions(graph, decisions)
+  return Plan.of(decisions)
+
+
+def _parent(seg: Segment, names: set) -> str | None:
+  """The depth-2 block ``seg`` (a depth-3 one) lies in, if that is a block
+  of its own."""
+  parent = "/".join(seg.name.split("/")[:2])
+  return parent if seg.depth == 3 and parent in names else None
+
+
+@dataclasses.dataclass
+class ILP(Planner):
+  """The exact planner (``planner="ilp"``): the cheapest combination of
+  per-block policies whose predicted peak fits, found by a 0/1 program
+  (see the module docstring); the plan's :class:`Solution` says how it
+  was proved.
+
+  Attributes:
+    keeps: the policies a block may be checkpointed under (keys of
+      :data:`KEEPS`).
+    time_limit: seconds the solver may take per program; past it the best
+      plan found is taken and its gap reported.
+    rounds: programs solved at most per plan.
+    refine: whether a plan that fits goes through the greedy's refinement.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return x + nn.Dense(64)(jnp.tanh(nn.Dense(64)(x)))
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     for _ in range(4):
+    ...       x = Block()(x)
+    ...     return jnp.sum(x ** 2)
+    >>> from jaxmem._graph import build_graph
+    >>> net, x = Net(), jnp.ones((256, 64))
+    >>> p = net.init(jax.random.key(0), x)
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(p))
+    >>> full = unplanned_liveness(g).peak
+    >>> found = ILP().plan(g, int(full * 0.9))
+    >>> found.fits, found.details.status
+    (True, 'optimal')
+  """
+  name: str = "ilp"
+  target: object = None
+  keeps: tuple = tuple(KEEPS)
+  time_limit: float = 10.0
+  rounds: int = 8
+  refine: bool = True
+  assumed_target: bool = False
+  _table: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
+                                    compare=False)
+
+  def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
+    """The cheapest per-block plan whose model peak is at most ``aim``;
+    where none is, the lowest (``fits`` False). ``start`` is not used:
+    the program is solved whole."""
+    began = time.perf_counter()
+    with paused_gc():
+      found = self._solve(graph, aim)
+      if found is None:
+        found = self._lowest(graph)
+        found.details.status = "infeasible"
+        found = found.aimed(aim)
+      elif self.refine and len(found.plan):
+        found = Greedy(target=self.target).refined(graph, found, aim)
+        found.details.refined = self.cost(found.schedule) - self.cost(
+            unplanned_liveness(graph).schedule)
+    found.seconds = time.perf_counter() - began
+    return found
+
+  def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
+    """Plans of the lowest model peak, lowest first: the program's lowest,
+    then while the memory model finds one, the cheapest combination under
+    the last one's model peak (the program's sum and the model disagree by
+    a little; up to ``rounds`` descents). ``start`` is not used."""
+    began = time.perf_counter()
+    with paused_gc():
+      found = [self._lowest(graph)]
+      for _ in range(self.rounds):
+        lower = self._solve(graph, found[-1].peak - 1)
+        if lower is None:
+          break
+        found.append(lower)
+    for c in found:
+      c.seconds = time.perf_counter() - began
+    return sorted(found, key=lambda c: c.peak)[:2]
+
+  def structured(self, graph: Graph) -> list[Candidate]:
+    """The uniform per-block policies (:func:`block_candidates`), cheapest
+    first."""
+    return sorted(block_candidates(graph), key=lambda r: self.cost(r.schedule))
+
+  def table(self, graph: Graph) -> _Table:
+    """The program's coefficients for ``graph``, computed once per graph:
+    one memory model evaluation per block and policy and per rebuild
+    group.
+
+    Any recomputation changes the whole schedule a little (barriers keep
+    XLA from merging recomputed values into the forward pass; values XLA
+    fused into their backward readers are rebuilt there): that is the
+    ``overhead`` column, measured on the plan that drops the smallest
+    rebuild group alone (the reference; plans that take any choice drop it
+    too); every other column is measured on top of that plan, so their sum
+    does not count it once per choice."""
+    if self._table[0] is graph:
+      return self._table[1]
+    base = unplanned_liveness(graph)
+    rows = levels(base)
+    keys = list(rows)
+    base_cost = self.cost(base.schedule)
+    drops = rebuild_groups(graph)
+    smallest = min(drops, key=lambda g: (sum(graph.values[v].nbytes for v in g), g),
+                   default=())
+    reference = {v: RECOMPUTE for v in smallest}
+    ref = candidate(graph, Plan.of(reference)).memory
+    ref_rows, ref_cost = levels(ref), self.cost(ref.schedule)
+    segs = segments(graph)
+    choices, columns, costs = [], [], []
+
+    def add(choice):
+      decisions = dict(reference)
+      decisions.update(plan_of(graph, [choice]).as_dict())
+      memory = candidate(graph, Plan.of(decisions)).memory
+      found = levels(memory)
+      column = [found.get(k, 0) - ref_rows.get(k, 0) for k in keys]
+      if min(column) < 0:  # it frees something somewhere
+        choices.append(choice)
+        columns.append(column)
+        costs.append(self.cost(memory.schedule) - ref_cost)
+
+    for seg in segs:
+      seen = set()
+      for keep in self.keeps:
+        plan = plan_of(graph, [Choice(seg, keep)])
+        if plan not in seen and plan.values_with("recompute"):
+          seen.add(plan)  # a policy keeping all this block recomputes: as written
+          add(Choice(seg, keep))
+    for group in drops:
+      if group != smallest:
+        add(Drop(group))
+    table = _Table(
+        choices, np.array([rows[k] for k in keys], dtype=float),
+        np.array(columns, dtype=float).T.reshape(len(keys), len(choices)),
+        np.array(costs, dtype=float),
+        np.array([ref_rows.get(k, 0) - rows[k] for k in keys], dtype=float),
+        ref_cost - base_cost, _exclusive(graph, choices, segs), smallest)
+    self._table = (graph, table)
+    return table
+
+  def _program(self, table: _Table, refused: list, width: int) -> list:
+    """The constraints every program shares, over ``width`` variables
+    (the choices, the overhead, then any of the program's own): at most
+    one choice per block, any choice brings the overhead, and the
+    combinations the memory model refused are left out."""
+    n = len(table.choices)
+    rows = np.zeros((len(table.exclusive) + n + len(refused), width))
+    lower = np.full(len(rows), -np.inf)
+    upper = np.ones(len(rows))
+    for r, group in enumerate(table.exclusive):
+      rows[r, group] = 1
+    at = len(table.exclusive)
+    rows[at:at + n, :n] = np.eye(n)  # x_c <= z
+    rows[at:at + n, n] = -1
+    upper[at:at + n] = 0
+    for r, chosen in enumerate(refused, at + n):  # one choice differs at least
+      rows[r, :n] = 1
+      rows[r, list(chosen)] = -1
+      lower[r], upper[r] = 1 - len(chosen), np.inf
+    return [optimize.LinearConstraint(rows, lower, upper)] if len(rows) else []
+
+  def _milp(self, cost, constraints, n_binary: int):
+    """One program solved: ``(x, bound, status)``; x None when it has no
+    solution."""
+    n = len(cost)
+    integrality = np.zeros(n)
+    integrality[:n_binary] = 1
+    upper = np.full(n, np.inf)
+    upper[:n_binary] = 1
+    result = optimize.milp(cost, constraints=constraints, integrality=integrality,
+                           bounds=optimize.Bounds(0, upper),
+                           options={"time_limit": self.time_limit})
+    if result.x is None:
+      return None, None, "infeasible"
+    bound = getattr(result, "mip_dual_bound", None)
+    status = "optimal" if result.status == 0 else "time limit"
+    return result.x, (result.fun if bound is None else bound), status
+
+  def _solve(self, graph: Graph, aim: int) -> Candidate | None:
+    """The cheapest combination whose model peak fits ``aim``, or None."""
+    table = self.table(graph)
+    n = len(table.choices)
+    memory = np.hstack([table.delta, table.overhead[:, None]])
+    reach = table.base + np.clip(memory, 0, None).sum(axis=1)
+    binding = reach > aim  # rows no combination can push over the aim are left out
+    cost = np.append(table.cost, table.overhead_cost)
+    refused, spent = [], 0.0
+    for rounds in range(1, self.rounds + 1):
+      constraints = self._program(table, refused, n + 1)
+      if binding.any():
+        constraints.append(optimize.LinearConstraint(
+            memory[binding], -np.inf, aim - table.base[binding]))
+      began = time.perf_counter()
+      x, bound, status = self._milp(cost, constraints, n + 1)
+      spent += time.perf_counter() - began
+      if x is None:
+        return None
+      chosen = [i for i in range(n) if x[i] > 0.5]
+      found = self._candidate(graph, table, chosen, aim, bound, status, rounds, spent)
+      if found.fits:
+        return found
+      refused.append(chosen)
+    return None
+
+  def _lowest(self, graph: Graph) -> Candidate:
+    """The combination of the lowest model peak the program finds."""
+    table = self.table(graph)
+    n = len(table.choices)
+    # Variables: the choices, the overhead, then the peak, minimized.
+    cost = np.zeros(n + 2)
+    cost[n + 1] = 1
+    rows = np.hstack([table.delta, table.overhead[:, None], -np.ones((len(table.base), 1))])
+    constraints = [optimize.LinearConstraint(rows, -np.inf, -table.base)]
+    began = time.perf_counter()
+    x, bound, status = self._milp(cost, constraints + self._program(table, [], n + 2), n + 1)
+    chosen = [i for i in range(n) if x[i] > 0.5]
+    return self._candidate(graph, table, chosen, 0, bound, status, 1,
+                           time.perf_counter() - began)
+
+  def _candidate(self, graph, table: _Table, chosen: list, aim: int, bound, status,
+                 rounds: int, seconds: float) -> Candidate:
+    """The plan of ``chosen`` evaluated by the memory model, with its
+    :class:`Solution`."""
+    choices = [table.choices[i] for i in chosen]
+    found = candidate(graph, table.plan(graph, chosen), aim)
+    cost = float(table.cost[chosen].sum()) + (table.overhead_cost if chosen else 0.0)
+    if aim == 0:  # the program minimized the peak: its bound is not a cost
+      bound = cost
+    found.details = Solution([c.describe(graph) for c in choices], cost,
+                             float(bound), status, rounds, seconds)
+    return found
+
+
+def _exclusive(graph: Graph, choices: list, segs: list) -> list[list[int]]:
+  """Groups of choices at most one of which a plan takes: a block's
+  policies; a block's and those of the blocks nested in it; a rebuild
+  group and any block choice that decides one of its residuals."""
+  names = {s.name for s in segs if s.depth == 2}
+  groups: dict = {}
+  for i, choice in enumerate(choices):
+    if isinstance(choice, Choice):
+      groups.setdefault(choice.segment.name, []).append(i)
+  exclusive = list(groups.values())
+  for seg in segs:
+    parent = _parent(seg, names)
+    if parent is not None and seg.name in groups:
+      exclusive.append(groups.get(parent, []) + groups[seg.name])
+  decided = {i: plan_of(graph, [c]).as_dict() for i, c in enumerate(choices)
+             if isinstance(c, Choice)}
+  for i, choice in enumerate(choices):
+    if isinstance(choice, Drop):
+      exclusive += [[i, j] for j, d in decided.items() if any(v in d for v in choice.values)]
+  return exclusive
