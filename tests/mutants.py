@@ -161,9 +161,9 @@ MUTANTS = [
     Mutant("offload-plans-unrefined",
            "an offload-only plan taken from the ladder keeps every copy it made",
            "jaxmem/planners/_greedy.py",
-           "        best = (self._refine(graph, best, aim) if self.recompute\n"
+           "        best = (self.refined(graph, best, aim) if self.recompute\n"
            "                else self._keep_copies(graph, best, aim))\n",
-           "        best = self._refine(graph, best, aim) if self.recompute else best\n",
+           "        best = self.refined(graph, best, aim) if self.recompute else best\n",
            ("tests/test_hybrid.py",)),
     Mutant("no-hosted-layers-back",
            "an offload-only plan never gives a loop's last layers back (every layer hosted)",

@@ -160,7 +160,7 @@ def test_refinement_keeps_residuals_again_where_the_budget_allows(gpt2):
   schedule, profile = evaluate(graph, start)
   loose = int(profile.peak * 1.3)
   result = Candidate(start, schedule, profile, loose, True)
-  refined = planner._refine(graph, result, loose)
+  refined = planner.refined(graph, result, loose)
   assert refined.peak <= loose
   assert len(refined.plan.values_with("recompute")) < len(start.values_with("recompute"))
   assert refined.schedule.recompute_flops < schedule.recompute_flops

@@ -37,7 +37,7 @@ import numpy as np
 from scipy import optimize
 
 from jaxmem._blocks import KEEPS, Segment, block_candidates, checkpoint_block, segments
-from jaxmem._decisions import RECOMPUTE, Plan
+from jaxmem._decisions import KEEP, RECOMPUTE, Plan
 from jaxmem._evaluate import (Candidate, Details, candidate, fused_values, paused_gc,
                               recomputable, unplanned_liveness)
 from jaxmem._graph import Graph
@@ -106,8 +106,9 @@ class Solution(Details):
       the program was solved to optimality).
     refined: the plan's cost after the refinement (at most ``cost`` where
       the two models agree; None before it).
-    status: ``"optimal"``, ``"time limit"`` (the incumbent, with its gap)
-      or ``"infeasible"`` (no choice of block policies fits; the plan is
+    status: ``"optimal"``, ``"time limit"`` (the incumbent, with its gap),
+      ``"greedy"`` (no combination fits, but the greedy's plan does: it is
+      taken, its gap unknown) or ``"infeasible"`` (nothing fits; the plan is
       the lowest).
     rounds: programs solved (one more per combination the memory model
       refused).
@@ -133,6 +134,9 @@ class Solution(Details):
   def table(self) -> str:
     if self.status == "infeasible":
       head = "exact planner: no choice of block policies fits; the lowest is taken"
+    elif self.status == "greedy":
+      return ("exact planner: no combination of its choices fits; the greedy's plan "
+              "is taken (gap unknown)")
     elif self.gap == 0:
       head = "exact planner: optimal over per-block policy choices"
     else:
@@ -225,6 +229,8 @@ class ILP(Planner):
     time_limit: seconds the solver may take per program; past it the best
       plan found is taken and its gap reported.
     rounds: programs solved at most per plan.
+    drops: whether residuals may also be recomputed on their own (rebuild
+      groups), not only whole blocks under a policy.
     refine: whether a plan that fits goes through the greedy's refinement.
 
   Example:
@@ -253,28 +259,48 @@ class ILP(Planner):
   keeps: tuple = tuple(KEEPS)
   time_limit: float = 10.0
   rounds: int = 8
+  drops: bool = True
   refine: bool = True
   assumed_target: bool = False
   _table: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
                                     compare=False)
 
   def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
-    """The cheapest per-block plan whose model peak is at most ``aim``;
-    where none is, the lowest (``fits`` False). ``start`` is not used:
-    the program is solved whole."""
+    """The cheapest combination whose model peak is at most ``aim``;
+    where none is, the greedy's plan if it fits, else the lowest
+    (``fits`` False). ``start`` is not used: the program is solved
+    whole."""
     began = time.perf_counter()
     with paused_gc():
       found = self._solve(graph, aim)
+      greedy = Greedy(target=self.target)
       if found is None:
-        found = self._lowest(graph)
-        found.details.status = "infeasible"
-        found = found.aimed(aim)
+        # Beyond the program's reach (a residual rebuilt through another
+        # dropped one): the greedy's plan where it fits, else the lowest.
+        lowest = self.lowest(graph)[0]
+        found = greedy.plan(graph, aim)
+        outside = Solution([], self.cost(found.schedule) - self.cost(
+            unplanned_liveness(graph).schedule), 0.0, "greedy", 0, 0.0)
+        if not found.fits and lowest.peak <= found.peak:
+          found = lowest.aimed(aim)
+          outside = found.details
+          outside.status = "infeasible"
+        found.details = outside
       elif self.refine and len(found.plan):
-        found = Greedy(target=self.target).refined(graph, found, aim)
+        found = greedy.refined(graph, self._without_reference(graph, found, aim), aim)
         found.details.refined = self.cost(found.schedule) - self.cost(
             unplanned_liveness(graph).schedule)
     found.seconds = time.perf_counter() - began
     return found
+
+  def _without_reference(self, graph: Graph, found: Candidate, aim: int) -> Candidate:
+    """``found`` without the reference drop where it still fits."""
+    keep = {v: KEEP for v in self.table(graph).reference}
+    trial = candidate(graph, Plan.of({**found.plan.as_dict(), **keep}), aim)
+    if not trial.fits or self.cost(trial.schedule) > self.cost(found.schedule):
+      return found
+    return dataclasses.replace(found, plan=trial.plan, schedule=trial.schedule,
+                               memory=trial.memory)
 
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
     """Plans of the lowest model peak, lowest first: the program's lowest,
@@ -343,7 +369,7 @@ class ILP(Planner):
         if plan not in seen and plan.values_with("recompute"):
           seen.add(plan)  # a policy keeping all this block recomputes: as written
           add(Choice(seg, keep))
-    for group in drops:
+    for group in drops if self.drops else ():
       if group != smallest:
         add(Drop(group))
     table = _Table(

@@ -1,0 +1,108 @@
+"""The exact planner: the optimum over its choices, found by a 0/1 program."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+import pytest
+
+import jaxmem
+from jaxmem._evaluate import candidate, unplanned_liveness
+from jaxmem._graph import build_graph
+from jaxmem.planners import ILP, Greedy
+from jaxmem.planners._ilp import Choice
+from tests.helpers import assert_trees_close, xla_budget
+
+
+class _Block(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    return x + nn.Dense(48)(jax.nn.gelu(nn.Dense(48)(nn.LayerNorm()(x))))
+
+
+class _Net(nn.Module):
+  @nn.compact
+  def __call__(self, x):
+    for _ in range(3):
+      x = _Block()(x)
+    return jnp.sum(x ** 2)
+
+
+@pytest.fixture(scope="module")
+def blocks():
+  net, x = _Net(), jnp.ones((128, 48))
+  params = net.init(jax.random.key(0), x)
+  graph = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(params))
+  return graph, unplanned_liveness(graph).peak
+
+
+def _enumerate(graph, planner):
+  """Every combination of the program's choices, one policy (or none) per
+  block, as the planner's plans make them: (plan, model peak, cost)."""
+  table = planner.table(graph)
+  per_block: dict = {}
+  for i, choice in enumerate(table.choices):
+    assert isinstance(choice, Choice)
+    per_block.setdefault(choice.segment.name, [None]).append(i)
+  assert len(per_block) > 3  # the three blocks and blocks nested in them
+  found = []
+  for combo in itertools.product(*per_block.values()):
+    chosen = {i for i in combo if i is not None}
+    if any(len(chosen & set(group)) > 1 for group in table.exclusive):
+      continue  # a block and one nested in it
+    result = candidate(graph, table.plan(graph, sorted(chosen)))
+    found.append((result.plan, result.peak, planner.cost(result.schedule)))
+  return found
+
+
+@pytest.mark.parametrize("fraction", [0.95, 0.85, 0.75])
+def test_block_program_finds_the_enumerated_optimum(blocks, fraction):
+  graph, full = blocks
+  planner = ILP(drops=False, refine=False)
+  aim = int(full * fraction)
+  fitting = [(cost, peak) for _, peak, cost in _enumerate(graph, planner) if peak <= aim]
+  found = planner.plan(graph, aim)
+  if not fitting:
+    assert not found.fits
+    return
+  assert found.fits and found.peak <= aim
+  assert planner.cost(found.schedule) == pytest.approx(min(fitting)[0], rel=1e-9)
+  assert found.details.status == "optimal" and found.details.gap == 0
+
+
+def test_lowest_is_no_higher_than_any_combination(blocks):
+  graph, _ = blocks
+  planner = ILP(drops=False)
+  lowest = min(peak for _, peak, _ in _enumerate(graph, planner))
+  assert planner.lowest(graph)[0].peak == lowest
+
+
+@pytest.mark.parametrize("fraction", [0.7, 0.6, 0.5])
+@pytest.mark.parametrize("model", ["blocks", "mlp"])
+def test_never_costlier_than_the_greedy(request, model, fraction):
+  fixture = request.getfixturevalue(model)
+  graph, base = fixture[-2:]
+  aim = int(base * fraction)
+  exact, greedy = ILP().plan(graph, aim), Greedy().plan(graph, aim)
+  assert exact.fits == greedy.fits or exact.fits
+  if greedy.fits:
+    assert exact.schedule.recompute_flops <= greedy.schedule.recompute_flops
+  else:  # neither fits: the lowest it names is no higher
+    assert exact.peak <= greedy.peak
+
+
+def test_a_budget_no_choice_meets_gives_the_lowest(blocks):
+  graph, full = blocks
+  found = ILP().plan(graph, 1)
+  assert not found.fits and found.details.status == "infeasible"
+  assert found.peak == ILP().lowest(graph)[0].peak
+
+
+def test_fitted_step_matches_jit_within_budget(mlp):
+  task, args, _, _ = mlp
+  fitted = jaxmem.transform(task.step, budget="60%", planner="ilp")
+  fit = fitted.fit(*args)
+  assert fit.footprint <= xla_budget(task.step, args, "60%")
+  assert "exact planner" in fit.report()
+  assert_trees_close(fitted(*args), jax.jit(task.step)(*args), rtol=1e-4, atol=1e-5)
