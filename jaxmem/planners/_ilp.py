@@ -30,7 +30,10 @@ granularity (the greedy's) lie outside it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import sys
 import time
 
 import numpy as np
@@ -137,11 +140,11 @@ class Solution(Details):
     elif self.status == "greedy":
       return ("exact planner: no combination of its choices fits; the greedy's plan "
               "is taken (gap unknown)")
-    elif self.gap == 0:
-      head = "exact planner: optimal over per-block policy choices"
+    elif self.status == "optimal":
+      head = "exact planner: optimal over its choices (blocks under a policy, residuals rebuilt alone)"
     else:
       head = (f"exact planner ({self.status}): within {self.gap:.1%} of the optimum over "
-              "per-block policy choices")
+              "its choices")
     if self.refined is not None and self.refined < self.cost:
       head += f"; the refinement cuts its cost to {self.refined / self.cost:.1%} of that"
     lines = [f"{head} ({self.rounds} programs, {self.seconds:.2f} s):"]
@@ -410,9 +413,10 @@ class ILP(Planner):
     integrality[:n_binary] = 1
     upper = np.full(n, np.inf)
     upper[:n_binary] = 1
-    result = optimize.milp(cost, constraints=constraints, integrality=integrality,
-                           bounds=optimize.Bounds(0, upper),
-                           options={"time_limit": self.time_limit})
+    with _quiet_stdout():
+      result = optimize.milp(cost, constraints=constraints, integrality=integrality,
+                             bounds=optimize.Bounds(0, upper),
+                             options={"time_limit": self.time_limit})
     if result.x is None:
       return None, None, "infeasible"
     bound = getattr(result, "mip_dual_bound", None)
@@ -427,19 +431,21 @@ class ILP(Planner):
     reach = table.base + np.clip(memory, 0, None).sum(axis=1)
     binding = reach > aim  # rows no combination can push over the aim are left out
     cost = np.append(table.cost, table.overhead_cost)
+    # Bytes and costs scaled to about 1, for HiGHS's tolerances.
+    nbytes, unit = max(table.base.max(), 1.0), max(np.abs(cost).max(), 1.0)
     refused, spent = [], 0.0
     for rounds in range(1, self.rounds + 1):
       constraints = self._program(table, refused, n + 1)
       if binding.any():
         constraints.append(optimize.LinearConstraint(
-            memory[binding], -np.inf, aim - table.base[binding]))
+            memory[binding] / nbytes, -np.inf, (aim - table.base[binding]) / nbytes))
       began = time.perf_counter()
-      x, bound, status = self._milp(cost, constraints, n + 1)
+      x, bound, status = self._milp(cost / unit, constraints, n + 1)
       spent += time.perf_counter() - began
       if x is None:
         return None
       chosen = [i for i in range(n) if x[i] > 0.5]
-      found = self._candidate(graph, table, chosen, aim, bound, status, rounds, spent)
+      found = self._candidate(graph, table, chosen, aim, bound * unit, status, rounds, spent)
       if found.fits:
         return found
       refused.append(chosen)
@@ -452,8 +458,10 @@ class ILP(Planner):
     # Variables: the choices, the overhead, then the peak, minimized.
     cost = np.zeros(n + 2)
     cost[n + 1] = 1
+    nbytes = max(table.base.max(), 1.0)  # scaled to about 1, for HiGHS's tolerances
     rows = np.hstack([table.delta, table.overhead[:, None], -np.ones((len(table.base), 1))])
-    constraints = [optimize.LinearConstraint(rows, -np.inf, -table.base)]
+    rows[:, :-1] /= nbytes
+    constraints = [optimize.LinearConstraint(rows, -np.inf, -table.base / nbytes)]
     began = time.perf_counter()
     x, bound, status = self._milp(cost, constraints + self._program(table, [], n + 2), n + 1)
     chosen = [i for i in range(n) if x[i] > 0.5]
@@ -472,6 +480,26 @@ class ILP(Planner):
     found.details = Solution([c.describe(graph) for c in choices], cost,
                              float(bound), status, rounds, seconds)
     return found
+
+
+@contextlib.contextmanager
+def _quiet_stdout():
+  """The process's standard output closed to what HiGHS prints itself
+  (some builds print a debugging line while solving, whatever ``disp``
+  says); Python's own output is flushed first and goes on after."""
+  sys.stdout.flush()
+  try:
+    saved = os.dup(1)
+  except OSError:  # no standard output to silence
+    yield
+    return
+  try:
+    with open(os.devnull, "w") as null:
+      os.dup2(null.fileno(), 1)
+      yield
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
 
 
 def _exclusive(graph: Graph, choices: list, segs: list) -> list[list[int]]:
