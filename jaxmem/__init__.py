@@ -10,8 +10,8 @@ The public face, in one screen:
   :class:`Keep`, :class:`Recompute`, :class:`Offload`, :class:`Chunked`
   (vTensors) and :class:`Save` (block boundaries);
 * the planners: :class:`Planner` (the contract), :class:`Greedy`,
-  :class:`Hybrid`, :class:`LGM`, the factory :func:`hybrid` and the
-  registry :data:`PLANNERS`;
+  :class:`Hybrid`, :class:`LGM`, :class:`ILP` (exact), the factory
+  :func:`hybrid` and the registry :data:`PLANNERS`;
 * targets, the GPUs plans are made and compiled for
   (:mod:`jaxmem.targets`): :class:`DeviceProfile` with its
   :class:`GpuDescription`, :data:`PROFILES`, :func:`calibrate`;
@@ -36,12 +36,13 @@ from jaxmem._budget import Budget, BudgetError  # noqa: E402
 from jaxmem._decisions import Chunked, Decision, Keep, Offload, Plan, Recompute, Save  # noqa: E402
 from jaxmem._flags import enable_cpu_remat  # noqa: E402
 from jaxmem._transform import Analysis, Fit, Transformed, analyze, transform  # noqa: E402
-from jaxmem.planners import LGM, PLANNERS, Greedy, Hybrid, Planner, hybrid  # noqa: E402
+from jaxmem.planners import ILP, LGM, PLANNERS, Greedy, Hybrid, Planner, hybrid  # noqa: E402
 from jaxmem.targets import PROFILES, DeviceProfile, GpuDescription, calibrate  # noqa: E402
 
 __all__ = [
     "Analysis", "Budget", "BudgetError", "Chunked", "Decision", "DeviceProfile", "Fit",
-    "GpuDescription", "Greedy", "Hybrid", "Keep", "LGM", "Offload", "PLANNERS", "PROFILES", "Plan",
+    "GpuDescription", "Greedy", "Hybrid", "ILP", "Keep", "LGM", "Offload", "PLANNERS",
+    "PROFILES", "Plan",
     "Planner", "Recompute", "Save", "Transformed", "analyze", "calibrate",
     "enable_cpu_remat", "hybrid", "transform",
 ]

@@ -11,7 +11,7 @@ import jaxmem
 from jaxmem._evaluate import candidate, unplanned_liveness
 from jaxmem._graph import build_graph
 from jaxmem.planners import ILP, Greedy
-from jaxmem.planners._ilp import Choice
+from jaxmem.planners._choices import Choice
 from tests.helpers import assert_trees_close, xla_budget
 
 

@@ -39,61 +39,13 @@ import time
 import numpy as np
 from scipy import optimize
 
-from jaxmem._blocks import KEEPS, Segment, block_candidates, checkpoint_block, segments
+from jaxmem._blocks import KEEPS, block_candidates, segments
 from jaxmem._decisions import KEEP, RECOMPUTE, Plan
-from jaxmem._evaluate import (Candidate, Details, candidate, fused_values, paused_gc,
-                              recomputable, unplanned_liveness)
+from jaxmem._evaluate import Candidate, Details, candidate, paused_gc, unplanned_liveness
 from jaxmem._graph import Graph
-from jaxmem._memory import Liveness
 from jaxmem.planners._base import Planner
+from jaxmem.planners._choices import Choice, Drop, exclusive, levels, plan_of, rebuild_groups
 from jaxmem.planners._greedy import Greedy
-
-
-@dataclasses.dataclass(frozen=True)
-class Choice:
-  """One block checkpointed under one policy (a key of :data:`KEEPS`)."""
-  segment: Segment
-  keep: str
-
-  def decisions(self, graph: Graph, into: dict) -> None:
-    checkpoint_block(graph, self.segment, self.keep, into)
-
-  def describe(self, graph: Graph) -> tuple[str, str]:
-    return self.segment.name, self.keep
-
-
-@dataclasses.dataclass(frozen=True)
-class Drop:
-  """Residuals recomputed on their own, from the values their rebuild
-  reads (a residual with the kept residuals XLA computes from its buffer:
-  :func:`rebuild_groups`)."""
-  values: tuple
-
-  def decisions(self, graph: Graph, into: dict) -> None:
-    into.update({v: RECOMPUTE for v in self.values if v not in into})
-
-  def describe(self, graph: Graph) -> tuple[str, str]:
-    node = graph.producer(self.values[0])
-    more = f" (+{len(self.values) - 1})" if len(self.values) > 1 else ""
-    return f"{node.readable} {node.prim.name}{more}", "recompute"
-
-
-def rebuild_groups(graph: Graph) -> list[tuple]:
-  """Each recomputable residual with the recomputable residuals fused onto
-  its buffer (XLA computes them from it where they are read: dropping
-  one without the others frees nothing), each group once."""
-  candidates = recomputable(graph)
-  riders: dict = {}
-  for vid, bufs in fused_values(graph).items():
-    if vid in candidates:
-      for buf in bufs:
-        riders.setdefault(buf, []).append(vid)
-  found = []
-  for vid in candidates:
-    group = tuple(sorted({vid, *riders.get(vid, ())}))
-    if group not in found and vid not in fused_values(graph):
-      found.append(group)
-  return found
 
 
 @dataclasses.dataclass
@@ -175,48 +127,6 @@ class _Table:
     if choices:
       choices.append(Drop(self.reference))
     return plan_of(graph, choices)
-
-
-def levels(memory: Liveness) -> dict[int, int]:
-  """Live bytes at each equation of a schedule: node index -> the most
-  bytes live from the op after the previous equation up to its own (the
-  recomputations and copies a rewrite puts before an equation count at
-  it); ``-1``: the ops after the last equation.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from jaxmem._graph import build_graph
-    >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(x))))(jnp.ones(8)))
-    >>> memory = unplanned_liveness(g)
-    >>> max(levels(memory).values()) == memory.peak
-    True
-  """
-  found, pending = {}, 0
-  for op, live in zip(memory.schedule.ops, memory.timeline):
-    pending = max(pending, live)
-    if op.kind == "node":
-      found[op.node] = max(found.get(op.node, 0), pending)
-      pending = 0
-  found[-1] = pending
-  return found
-
-
-def plan_of(graph: Graph, chosen) -> Plan:
-  """The plan of ``chosen`` :class:`Choice` s, applied in forward order as
-  per-block ``jax.checkpoint`` would be."""
-  decisions: dict = {}
-  blocks = [c for c in chosen if isinstance(c, Choice)]
-  first = lambda c: graph.blocks(c.segment.depth)[c.segment.name][0]
-  for choice in sorted(blocks, key=first) + [c for c in chosen if isinstance(c, Drop)]:
-    choice.decisions(graph, decisions)
-  return Plan.of(decisions)
-
-
-def _parent(seg: Segment, names: set) -> str | None:
-  """The depth-2 block ``seg`` (a depth-3 one) lies in, if that is a block
-  of its own."""
-  parent = "/".join(seg.name.split("/")[:2])
-  return parent if seg.depth == 3 and parent in names else None
 
 
 @dataclasses.dataclass
@@ -380,7 +290,7 @@ class ILP(Planner):
         np.array(columns, dtype=float).T.reshape(len(keys), len(choices)),
         np.array(costs, dtype=float),
         np.array([ref_rows.get(k, 0) - rows[k] for k in keys], dtype=float),
-        ref_cost - base_cost, _exclusive(graph, choices, segs), smallest)
+        ref_cost - base_cost, exclusive(graph, choices, segs), smallest)
     self._table = (graph, table)
     return table
 
@@ -500,25 +410,3 @@ def _quiet_stdout():
   finally:
     os.dup2(saved, 1)
     os.close(saved)
-
-
-def _exclusive(graph: Graph, choices: list, segs: list) -> list[list[int]]:
-  """Groups of choices at most one of which a plan takes: a block's
-  policies; a block's and those of the blocks nested in it; a rebuild
-  group and any block choice that decides one of its residuals."""
-  names = {s.name for s in segs if s.depth == 2}
-  groups: dict = {}
-  for i, choice in enumerate(choices):
-    if isinstance(choice, Choice):
-      groups.setdefault(choice.segment.name, []).append(i)
-  exclusive = list(groups.values())
-  for seg in segs:
-    parent = _parent(seg, names)
-    if parent is not None and seg.name in groups:
-      exclusive.append(groups.get(parent, []) + groups[seg.name])
-  decided = {i: plan_of(graph, [c]).as_dict() for i, c in enumerate(choices)
-             if isinstance(c, Choice)}
-  for i, choice in enumerate(choices):
-    if isinstance(choice, Drop):
-      exclusive += [[i, j] for j, d in decided.items() if any(v in d for v in choice.values)]
-  return exclusive
