@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import weakref
 from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
@@ -259,15 +260,46 @@ class Fitter:
 
   def error(self, smallest: int) -> BudgetError:
     """The error for a budget under ``smallest``, the least reached."""
-    budget, unconstrained = self.budget + self.reserve, self.unconstrained
-    least = smallest + self.reserve
-    kept = (f", and {format_bytes(self.reserve)} is kept free beyond it for the "
-            "runtime's workspaces (transform(..., reserve=))" if self.reserve else "")
-    return BudgetError(
-        f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
-        f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
-        f"by planner {self.planner.name!r}"
-        f"{f' on target {self.where}' if self.where else ''}: the smallest "
-        f"footprint it reaches for this step is {format_bytes(smallest)} ({smallest} bytes, "
-        f"{smallest / unconstrained:.0%}){kept}. Pass budget >= {least} bytes, "
-        "or shrink the batch.", smallest=least)
+    return budget_error(self.budget + self.reserve, self.reserve, self.unconstrained,
+                        smallest, self.planner.name, self.where)
+
+
+def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
+                 planner: str, where: str) -> BudgetError:
+  """The error for ``budget`` (bytes, ``reserve`` included) under
+  ``smallest``, the least footprint ``planner`` reaches on ``where``."""
+  least = smallest + reserve
+  kept = (f", and {format_bytes(reserve)} is kept free beyond it for the "
+          "runtime's workspaces (transform(..., reserve=))" if reserve else "")
+  return BudgetError(
+      f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
+      f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
+      f"by planner {planner!r}"
+      f"{f' on target {where}' if where else ''}: the smallest "
+      f"footprint it reaches for this step is {format_bytes(smallest)} ({smallest} bytes, "
+      f"{smallest / unconstrained:.0%}){kept}. Pass budget >= {least} bytes, "
+      "or shrink the batch.", smallest=least)
+
+
+# The smallest footprint a fit reached where it failed, per step function
+# (weakly: it goes with the function) and per what decides it (argument
+# signature, the jaxpr's equations, planner, target): a second budget under
+# it fails at once, without planning or compiling again.
+_SMALLEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def remember(fun, key: tuple, smallest: int, unconstrained: int) -> None:
+  """Records that fitting ``fun`` as ``key`` says reaches ``smallest`` bytes
+  at least (XLA's footprint, reserve excluded), of ``unconstrained``."""
+  try:
+    _SMALLEST.setdefault(fun, {})[key] = (smallest, unconstrained)
+  except TypeError:  # a callable that cannot be referenced weakly
+    pass
+
+
+def remembered(fun, key: tuple) -> tuple[int, int] | None:
+  """``(smallest, unconstrained)`` recorded for ``fun`` and ``key``."""
+  try:
+    return _SMALLEST.get(fun, {}).get(key)
+  except TypeError:
+    return None

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import time
 import warnings
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 from jax.extend import core as jex
@@ -19,124 +20,19 @@ from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
 from jaxmem._evaluate import Candidate, evaluate
-from jaxmem._fit import Fitter
+from jaxmem._fit import Fitter, budget_error, remember, remembered
+from jaxmem._fitted import Fit
 from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._inner import body_graph, embedded, inner_loop
 from jaxmem._memory import Liveness
-from jaxmem._report import decision_label, residual_table
+from jaxmem._report import residual_table
 from jaxmem._xla_buffers import learn, with_buffers
 from jaxmem._xla_clock import program_time
-from jaxmem.planners import Planner, get_planner
+from jaxmem._saved import fingerprint, loads
+from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes, xla_footprint
 
 _Tracer = jax.core.Tracer
-
-
-@dataclasses.dataclass
-class Fit:
-  """Everything jaxmem decided for one argument signature.
-
-  Attributes:
-    graph: the analyzed joint graph.
-    result: the plan taken (with its schedule and memory model).
-    planner: the planner that proposed it.
-    budget: the budget in bytes.
-    target: the device the fit compiled for (:class:`~jaxmem.targets.Target`):
-      its compiler's footprints are the ones below.
-    unconstrained: XLA's footprint of the untransformed step on the target.
-    unconstrained_model: the memory model's footprint of the untransformed step.
-    footprint: XLA's footprint of the transformed step (for an offload plan
-      on a backend that ignores host memory, the model's; None if
-      unavailable).
-    added_flops: FLOPs the recomputation adds per step.
-    base_flops: FLOPs of the untransformed step (jaxmem's rule table).
-    attempts: planning rounds (the model target tightens when XLA disagrees).
-    seconds: planning time, compilation included.
-    jitted: the ``jax.jit``-wrapped transformed step.
-    reserve: bytes of the budget kept free for the runtime beyond XLA's
-      footprint (:func:`~jaxmem.targets.runtime_reserve`).
-    nested: the same step without per-compilation options, for calls under
-      an outer transformation (``jax.jit`` takes ``compiler_options`` only at
-      the top level; there the outer compilation is the one XLA runs).
-    loop: where the step's passes run inside a loop (gradient accumulation
-      over a ``lax.scan``), the loop's source line: ``graph``, the plan and
-      the FLOPs are then one iteration's (``_inner``); else None.
-    out_tree: the tree of the step's outputs.
-    run: the emitted step over flat leaves (what every ``jax.jit`` above wraps).
-    runners: its ``jax.jit`` per device it is called or lowered on
-      (``jitted`` for the device of the call that fitted it).
-    predicted: the transformed step's predicted seconds on a GPU target
-      (the clock over XLA:GPU's program, ``_xla_clock``); None on XLA:CPU.
-    unconstrained_predicted: the same for the untransformed step.
-  """
-  graph: Graph
-  result: Candidate
-  planner: Planner
-  budget: int
-  target: Target
-  unconstrained: int
-  unconstrained_model: int
-  footprint: int | None
-  added_flops: float
-  base_flops: float
-  attempts: int
-  seconds: float
-  jitted: Any = dataclasses.field(repr=False, default=None)
-  nested: Any = dataclasses.field(repr=False, default=None)
-  reserve: int = 0
-  loop: str | None = None
-  out_tree: Any = None
-  run: Callable | None = dataclasses.field(repr=False, default=None)
-  runners: dict = dataclasses.field(repr=False, default_factory=dict)
-  predicted: float | None = None
-  unconstrained_predicted: float | None = None
-
-  @property
-  def plan(self) -> Plan:
-    return self.result.plan
-
-  @property
-  def memory(self) -> Liveness:
-    return self.result.memory
-
-  def report(self, top: int | None = 20) -> str:
-    """A readable summary of the budget, the plan and the residuals."""
-    p = self.memory
-    decisions = {vid: decision_label(d) for vid, d in self.plan}
-    # Stacks kept in host memory one slice per iteration of their loop
-    # (pieces of stacks, version < 0, keep their chunks' labels).
-    decisions.update({k[0]: "offload/iter" for k in p.schedule.hosted if k[1] == 0})
-    fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
-    saved = self.plan.values_with("save")
-    saved_bytes = sum(self.graph.values[v].nbytes for v in saved)
-    lines = [
-        f"budget            {format_bytes(self.budget)}"
-        + (f" ({format_bytes(self.reserve)} of it kept for the runtime)"
-           if self.reserve else ""),
-        f"unconstrained     {format_bytes(self.unconstrained)} (XLA), "
-        f"{format_bytes(self.unconstrained_model)} (model)",
-        f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
-        f"target            {self.target.name}",
-        f"planner           {self.planner.describe()}",
-        *([f"planned per pass  inside the loop at {self.loop}: one iteration's forward "
-           "and backward pass (residuals, decisions and FLOPs below are one "
-           "iteration's)"] if self.loop else []),
-        f"peak at           {p.peak_name}",
-        f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
-        f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
-        f"{len(self.plan.values_with('offload'))} offloaded, "
-        f"{len(self.plan.values_with('chunked'))} split into vTensors; "
-        f"{format_bytes(p.host_peak)} on the host at most); {len(saved)} "
-        f"block boundaries saved ({format_bytes(saved_bytes)})",
-        f"added FLOPs       {self.added_flops:.3g} "
-        f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
-        f"planning time     {self.seconds:.2f} s ({self.attempts} round(s))",
-        "",
-        residual_table(self.graph, top=top, decisions=decisions),
-    ]
-    if self.result.details is not None:
-      lines += ["", self.result.details.table()]
-    return "\n".join(lines)
 
 
 def _signature(arguments: Arguments, args, kwargs):
@@ -157,8 +53,9 @@ class Transformed:
   """
 
   def __init__(self, fun, budget, planner, static_argnums, static_argnames,
-               jit_kwargs, max_rounds, reserve=None, target=None):
+               jit_kwargs, max_rounds, reserve=None, target=None, plan=None):
     self.fun = fun
+    self.saved = plan  # a Plan, or a path to a saved one
     self.budget = Budget.parse(budget)
     self.target = target
     if target is not None:
@@ -245,6 +142,21 @@ class Transformed:
     what was decided."""
     return self._cached(args, kwargs, find_smallest=True)
 
+  def save_plan(self, path, *args, **kwargs) -> None:
+    """Saves the plan fitted for these arguments (or, with none given, the
+    one signature fitted so far) as JSON; ``transform(step, budget,
+    plan=path)`` applies it again without planning."""
+    if args or kwargs:
+      fit = self.fit(*args, **kwargs)
+    elif len(self._fits) == 1:
+      fit, = self._fits.values()
+    else:
+      raise ValueError(
+          f"jaxmem: save_plan(path) without arguments needs exactly one fitted "
+          f"signature, got {len(self._fits)}; pass the step's arguments "
+          "(save_plan(path, *args)) to say which plan.")
+    fit.save_plan(path)
+
   def can_fit(self, *args, **kwargs) -> bool:
     """A quick check that the budget can be met for these arguments
     (shapes suffice, e.g. from ``jax.eval_shape``), for batch-size searches.
@@ -292,6 +204,12 @@ class Transformed:
     here = resolve(None, leaves)  # where the step runs, which the target may not be
     options = here.options()
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
+    step = fingerprint(closed)
+    if self.saved is not None:
+      planner = Fixed(*self._load(step))
+    memo = (step, planner.describe(), target.name, self.max_rounds)
+    if self._known_to_fail(memo, planner, target, find_smallest):
+      return None
     graph = build_graph(closed)
     _no_collectives(graph, self.__name__)
     loop = inner_loop(graph)
@@ -301,8 +219,13 @@ class Transformed:
     if loop is None:
       graph = planned
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
-    baseline = jax.jit(jex.jaxpr_as_fun(closed), compiler_options=target.options() or None
-                       ).lower(*target.place(leaves)).compile()
+    as_written = jex.jaxpr_as_fun(closed)
+    written = self._jit(as_written, out_tree, options)
+    in_place = target.name == here.name
+    one_program = in_place and not (self.arguments.donate_argnums
+                                    or self.arguments.donate_argnames)
+    baseline = self._baseline(written if one_program else None, as_written, target,
+                              leaves, placed_args, placed_kwargs)
     base_memory = evaluate(graph, Plan())[1]
     unconstrained = xla_footprint(baseline)
     if unconstrained is None:
@@ -310,50 +233,104 @@ class Transformed:
 
     def emitter(candidate: Candidate) -> Callable:
       if not len(candidate.plan):
-        return jex.jaxpr_as_fun(closed)  # the step as written: never above it
+        return as_written  # the step as written: never above it
       schedule = candidate.schedule
       return emit(schedule if loop is None else embedded(graph, loop, schedule))
 
-    if not planned.has_backward:
-      warnings.warn(
-          "jaxmem: the step has no backward pass (no transposed equations in "
-          "its jaxpr), so there are no residuals to recompute or offload; it "
-          "is compiled unchanged.", stacklevel=4)
+    _no_backward(planned)
 
     def jit(candidate: Candidate):
+      if in_place and not len(candidate.plan):  # compiled as it runs, then run
+        return baseline if one_program else written.lower(
+            *placed_args, **placed_kwargs).compile()
       measuring = self._jit(emitter(candidate), out_tree, target.options(measuring=True))
       return measuring.lower(*placed_args, **placed_kwargs).compile()
 
-    budget = self.budget.resolve(unconstrained)
-    # A fraction is of XLA's footprint, which the runtime's workspaces add to
-    # as much for the step as written: only a budget in bytes keeps a reserve.
-    reserve = self.reserve if self.reserve is not None else (
-        0 if self.budget.fraction is not None else target.reserve())
-    if budget <= reserve:
-      raise BudgetError(
-          f"jaxmem: budget {format_bytes(budget)} leaves nothing for the step once "
-          f"{format_bytes(reserve)} is kept free for the runtime's workspaces; pass a "
-          f"budget above {reserve} bytes, or a smaller transform(..., reserve=).",
-          smallest=reserve + 1)
+    budget, reserve = self._budget_bytes(unconstrained, target)
     model = base_memory if loop is None else evaluate(planned, Plan())[1]
     fixed = workspace_bytes(baseline)
     clock = _clock(target)
     fitter = Fitter(planned, planner, budget - reserve, unconstrained,
                     model.peak / max(unconstrained - fixed, 1), jit, self.max_rounds,
                     reserve, target.name, fixed, clock)
-    found = fitter.fit(find_smallest)
+    try:
+      found = fitter.fit(find_smallest)
+    except BudgetError as err:
+      remember(self.fun, memo, err.smallest - reserve, unconstrained)
+      raise
     if found is None:
       return None
     trial, attempts = found
     run_flat = emitter(trial.candidate)
-    jitted = self._jit(run_flat, out_tree, options)
+    jitted = (written if in_place and not len(trial.candidate.plan)
+              else self._jit(run_flat, out_tree, options))
     return Fit(planned, trial.candidate, planner, budget, target, unconstrained,
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
                reserve, None if loop is None else graph.nodes[loop].source, out_tree,
                run_flat, {here.name: jitted}, trial.seconds,
-               None if clock is None else clock(baseline))
+               None if clock is None else clock(baseline), step)
+
+  @staticmethod
+  def _baseline(written, as_written: Callable, target: Target, leaves, args, kwargs):
+    """The step as written, compiled for ``target``: the footprint a
+    fraction budget is of. Where the step runs where it is planned for and
+    donates nothing, ``written`` (its jit as it runs) is compiled: one
+    compilation then measures it, stands for the plan that keeps
+    everything, and serves the calls when the budget needs no plan
+    (jax.jit's call reuses an ahead-of-time compilation of the same jit)."""
+    if written is not None:
+      return written.lower(*args, **kwargs).compile()
+    return jax.jit(as_written, compiler_options=target.options() or None
+                   ).lower(*target.place(leaves)).compile()
+
+  def _load(self, step: str) -> tuple[Plan, str]:
+    """The plan given as ``plan=`` (a :class:`Plan`, or a path to one
+    saved by :meth:`Fit.save_plan`, checked to be for this step), with
+    where it came from."""
+    if isinstance(self.saved, Plan):
+      return self.saved, "given"
+    path = os.fspath(self.saved)
+    with open(path) as f:
+      return loads(f.read(), step, source=path), path
+
+  def _known_to_fail(self, memo: tuple, planner, target: Target,
+                     find_smallest: bool) -> bool:
+    """Whether an earlier fit of this step (``memo``: its fingerprint,
+    planner, target and rounds) reached no footprint within this budget:
+    then :meth:`can_fit` answers at once (True returned) and :meth:`fit`
+    raises its error, before planning or compiling again."""
+    known = remembered(self.fun, memo)
+    if known is None:
+      return False
+    smallest, unconstrained = known
+    budget, reserve = self._budget_bytes(unconstrained, target)
+    if budget - reserve >= smallest:
+      return False
+    if not find_smallest:
+      return True
+    raise budget_error(budget, reserve, unconstrained, smallest, planner.name, target.name)
+
+  def _budget_bytes(self, unconstrained: int, target: Target) -> tuple[int, int]:
+    """``(budget, reserve)`` in bytes for a step of ``unconstrained``
+    bytes; an error where the reserve leaves nothing."""
+    budget, reserve = self.budget.resolve(unconstrained), self._reserve(target)
+    if budget <= reserve:
+      raise BudgetError(
+          f"jaxmem: budget {format_bytes(budget)} leaves nothing for the step once "
+          f"{format_bytes(reserve)} is kept free for the runtime's workspaces; pass a "
+          f"budget above {reserve} bytes, or a smaller transform(..., reserve=).",
+          smallest=reserve + 1)
+    return budget, reserve
+
+  def _reserve(self, target: Target) -> int:
+    """Bytes kept free for the runtime beyond the footprint: a fraction is
+    of XLA's footprint, which the runtime's workspaces add to as much for
+    the step as written, so only a budget in bytes keeps a reserve."""
+    if self.reserve is not None:
+      return self.reserve
+    return 0 if self.budget.fraction is not None else target.reserve()
 
   def _jit(self, run_flat: Callable, out_tree, options: dict):
     """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
@@ -386,6 +363,15 @@ def _clock(target: Target) -> Callable | None:
   return lambda compiled: program_time(compiled.as_text(), target.profile).seconds
 
 
+def _no_backward(graph: Graph) -> None:
+  """Warns where the step has no backward pass: nothing to plan."""
+  if not graph.has_backward:
+    warnings.warn(
+        "jaxmem: the step has no backward pass (no transposed equations in "
+        "its jaxpr), so there are no residuals to recompute or offload; it "
+        "is compiled unchanged.", stacklevel=5)
+
+
 def _no_collectives(graph: Graph, name: str) -> None:
   """jaxmem compiles a step on its own to measure it, which a step reducing
   over mesh axes (``psum`` inside ``shard_map``) cannot be."""
@@ -402,7 +388,7 @@ def _no_collectives(graph: Graph, name: str) -> None:
 
 def transform(fun: Callable, budget, *, planner="recompute", target=None,
               static_argnums=(), static_argnames=(), max_rounds: int = 4,
-              reserve: int | None = None, **jit_kwargs) -> Transformed:
+              reserve: int | None = None, plan=None, **jit_kwargs) -> Transformed:
   """Fits a training step into a device-memory budget.
 
   The step (forward, backward and optimizer update in one function) is traced
@@ -426,6 +412,10 @@ def transform(fun: Callable, budget, *, planner="recompute", target=None,
       footprint is held to ``budget - reserve``. None: 128 MiB on GPU and
       other accelerators (the most seen over the footprint on an H200 was
       92 MB), 0 on CPU.
+    plan: a plan to apply instead of planning: a path to one saved by
+      :meth:`Fit.save_plan` (refused if the step or its argument shapes
+      changed since) or a :class:`jaxmem.Plan`. It is compiled once and kept
+      if it fits the budget.
     **jit_kwargs: passed to ``jax.jit``. ``donate_argnums`` /
       ``donate_argnames`` donate as there; a step already wrapped in
       ``jax.jit`` with donated arguments keeps its donation.
@@ -452,7 +442,7 @@ def transform(fun: Callable, budget, *, planner="recompute", target=None,
     True
   """
   return Transformed(fun, budget, planner, static_argnums, static_argnames,
-                     jit_kwargs, max_rounds, reserve, target)
+                     jit_kwargs, max_rounds, reserve, target, plan)
 
 
 @dataclasses.dataclass

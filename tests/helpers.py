@@ -1,6 +1,7 @@
-"""Shared checks: tree comparison scaled by magnitude (DESIGN.md fact 8)."""
+"""Shared checks: tree comparison scaled by magnitude; a small step to plan."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -54,3 +55,14 @@ def xla_budget(step, args, budget) -> int:
   fraction = float(budget.rstrip("%")) / 100 if isinstance(budget, str) else budget
   from jaxmem.targets import xla_footprint  # temp + arguments + outputs - aliases
   return int(fraction * xla_footprint(jax.jit(step).lower(*args).compile()))
+
+
+def tanh_step(w, x, layers: int = 8, lr: float = 0.01):
+  """A small SGD step on a residual tanh chain: its residuals are planned
+  at a budget under its footprint."""
+  def loss(w):
+    h = x
+    for _ in range(layers):
+      h = h + jnp.tanh(h @ w)
+    return jnp.sum(h ** 2)
+  return w - lr * jax.grad(loss)(w)

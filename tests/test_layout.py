@@ -13,7 +13,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 LAYERS = [
     {"_flags", "_provenance", "_budget", "_primitives", "_decisions", "_arguments", "_batching",
      "targets._description", "_hlo"},
-    {"targets._profiles"},
+    {"_saved", "targets._profiles"},
     {"targets._compile", "targets._calibrate"},
     {"targets"},
     {"_graph"},
@@ -28,10 +28,11 @@ LAYERS = [
     {"_evaluate"},
     {"_blocks", "_inner"},
     {"planners._base", "planners._choices"},
-    {"planners._greedy", "planners._hybrid", "planners._lgm"},
+    {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},
     {"planners._ilp"},
     {"planners"},
     {"_report", "_fit"},
+    {"_fitted"},
     {"_transform"},
     {""},  # the package itself: the public face
     {"_zoo", "_plots"},

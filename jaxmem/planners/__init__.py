@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxmem.planners._base import DEFAULT_TARGET, Planner, with_target
+from jaxmem.planners._fixed import Fixed
 from jaxmem.planners._greedy import Greedy
 from jaxmem.planners._hybrid import Hybrid
 from jaxmem.planners._ilp import ILP, Solution
@@ -112,7 +113,7 @@ def get_planner(planner, target=None) -> Planner:
 
 
 __all__ = [
-    "ABLATIONS", "DEFAULT_TARGET", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport", "PLANNERS",
+    "ABLATIONS", "DEFAULT_TARGET", "Fixed", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport", "PLANNERS",
     "Planner", "Solution", "SwapRecord", "get_planner", "hybrid", "ilp", "lgm", "lgm_unreserved",
     "lgm_whole", "offload_only", "recompute", "reservation_floor",
 ]

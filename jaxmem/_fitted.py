@@ -1,0 +1,135 @@
+"""What a fit decided for one argument signature: :class:`Fit`, with its
+report."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from jaxmem._budget import format_bytes
+from jaxmem._decisions import Plan
+from jaxmem._evaluate import Candidate
+from jaxmem._graph import Graph
+from jaxmem._memory import Liveness
+from jaxmem._report import decision_label, residual_table
+from jaxmem._saved import dumps
+from jaxmem.planners import Planner
+from jaxmem.targets import Target
+
+
+@dataclasses.dataclass
+class Fit:
+  """Everything jaxmem decided for one argument signature.
+
+  Attributes:
+    graph: the analyzed joint graph.
+    result: the plan taken (with its schedule and memory model).
+    planner: the planner that proposed it.
+    budget: the budget in bytes.
+    target: the device the fit compiled for (:class:`~jaxmem.targets.Target`):
+      its compiler's footprints are the ones below.
+    unconstrained: XLA's footprint of the untransformed step on the target.
+    unconstrained_model: the memory model's footprint of the untransformed step.
+    footprint: XLA's footprint of the transformed step (for an offload plan
+      on a backend that ignores host memory, the model's; None if
+      unavailable).
+    added_flops: FLOPs the recomputation adds per step.
+    base_flops: FLOPs of the untransformed step (jaxmem's rule table).
+    attempts: planning rounds (the model target tightens when XLA disagrees).
+    seconds: planning time, compilation included.
+    jitted: the ``jax.jit``-wrapped transformed step.
+    reserve: bytes of the budget kept free for the runtime beyond XLA's
+      footprint (:func:`~jaxmem.targets.runtime_reserve`).
+    nested: the same step without per-compilation options, for calls under
+      an outer transformation (``jax.jit`` takes ``compiler_options`` only at
+      the top level; there the outer compilation is the one XLA runs).
+    loop: where the step's passes run inside a loop (gradient accumulation
+      over a ``lax.scan``), the loop's source line: ``graph``, the plan and
+      the FLOPs are then one iteration's (``_inner``); else None.
+    out_tree: the tree of the step's outputs.
+    run: the emitted step over flat leaves (what every ``jax.jit`` above wraps).
+    runners: its ``jax.jit`` per device it is called or lowered on
+      (``jitted`` for the device of the call that fitted it).
+    predicted: the transformed step's predicted seconds on a GPU target
+      (the clock over XLA:GPU's program, ``_xla_clock``); None on XLA:CPU.
+    unconstrained_predicted: the same for the untransformed step.
+    step: the fingerprint of the traced step a saved plan is checked
+      against (``jaxmem._saved.fingerprint``).
+  """
+  graph: Graph
+  result: Candidate
+  planner: Planner
+  budget: int
+  target: Target
+  unconstrained: int
+  unconstrained_model: int
+  footprint: int | None
+  added_flops: float
+  base_flops: float
+  attempts: int
+  seconds: float
+  jitted: Any = dataclasses.field(repr=False, default=None)
+  nested: Any = dataclasses.field(repr=False, default=None)
+  reserve: int = 0
+  loop: str | None = None
+  out_tree: Any = None
+  run: Callable | None = dataclasses.field(repr=False, default=None)
+  runners: dict = dataclasses.field(repr=False, default_factory=dict)
+  predicted: float | None = None
+  unconstrained_predicted: float | None = None
+  step: str = ""
+
+  def save_plan(self, path) -> None:
+    """Writes the plan as JSON to ``path``, for ``transform(...,
+    plan=path)`` to apply without planning (to this step, with these
+    argument shapes: :attr:`step` is their fingerprint)."""
+    with open(path, "w") as f:
+      f.write(dumps(self.plan, self.step, budget=self.budget, target=self.target.name,
+                    planner=self.planner.describe(), footprint=self.footprint))
+
+  @property
+  def plan(self) -> Plan:
+    return self.result.plan
+
+  @property
+  def memory(self) -> Liveness:
+    return self.result.memory
+
+  def report(self, top: int | None = 20) -> str:
+    """A readable summary of the budget, the plan and the residuals."""
+    p = self.memory
+    decisions = {vid: decision_label(d) for vid, d in self.plan}
+    # Stacks kept in host memory one slice per iteration of their loop
+    # (pieces of stacks, version < 0, keep their chunks' labels).
+    decisions.update({k[0]: "offload/iter" for k in p.schedule.hosted if k[1] == 0})
+    fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
+    saved = self.plan.values_with("save")
+    saved_bytes = sum(self.graph.values[v].nbytes for v in saved)
+    lines = [
+        f"budget            {format_bytes(self.budget)}"
+        + (f" ({format_bytes(self.reserve)} of it kept for the runtime)"
+           if self.reserve else ""),
+        f"unconstrained     {format_bytes(self.unconstrained)} (XLA), "
+        f"{format_bytes(self.unconstrained_model)} (model)",
+        f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
+        f"target            {self.target.name}",
+        f"planner           {self.planner.describe()}",
+        *([f"planned per pass  inside the loop at {self.loop}: one iteration's forward "
+           "and backward pass (residuals, decisions and FLOPs below are one "
+           "iteration's)"] if self.loop else []),
+        f"peak at           {p.peak_name}",
+        f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
+        f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
+        f"{len(self.plan.values_with('offload'))} offloaded, "
+        f"{len(self.plan.values_with('chunked'))} split into vTensors; "
+        f"{format_bytes(p.host_peak)} on the host at most); {len(saved)} "
+        f"block boundaries saved ({format_bytes(saved_bytes)})",
+        f"added FLOPs       {self.added_flops:.3g} "
+        f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
+        f"planning time     {self.seconds:.2f} s ({self.attempts} round(s))",
+        "",
+        residual_table(self.graph, top=top, decisions=decisions),
+    ]
+    if self.result.details is not None:
+      lines += ["", self.result.details.table()]
+    return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""Plans saved as JSON and loaded back, checked against the step they were
+made for.
+
+A plan names residuals by their value ids in the step's joint jaxpr, which
+tracing the same step with the same argument shapes gives again. The file
+carries the step's :func:`fingerprint` (its equations and argument and
+result types), so a plan is never applied to a step that changed.
+
+Example:
+  >>> from jaxmem._decisions import Chunked, Offload, RECOMPUTE, SAVE, KEEP
+  >>> plan = Plan.of({3: RECOMPUTE, 5: SAVE, 8: Offload(at=12),
+  ...                 9: Chunked(0, ((0, 2), (2, 4)), (KEEP, Offload()))})
+  >>> loads(dumps(plan, "abc"), "abc") == plan
+  True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from jaxmem._decisions import Chunked, Decision, Keep, Offload, Plan, Recompute, Save
+
+FORMAT = "jaxmem-plan/1"
+
+_SIMPLE = {"keep": Keep, "recompute": Recompute, "save": Save}
+
+
+def fingerprint(closed) -> str:
+  """A digest of a traced step (a ``ClosedJaxpr``): its equations'
+  primitives and the types of its arguments and results, stable across
+  processes."""
+  text = "\n".join([*(str(e.primitive) for e in closed.jaxpr.eqns),
+                    *map(str, closed.in_avals), "->", *map(str, closed.out_avals)])
+  return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _encode(decision: Decision) -> dict:
+  if isinstance(decision, Offload):
+    return {"kind": "offload", "at": decision.at}
+  if isinstance(decision, Chunked):
+    return {"kind": "chunked", "axis": decision.axis,
+            "bounds": [list(b) for b in decision.bounds],
+            "chunks": [_encode(d) for d in decision.chunks]}
+  return {"kind": decision.kind}
+
+
+def _decode(record: dict) -> Decision:
+  kind = record.get("kind")
+  if kind in _SIMPLE:
+    return _SIMPLE[kind]()
+  if kind == "offload":
+    return Offload(at=record.get("at"))
+  if kind == "chunked":
+    return Chunked(record["axis"], tuple(tuple(b) for b in record["bounds"]),
+                   tuple(_decode(d) for d in record["chunks"]))
+  raise ValueError(f"jaxmem: unknown decision {record!r} in a saved plan; expected one of "
+                   f"{sorted([*_SIMPLE, 'offload', 'chunked'])}")
+
+
+def dumps(plan: Plan, step: str, **about) -> str:
+  """``plan`` as JSON, for the step of fingerprint ``step``; ``about``
+  (budget, target, planner) is recorded for people reading the file."""
+  return json.dumps({"format": FORMAT, "step": step, **about,
+                     "decisions": [[vid, _encode(d)] for vid, d in plan]}, indent=1)
+
+
+def loads(text: str, step: str, source: str = "the saved plan") -> Plan:
+  """The plan in ``text``, checked to be for the step of fingerprint
+  ``step``."""
+  record = json.loads(text)
+  if record.get("format") != FORMAT:
+    raise ValueError(f"jaxmem: {source} is not a jaxmem plan (format "
+                     f"{record.get('format')!r}, expected {FORMAT!r})")
+  if record.get("step") != step:
+    raise ValueError(
+        f"jaxmem: {source} was made for another step (fingerprint {record.get('step')}, "
+        f"this step's is {step}): the step's equations or its argument shapes changed. "
+        "Plan it again (leave out plan=) and save the new plan.")
+  return Plan.of({int(vid): _decode(d) for vid, d in record["decisions"]})

@@ -1,0 +1,34 @@
+"""A planner that proposes one given plan: a saved plan applied again."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmem._decisions import Plan
+from jaxmem._evaluate import Candidate, candidate
+from jaxmem._graph import Graph
+from jaxmem.planners._base import Planner
+
+
+@dataclasses.dataclass
+class Fixed(Planner):
+  """Proposes ``plan`` whatever the aim (``transform(..., plan=path)``):
+  the fit loop compiles it once and keeps it if XLA's footprint fits the
+  budget; if not, the error names its footprint.
+
+  Example:
+    >>> Fixed(Plan(), source="plan.json").describe()
+    'saved plan plan.json (cost: recomputed FLOPs)'
+  """
+  plan_given: Plan = dataclasses.field(default_factory=Plan)
+  source: str = "a saved plan"
+
+  @property
+  def name(self) -> str:
+    return f"saved plan {self.source}"
+
+  def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
+    return candidate(graph, self.plan_given, aim)
+
+  def may_offload(self) -> bool:
+    return self.plan_given.uses_host
