@@ -44,7 +44,7 @@ def test_an_argument_that_is_not_an_array_is_named_by_its_path():
 
 def test_an_unknown_planner_is_refused_with_the_choices():
   with pytest.raises(ValueError, match=r"unknown planner 'greedy'; expected one of "
-                                       r"\['hybrid', 'ilp', 'lgm'.*'recompute'\]"):
+                                       r"\['auto', 'hybrid', 'ilp', 'lgm'.*'recompute'\]"):
     jaxmem.transform(step, budget="50%", planner="greedy")
   with pytest.raises(TypeError, match="planner must be a name in .* got int"):
     jaxmem.transform(step, budget="50%", planner=3)

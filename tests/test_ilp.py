@@ -10,7 +10,7 @@ import pytest
 import jaxmem
 from jaxmem._evaluate import candidate, unplanned_liveness
 from jaxmem._graph import build_graph
-from jaxmem.planners import ILP, Greedy
+from jaxmem.planners import ILP, Greedy, auto
 from jaxmem.planners._choices import Choice
 from tests.helpers import assert_trees_close, xla_budget
 
@@ -107,3 +107,14 @@ def test_fitted_step_matches_jit_within_budget(mlp):
   assert fit.footprint <= xla_budget(task.step, args, "60%")
   assert "exact planner" in fit.report()
   assert_trees_close(fitted(*args), jax.jit(task.step)(*args), rtol=1e-4, atol=1e-5)
+
+
+def test_auto_offloads_where_recomputation_does_not_reach(mlp):
+  _, _, graph, _ = mlp
+  floor = Greedy().lowest(graph)[0].peak
+  found = auto("t4").plan(graph, int(floor * 0.95))
+  assert found.fits and found.plan.uses_host
+  assert found.details.status == "fallback" and found.details.fallback == "hybrid"
+  # Without a host link of its own, nothing is offloaded.
+  assert auto("orin-nano").fallback is None
+  assert auto().fallback is None

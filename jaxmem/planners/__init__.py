@@ -9,13 +9,16 @@ Every planner is a :class:`Planner` (``plan``, ``lowest``, ``structured``,
   that does not fit, then recomputations switched to offloads that pay;
 * ``offload``: :class:`Greedy` with offload moves only;
 * ``lgm``: :class:`LGM` (vTensor), chunks swapped to cover each peak;
-* ``ilp``: :class:`ILP`, the cheapest combination of per-block policies,
-  solved exactly (HiGHS, through ``scipy.optimize.milp``);
+* ``ilp``: :class:`ILP`, the cheapest combination of per-block policies
+  and residuals rebuilt alone, solved exactly (HiGHS, through
+  ``scipy.optimize.milp``), with the greedy where no combination fits;
+* ``auto``: the same, with the hybrid instead of the greedy on a target
+  whose host memory is not the device's;
 * ablations ``lgm-whole`` and ``lgm-unreserved``.
 
 Example:
   >>> sorted(PLANNERS)[:3]
-  ['hybrid', 'ilp', 'lgm']
+  ['auto', 'hybrid', 'ilp']
   >>> get_planner("hybrid").describe()[:16]
   'hybrid on t4 (as'
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 from typing import Callable
 
 from jaxmem.planners._base import DEFAULT_TARGET, Planner, with_target
+from jaxmem.targets._profiles import get_profile
 from jaxmem.planners._fixed import Fixed
 from jaxmem.planners._greedy import Greedy
 from jaxmem.planners._hybrid import Hybrid
@@ -69,6 +73,16 @@ def ilp(target=None, **options) -> ILP:
   return ILP(target=target, **options)
 
 
+def auto(target=None, **options) -> ILP:
+  """The exact planner (:class:`ILP`) with a fallback chosen by the
+  target: on one given with a host link (not unified memory), the hybrid,
+  so that offload is planned where recomputation does not reach or costs
+  more; else the recompute-only greedy."""
+  if target is not None and not get_profile(target).unified:
+    options.setdefault("fallback", hybrid(target))
+  return ILP(target=target, name="auto", **options)
+
+
 def lgm(target=None, **options) -> LGM:
   """The vTensor planner (:class:`LGM`) for ``target`` (None assumes
   ``"t4"``)."""
@@ -90,7 +104,7 @@ def lgm_unreserved(target=None, **options) -> LGM:
 # DeviceProfile).
 PLANNERS: dict[str, Callable[..., Planner]] = {
     "recompute": recompute, "hybrid": hybrid, "offload": offload_only,
-    "lgm": lgm, "ilp": ilp, "lgm-whole": lgm_whole, "lgm-unreserved": lgm_unreserved}
+    "lgm": lgm, "ilp": ilp, "auto": auto, "lgm-whole": lgm_whole, "lgm-unreserved": lgm_unreserved}
 # Planners that exist to be compared against (left out of default runs).
 ABLATIONS = frozenset({"lgm-whole", "lgm-unreserved"})
 
@@ -114,6 +128,6 @@ def get_planner(planner, target=None) -> Planner:
 
 __all__ = [
     "ABLATIONS", "DEFAULT_TARGET", "Fixed", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport", "PLANNERS",
-    "Planner", "Solution", "SwapRecord", "get_planner", "hybrid", "ilp", "lgm", "lgm_unreserved",
+    "Planner", "Solution", "SwapRecord", "auto", "get_planner", "hybrid", "ilp", "lgm", "lgm_unreserved",
     "lgm_whole", "offload_only", "recompute", "reservation_floor",
 ]

@@ -61,10 +61,11 @@ class Solution(Details):
       the program was solved to optimality).
     refined: the plan's cost after the refinement (at most ``cost`` where
       the two models agree; None before it).
+    fallback: the planner whose plan was taken (status ``"fallback"``).
     status: ``"optimal"``, ``"time limit"`` (the incumbent, with its gap),
-      ``"greedy"`` (no combination fits, but the greedy's plan does: it is
-      taken, its gap unknown) or ``"infeasible"`` (nothing fits; the plan is
-      the lowest).
+      ``"fallback"`` (no combination fits, but the planner ``fallback``'s
+      plan does: it is taken, its gap unknown) or ``"infeasible"`` (nothing
+      fits; the plan is the lowest).
     rounds: programs solved (one more per combination the memory model
       refused).
     seconds: time in the solver.
@@ -76,6 +77,7 @@ class Solution(Details):
   rounds: int
   seconds: float
   refined: float | None = None
+  fallback: str = ""
 
   @property
   def gap(self) -> float:
@@ -89,9 +91,9 @@ class Solution(Details):
   def table(self) -> str:
     if self.status == "infeasible":
       head = "exact planner: no choice of block policies fits; the lowest is taken"
-    elif self.status == "greedy":
-      return ("exact planner: no combination of its choices fits; the greedy's plan "
-              "is taken (gap unknown)")
+    elif self.status == "fallback":
+      return (f"exact planner: no combination of its choices fits; planner "
+              f"{self.fallback!r}'s plan is taken (gap unknown)")
     elif self.status == "optimal":
       head = "exact planner: optimal over its choices (blocks under a policy, residuals rebuilt alone)"
     else:
@@ -145,6 +147,9 @@ class ILP(Planner):
     drops: whether residuals may also be recomputed on their own (rebuild
       groups), not only whole blocks under a policy.
     refine: whether a plan that fits goes through the greedy's refinement.
+    fallback: the planner asked where no combination fits (a
+      :class:`~jaxmem.Planner`; None: the recompute-only greedy), and for
+      candidates of the lowest footprint beside the program's own.
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
@@ -174,6 +179,7 @@ class ILP(Planner):
   rounds: int = 8
   drops: bool = True
   refine: bool = True
+  fallback: object = None
   assumed_target: bool = False
   _table: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
                                     compare=False)
@@ -189,11 +195,14 @@ class ILP(Planner):
       greedy = Greedy(target=self.target)
       if found is None:
         # Beyond the program's reach (a residual rebuilt through another
-        # dropped one): the greedy's plan where it fits, else the lowest.
-        lowest = self.lowest(graph)[0]
-        found = greedy.plan(graph, aim)
+        # dropped one, or offloaded): the fallback's plan where it fits,
+        # else the lowest.
+        lowest = self._own_lowest(graph)[0]
+        beyond = self.fallback or greedy
+        found = beyond.plan(graph, aim)
         outside = Solution([], self.cost(found.schedule) - self.cost(
-            unplanned_liveness(graph).schedule), 0.0, "greedy", 0, 0.0)
+            unplanned_liveness(graph).schedule), 0.0, "fallback", 0, 0.0,
+                           fallback=beyond.name)
         if not found.fits and lowest.peak <= found.peak:
           found = lowest.aimed(aim)
           outside = found.details
@@ -215,11 +224,20 @@ class ILP(Planner):
     return dataclasses.replace(found, plan=trial.plan, schedule=trial.schedule,
                                memory=trial.memory)
 
+  def may_offload(self) -> bool:
+    return self.fallback is not None and self.fallback.may_offload()
+
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
+    """The program's candidates for the lowest footprint
+    (:meth:`_own_lowest`), then the fallback's where one is set."""
+    own = self._own_lowest(graph)
+    return own + ([] if self.fallback is None else self.fallback.lowest(graph, start))
+
+  def _own_lowest(self, graph: Graph) -> list[Candidate]:
     """Plans of the lowest model peak, lowest first: the program's lowest,
     then while the memory model finds one, the cheapest combination under
     the last one's model peak (the program's sum and the model disagree by
-    a little; up to ``rounds`` descents). ``start`` is not used."""
+    a little; up to ``rounds`` descents)."""
     began = time.perf_counter()
     with paused_gc():
       found = [self._lowest(graph)]
