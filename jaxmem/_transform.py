@@ -386,7 +386,7 @@ def _no_collectives(graph: Graph, name: str) -> None:
         "jaxmem.transform(per_device_step, budget=...).")
 
 
-def transform(fun: Callable, budget, *, planner="recompute", target=None,
+def transform(fun: Callable, budget, *, planner="auto", target=None,
               static_argnums=(), static_argnames=(), max_rounds: int = 4,
               reserve: int | None = None, plan=None, **jit_kwargs) -> Transformed:
   """Fits a training step into a device-memory budget.
@@ -402,6 +402,10 @@ def transform(fun: Callable, budget, *, planner="recompute", target=None,
     budget: bytes (int), a string with a unit (``"3GiB"``, ``"512MB"``) or a
       fraction of the unconstrained footprint (``"60%"``, ``0.6``).
     planner: a name from ``jaxmem.PLANNERS`` or a :class:`jaxmem.Planner`.
+      The default, ``"auto"``, solves for the cheapest combination of
+      per-block policies and lone recomputations (:class:`jaxmem.ILP`), and
+      where none fits takes the greedy's plan, or on a ``target`` with a
+      host link of its own the hybrid's (recomputation and offload).
     static_argnums, static_argnames: as for ``jax.jit`` (a name also makes
       its position static, an index its name; negative indices count from
       the end of the call's positional arguments).

@@ -231,7 +231,7 @@ class ILP(Planner):
     """The program's candidates for the lowest footprint
     (:meth:`_own_lowest`), then the fallback's where one is set."""
     own = self._own_lowest(graph)
-    return own + ([] if self.fallback is None else self.fallback.lowest(graph, start))
+    return own + ([] if self.fallback is None else self.fallback.lowest(graph))
 
   def _own_lowest(self, graph: Graph) -> list[Candidate]:
     """Plans of the lowest model peak, lowest first: the program's lowest,
