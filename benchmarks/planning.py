@@ -1,0 +1,130 @@
+"""What planning costs, per zoo model: planners' time per budget and over a
+sweep of budgets (compiles excluded), and what a transform compiles.
+
+For each model (the zoo's CPU sizes, XLA:CPU):
+* ``jit s``: ``jax.jit``'s compile of the step as written;
+* for each budget: the transform's wall time over that compile, and the
+  backend compilations it made (``jax.monitoring``), with the default
+  planner;
+* for each planner: planning time at each of ``--sweep`` budgets spread
+  from 95% to 30% of the model peak (planning only: one planner per model,
+  as a fit keeps one), its first budget (pricing included) apart, and the
+  cost of its plans against the exact planner's.
+
+    python benchmarks/planning.py --models mlp gpt2 resnet18 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
+import jax
+from jax import monitoring
+import numpy as np
+
+from jaxmem._evaluate import unplanned_liveness
+from jaxmem._graph import build_graph
+from jaxmem.planners import PLANNERS
+
+sys.path.insert(0, __file__.rsplit("/", 2)[0])
+from benchmarks import _results  # noqa: E402
+from benchmarks._steps import task  # noqa: E402
+
+_COMPILES: list = []
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: _COMPILES.append(secs) if "backend_compile" in name else None)
+
+
+def _timed(fn):
+  _COMPILES.clear()
+  began = time.perf_counter()
+  out = jax.block_until_ready(fn())
+  return out, time.perf_counter() - began, len(_COMPILES)
+
+
+def transforms(name: str, config: dict, budgets) -> list[dict]:
+  t = task(name, config)
+  args = jax.block_until_ready(t.init())
+  _, jit_s, _ = _timed(lambda: jax.jit(t.step).lower(*args).compile())
+  rows = []
+  for budget in budgets:
+    fitted = jaxmem.transform(t.step, budget=budget)
+    try:
+      _, seconds, compiles = _timed(lambda: fitted.fit(*args).footprint)
+      fits = True
+    except jaxmem.BudgetError:
+      fits, seconds, compiles = False, float("nan"), len(_COMPILES)
+    rows.append(dict(model=name, kind="transform", budget=budget, fits=fits,
+                     jit_s=jit_s, seconds=seconds, ratio=seconds / jit_s,
+                     compiles=compiles))
+  return rows
+
+
+def sweep(name: str, config: dict, planners, count: int) -> list[dict]:
+  t = task(name, config)
+  graph = build_graph(jax.make_jaxpr(t.step)(*jax.eval_shape(t.init)))
+  base = unplanned_liveness(graph).peak
+  fractions = np.linspace(0.95, 0.3, count)
+  costs: dict = {}
+  rows = []
+  for planner_name in planners:
+    planner = PLANNERS[planner_name]()
+    times = []
+    for fraction in fractions:
+      began = time.perf_counter()
+      found = planner.plan(graph, int(base * fraction))
+      times.append(time.perf_counter() - began)
+      costs[planner_name, fraction] = (found.fits, found.schedule.recompute_flops)
+    fitting = [f for f in fractions if costs[planner_name, f][0]]
+    rows.append(dict(model=name, kind="sweep", planner=planner_name, budgets=count,
+                     first_s=times[0], rest_median_s=float(np.median(times[1:])),
+                     total_s=float(sum(times)), fits=len(fitting)))
+  for row in rows:
+    both = [f for f in fractions if costs[row["planner"], f][0] and costs["ilp", f][0]]
+    over = [costs[row["planner"], f][1] / max(costs["ilp", f][1], 1.0) for f in both]
+    row["flops_over_ilp_median"] = float(np.median(over)) if over else float("nan")
+    row["flops_over_ilp_min"] = float(min(over)) if over else float("nan")
+  return rows
+
+
+def table(rows) -> str:
+  lines = ["| model | budget | fits | jit s | transform s | transform / jit | compilations |",
+           "|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['model']} | {r['budget']} | {'yes' if r['fits'] else 'NO'} | "
+            f"{r['jit_s']:.2f} | {r['seconds']:.2f} | {r['ratio']:.2f} | {r['compiles']} |"
+            for r in rows if r["kind"] == "transform"]
+  lines += ["", "| model | planner | budgets fitted | first budget s | median s after | "
+            "sweep total s | FLOPs / ILP's (median, min) |", "|---|---|---|---|---|---|---|"]
+  lines += [f"| {r['model']} | {r['planner']} | {r['fits']}/{r['budgets']} | "
+            f"{r['first_s']:.2f} | {r['rest_median_s']:.2f} | {r['total_s']:.1f} | "
+            f"{r['flops_over_ilp_median']:.2f}, {r['flops_over_ilp_min']:.2f} |"
+            for r in rows if r["kind"] == "sweep"]
+  return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+  from jaxmem._zoo import models
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--models", nargs="+", default=["gpt2", "resnet18"])
+  parser.add_argument("--budgets", nargs="+", default=["100%", "70%"])
+  parser.add_argument("--planners", nargs="+", default=["ilp", "recompute"])
+  parser.add_argument("--sweep", type=int, default=20)
+  parser.add_argument("--out", required=True)
+  opts = parser.parse_args(argv)
+  if "ilp" not in opts.planners:
+    parser.error("--planners must include ilp (plans are costed against it)")
+  rows = []
+  for name in opts.models:
+    config = models().CPU_SIZES.get(name, {})
+    rows += transforms(name, config, opts.budgets)
+    rows += sweep(name, config, opts.planners, opts.sweep)
+    print(table(rows), flush=True)
+  _results.write(opts.out, "benchmarks/planning.py", sys.argv[1:] if argv is None else argv,
+                 "What planning costs", "XLA:CPU on this machine", table(rows), rows)
+
+
+if __name__ == "__main__":
+  main()
