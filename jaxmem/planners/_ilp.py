@@ -181,8 +181,24 @@ class ILP(Planner):
   refine: bool = True
   fallback: object = None
   assumed_target: bool = False
+  # Search state for the graph last planned: the program's coefficients,
+  # its lowest plans and the greedy (whose ladder keeps its runs), none of
+  # which depends on the aim.
   _table: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
                                     compare=False)
+  _lowest_found: tuple = dataclasses.field(default=(None, None), init=False,
+                                           repr=False, compare=False)
+  _greedy: Greedy | None = dataclasses.field(default=None, init=False, repr=False,
+                                             compare=False)
+
+  def _fallback_planner(self) -> Planner:
+    """The fallback, or the recompute-only greedy (one per planner, so its
+    ladder's runs serve every budget)."""
+    if self.fallback is not None:
+      return self.fallback
+    if self._greedy is None:
+      self._greedy = Greedy(target=self.target)
+    return self._greedy
 
   def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
     """The cheapest combination whose model peak is at most ``aim``;
@@ -192,24 +208,23 @@ class ILP(Planner):
     began = time.perf_counter()
     with paused_gc():
       found = self._solve(graph, aim)
-      greedy = Greedy(target=self.target)
       if found is None:
         # Beyond the program's reach (a residual rebuilt through another
         # dropped one, or offloaded): the fallback's plan where it fits,
         # else the lowest.
         lowest = self._own_lowest(graph)[0]
-        beyond = self.fallback or greedy
+        beyond = self._fallback_planner()
         found = beyond.plan(graph, aim)
         outside = Solution([], self.cost(found.schedule) - self.cost(
             unplanned_liveness(graph).schedule), 0.0, "fallback", 0, 0.0,
                            fallback=beyond.name)
         if not found.fits and lowest.peak <= found.peak:
           found = lowest.aimed(aim)
-          outside = found.details
-          outside.status = "infeasible"
+          outside = dataclasses.replace(found.details, status="infeasible")
         found.details = outside
       elif self.refine and len(found.plan):
-        found = greedy.refined(graph, self._without_reference(graph, found, aim), aim)
+        found = Greedy(target=self.target).refined(
+            graph, self._without_reference(graph, found, aim), aim)
         found.details.refined = self.cost(found.schedule) - self.cost(
             unplanned_liveness(graph).schedule)
     found.seconds = time.perf_counter() - began
@@ -237,7 +252,9 @@ class ILP(Planner):
     """Plans of the lowest model peak, lowest first: the program's lowest,
     then while the memory model finds one, the cheapest combination under
     the last one's model peak (the program's sum and the model disagree by
-    a little; up to ``rounds`` descents)."""
+    a little; up to ``rounds`` descents). Found once per graph."""
+    if self._lowest_found[0] is graph:
+      return self._lowest_found[1]
     began = time.perf_counter()
     with paused_gc():
       found = [self._lowest(graph)]
@@ -248,7 +265,9 @@ class ILP(Planner):
         found.append(lower)
     for c in found:
       c.seconds = time.perf_counter() - began
-    return sorted(found, key=lambda c: c.peak)[:2]
+    found = sorted(found, key=lambda c: c.peak)[:2]
+    self._lowest_found = (graph, found)
+    return found
 
   def structured(self, graph: Graph) -> list[Candidate]:
     """The uniform per-block policies (:func:`block_candidates`), cheapest
