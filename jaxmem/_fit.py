@@ -282,9 +282,9 @@ def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
 
 
 # The smallest footprint a fit reached where it failed, per step function
-# (weakly: it goes with the function) and per what decides it (argument
-# signature, the jaxpr's equations, planner, target): a second budget under
-# it fails at once, without planning or compiling again.
+# (weakly: it goes with the function) and per what decides it (the traced
+# step's fingerprint, planner, target, planning rounds): a second budget
+# under it fails at once, without planning or compiling again.
 _SMALLEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 

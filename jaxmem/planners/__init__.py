@@ -104,7 +104,8 @@ def lgm_unreserved(target=None, **options) -> LGM:
 # DeviceProfile).
 PLANNERS: dict[str, Callable[..., Planner]] = {
     "recompute": recompute, "hybrid": hybrid, "offload": offload_only,
-    "lgm": lgm, "ilp": ilp, "auto": auto, "lgm-whole": lgm_whole, "lgm-unreserved": lgm_unreserved}
+    "lgm": lgm, "ilp": ilp, "auto": auto, "lgm-whole": lgm_whole,
+    "lgm-unreserved": lgm_unreserved}
 # Planners that exist to be compared against (left out of default runs).
 ABLATIONS = frozenset({"lgm-whole", "lgm-unreserved"})
 
@@ -127,7 +128,7 @@ def get_planner(planner, target=None) -> Planner:
 
 
 __all__ = [
-    "ABLATIONS", "DEFAULT_TARGET", "Fixed", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport", "PLANNERS",
-    "Planner", "Solution", "SwapRecord", "auto", "get_planner", "hybrid", "ilp", "lgm", "lgm_unreserved",
-    "lgm_whole", "offload_only", "recompute", "reservation_floor",
+    "ABLATIONS", "DEFAULT_TARGET", "Fixed", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport",
+    "PLANNERS", "Planner", "Solution", "SwapRecord", "auto", "get_planner", "hybrid", "ilp",
+    "lgm", "lgm_unreserved", "lgm_whole", "offload_only", "recompute", "reservation_floor",
 ]

@@ -111,7 +111,8 @@ class _Table:
   """The program's coefficients for one graph: per choice, what it adds to
   the live bytes at each equation (``delta``, rows as ``base``) and to the
   cost; what any recomputation adds (``overhead``, ``overhead_cost``: see
-  :meth:`ILP.table`); ``exclusive`` lists the groups of choices at most one
+  :meth:`ILP.table`); the cost of the step as written (``base_cost``);
+  ``exclusive`` lists the groups of choices at most one
   of which is taken."""
   choices: list
   base: np.ndarray
@@ -119,6 +120,7 @@ class _Table:
   cost: np.ndarray
   overhead: np.ndarray
   overhead_cost: float
+  base_cost: float
   exclusive: list
   reference: tuple
 
@@ -191,11 +193,10 @@ class ILP(Planner):
   _greedy: Greedy | None = dataclasses.field(default=None, init=False, repr=False,
                                              compare=False)
 
-  def _fallback_planner(self) -> Planner:
-    """The fallback, or the recompute-only greedy (one per planner, so its
-    ladder's runs serve every budget)."""
-    if self.fallback is not None:
-      return self.fallback
+  def _recompute_greedy(self) -> Greedy:
+    """The recompute-only greedy this planner refines with and, without a
+    fallback, falls back on: one per planner, so its ladder's runs serve
+    every budget."""
     if self._greedy is None:
       self._greedy = Greedy(target=self.target)
     return self._greedy
@@ -213,20 +214,18 @@ class ILP(Planner):
         # dropped one, or offloaded): the fallback's plan where it fits,
         # else the lowest.
         lowest = self._own_lowest(graph)[0]
-        beyond = self._fallback_planner()
+        beyond = self.fallback or self._recompute_greedy()
         found = beyond.plan(graph, aim)
-        outside = Solution([], self.cost(found.schedule) - self.cost(
-            unplanned_liveness(graph).schedule), 0.0, "fallback", 0, 0.0,
-                           fallback=beyond.name)
+        outside = Solution([], self.cost(found.schedule) - self.table(graph).base_cost,
+                           0.0, "fallback", 0, 0.0, fallback=beyond.name)
         if not found.fits and lowest.peak <= found.peak:
           found = lowest.aimed(aim)
           outside = dataclasses.replace(found.details, status="infeasible")
         found.details = outside
       elif self.refine and len(found.plan):
-        found = Greedy(target=self.target).refined(
+        found = self._recompute_greedy().refined(
             graph, self._without_reference(graph, found, aim), aim)
-        found.details.refined = self.cost(found.schedule) - self.cost(
-            unplanned_liveness(graph).schedule)
+        found.details.refined = self.cost(found.schedule) - self.table(graph).base_cost
     found.seconds = time.perf_counter() - began
     return found
 
@@ -257,7 +256,7 @@ class ILP(Planner):
       return self._lowest_found[1]
     began = time.perf_counter()
     with paused_gc():
-      found = [self._lowest(graph)]
+      found = [self._min_peak(graph)]
       for _ in range(self.rounds):
         lower = self._solve(graph, found[-1].peak - 1)
         if lower is None:
@@ -301,9 +300,8 @@ class ILP(Planner):
     segs = segments(graph)
     choices, columns, costs = [], [], []
 
-    def add(choice):
-      decisions = dict(reference)
-      decisions.update(plan_of(graph, [choice]).as_dict())
+    def add(choice, plan: Plan):
+      decisions = {**reference, **plan.as_dict()}
       memory = candidate(graph, Plan.of(decisions)).memory
       found = levels(memory)
       column = [found.get(k, 0) - ref_rows.get(k, 0) for k in keys]
@@ -318,16 +316,16 @@ class ILP(Planner):
         plan = plan_of(graph, [Choice(seg, keep)])
         if plan not in seen and plan.values_with("recompute"):
           seen.add(plan)  # a policy keeping all this block recomputes: as written
-          add(Choice(seg, keep))
+          add(Choice(seg, keep), plan)
     for group in drops if self.drops else ():
       if group != smallest:
-        add(Drop(group))
+        add(Drop(group), plan_of(graph, [Drop(group)]))
     table = _Table(
         choices, np.array([rows[k] for k in keys], dtype=float),
         np.array(columns, dtype=float).T.reshape(len(keys), len(choices)),
         np.array(costs, dtype=float),
         np.array([ref_rows.get(k, 0) - rows[k] for k in keys], dtype=float),
-        ref_cost - base_cost, exclusive(graph, choices, segs), smallest)
+        ref_cost - base_cost, base_cost, exclusive(graph, choices, segs), smallest)
     self._table = (graph, table)
     return table
 
@@ -398,7 +396,7 @@ class ILP(Planner):
       refused.append(chosen)
     return None
 
-  def _lowest(self, graph: Graph) -> Candidate:
+  def _min_peak(self, graph: Graph) -> Candidate:
     """The combination of the lowest model peak the program finds."""
     table = self.table(graph)
     n = len(table.choices)
