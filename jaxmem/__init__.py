@@ -35,7 +35,8 @@ _flags.enable_cpu_remat(warn=False)
 from jaxmem._budget import Budget, BudgetError  # noqa: E402
 from jaxmem._decisions import Chunked, Decision, Keep, Offload, Plan, Recompute, Save  # noqa: E402
 from jaxmem._flags import enable_cpu_remat  # noqa: E402
-from jaxmem._transform import Analysis, Fit, Transformed, analyze, transform  # noqa: E402
+from jaxmem._analyze import Analysis, analyze  # noqa: E402
+from jaxmem._transform import Fit, Transformed, transform  # noqa: E402
 from jaxmem.planners import ILP, LGM, PLANNERS, Greedy, Hybrid, Planner, hybrid  # noqa: E402
 from jaxmem.targets import PROFILES, DeviceProfile, GpuDescription, calibrate  # noqa: E402
 

@@ -29,10 +29,11 @@ import weakref
 from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
+from jaxmem._decisions import Plan
 from jaxmem._evaluate import Candidate, candidate, unplanned, unplanned_liveness
 from jaxmem._graph import Graph
 from jaxmem._scan_remat import loop_variants
-from jaxmem.planners import Planner
+from jaxmem.planners import Fixed, Planner
 from jaxmem.targets import holds_host_memory, xla_footprint
 
 # How many plans shaped like the per-block policies a fit compiles on a
@@ -262,6 +263,17 @@ class Fitter:
     """The error for a budget under ``smallest``, the least reached."""
     return budget_error(self.budget + self.reserve, self.reserve, self.unconstrained,
                         smallest, self.planner.name, self.where)
+
+
+def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
+             source: str) -> tuple[Fixed, tuple[Trial, int]] | None:
+  """A given plan (from ``source``) as a fit: compiled once, without
+  planning, and taken where it fits. ``fitter`` makes the fit loop for a
+  planner; the answer is the planner proposing the plan with the loop's
+  ``(trial, rounds)``, or None where the plan does not fit."""
+  fixed = Fixed(plan, source=source)
+  found = fitter(planner=fixed, max_rounds=1).fit(find_smallest=False)
+  return None if found is None else (fixed, found)
 
 
 def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,

@@ -16,8 +16,11 @@ Example:
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import json
+
+import numpy as np
 
 from jaxmem._decisions import Chunked, Decision, Keep, Offload, Plan, Recompute, Save
 
@@ -27,12 +30,32 @@ _SIMPLE = {"keep": Keep, "recompute": Recompute, "save": Save}
 
 
 def fingerprint(closed) -> str:
-  """A digest of a traced step (a ``ClosedJaxpr``): its equations'
-  primitives and the types of its arguments and results, stable across
-  processes."""
-  text = "\n".join([*(str(e.primitive) for e in closed.jaxpr.eqns),
-                    *map(str, closed.in_avals), "->", *map(str, closed.out_avals)])
+  """A digest of a traced step (a ``ClosedJaxpr``): its equations
+  (primitives, result types and parameters, nested jaxprs included) and the
+  types of its arguments and results, stable across processes. Parameters
+  that are functions or other objects whose text holds an address count by
+  their type only."""
+  text = "\n".join([*_equations(closed.jaxpr), *map(str, closed.in_avals), "->",
+                     *map(str, closed.out_avals)])
   return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _equations(jaxpr) -> list[str]:
+  return [f"{e.primitive} {[str(v.aval) for v in e.outvars]} "
+          f"{ {k: _param(v) for k, v in sorted(e.params.items())} }" for e in jaxpr.eqns]
+
+
+def _param(value):
+  if value is None or isinstance(value, (bool, int, float, str)):
+    return value
+  if isinstance(value, (tuple, list)):
+    return [_param(v) for v in value]
+  inner = getattr(value, "jaxpr", value)  # a ClosedJaxpr's jaxpr, or a Jaxpr
+  if hasattr(inner, "eqns"):
+    return _equations(inner)
+  if isinstance(value, (np.dtype, enum.Enum)) or type(value).__module__ == "numpy":
+    return str(value)
+  return type(value).__name__
 
 
 def _encode(decision: Decision) -> dict:

@@ -3,7 +3,6 @@ shaped like ``jax.jit``."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -13,19 +12,17 @@ from typing import Callable
 import jax
 from jax.extend import core as jex
 
-from jaxmem import _primitives
+from jaxmem import _plan_cache, _primitives
 from jaxmem._arguments import Arguments, inherited_donations
 from jaxmem._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem._emit import emit
 from jaxmem._evaluate import Candidate, evaluate
-from jaxmem._fit import Fitter, budget_error, remember, remembered
+from jaxmem._fit import Fitter, budget_error, fit_plan, remember, remembered
 from jaxmem._fitted import Fit
 from jaxmem._graph import Graph, build_graph, trace
 from jaxmem._inner import body_graph, embedded, inner_loop
-from jaxmem._memory import Liveness
-from jaxmem._report import residual_table
 from jaxmem._xla_buffers import learn, with_buffers
 from jaxmem._xla_clock import program_time
 from jaxmem._saved import fingerprint, loads
@@ -53,9 +50,11 @@ class Transformed:
   """
 
   def __init__(self, fun, budget, planner, static_argnums, static_argnames,
-               jit_kwargs, max_rounds, reserve=None, target=None, plan=None):
+               jit_kwargs, max_rounds, reserve=None, target=None, plan=None,
+               plan_cache=None):
     self.fun = fun
     self.saved = plan  # a Plan, or a path to a saved one
+    self.plan_cache = plan_cache
     self.budget = Budget.parse(budget)
     self.target = target
     if target is not None:
@@ -118,7 +117,8 @@ class Transformed:
       axes = tuple(0 if batched else None for batched in in_batched)
       vmapped = functools.wraps(self.fun)(jax.vmap(step, in_axes=axes))
       self._batched[key] = Transformed(vmapped, self.budget, self._planner_spec, (), (),
-                                       {}, self.max_rounds, self.reserve, self.target)
+                                       {}, self.max_rounds, self.reserve, self.target,
+                                       plan_cache=self.plan_cache)
     return self._batched[key]
 
   def lower(self, *args, **kwargs):
@@ -250,14 +250,15 @@ class Transformed:
     model = base_memory if loop is None else evaluate(planned, Plan())[1]
     fixed = workspace_bytes(baseline)
     clock = _clock(target)
-    fitter = Fitter(planned, planner, budget - reserve, unconstrained,
-                    model.peak / max(unconstrained - fixed, 1), jit, self.max_rounds,
-                    reserve, target.name, fixed, clock)
-    try:
-      found = fitter.fit(find_smallest)
-    except BudgetError as err:
-      remember(self.fun, memo, err.smallest - reserve, unconstrained)
-      raise
+    fitter = functools.partial(Fitter, planned, budget=budget - reserve,
+                               unconstrained=unconstrained,
+                               model_scale=model.peak / max(unconstrained - fixed, 1), jit=jit,
+                               # a saved plan is compiled once, never re-aimed
+                               max_rounds=1 if self.saved is not None else self.max_rounds,
+                               reserve=reserve, where=target.name,
+                               fixed=fixed, clock=clock)
+    planner, found = self._search(fitter, planner, step, memo, leaves, target, budget,
+                                  reserve, unconstrained, find_smallest)
     if found is None:
       return None
     trial, attempts = found
@@ -271,6 +272,36 @@ class Transformed:
                reserve, None if loop is None else graph.nodes[loop].source, out_tree,
                run_flat, {here.name: jitted}, trial.seconds,
                None if clock is None else clock(baseline), step)
+
+  def _search(self, fitter: Callable, planner, step: str, memo: tuple, leaves,
+              target: Target, budget: int, reserve: int, unconstrained: int,
+              find_smallest: bool):
+    """``(planner, (trial, rounds))``: the plan cached for this step where
+    the plan cache has one that fits (``Fixed`` its planner), else the fit
+    loop's with ``planner`` (cached where it plans something); ``(planner,
+    None)`` where :meth:`can_fit`'s quick answer is no. A budget no plan
+    meets is remembered (``memo``) before its error is raised."""
+    cache = None if self.saved is not None else _plan_cache.directory(self.plan_cache)
+    entry = cache and _plan_cache.key(
+        step, shardings=[str(getattr(x, "sharding", None)) for x in leaves], budget=budget,
+        reserve=reserve, target=target.name, profile=target.profile,
+        description=None if target.profile is None else target.profile.description,
+        planner=planner.describe(), max_rounds=self.max_rounds)
+    plan = cache and _plan_cache.get(cache, entry, step)
+    if plan:
+      hit = fit_plan(fitter, plan, _plan_cache.path(cache, entry))
+      if hit is not None:
+        return hit
+    try:
+      found = fitter(planner=planner).fit(find_smallest)
+    except BudgetError as err:
+      remember(self.fun, memo, err.smallest - reserve, unconstrained)
+      raise
+    if cache and found is not None and len(found[0].candidate.plan):
+      _plan_cache.put(cache, entry, found[0].candidate.plan, step, budget=budget,
+                      target=target.name, planner=planner.describe(),
+                      footprint=found[0].footprint)
+    return planner, found
 
   @staticmethod
   def _baseline(written, as_written: Callable, target: Target, leaves, args, kwargs):
@@ -388,7 +419,8 @@ def _no_collectives(graph: Graph, name: str) -> None:
 
 def transform(fun: Callable, budget, *, planner="auto", target=None,
               static_argnums=(), static_argnames=(), max_rounds: int = 4,
-              reserve: int | None = None, plan=None, **jit_kwargs) -> Transformed:
+              reserve: int | None = None, plan=None, plan_cache=None,
+              **jit_kwargs) -> Transformed:
   """Fits a training step into a device-memory budget.
 
   The step (forward, backward and optimizer update in one function) is traced
@@ -420,6 +452,12 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
       :meth:`Fit.save_plan` (refused if the step or its argument shapes
       changed since) or a :class:`jaxmem.Plan`. It is compiled once and kept
       if it fits the budget.
+    plan_cache: a directory where plans are kept across runs (None: the
+      environment variable ``JAXMEM_PLAN_CACHE_DIR``, or no cache). An
+      entry is keyed by the traced step, the arguments' shapes and
+      shardings, the budget in bytes, the target, the planner and the
+      versions of jaxmem and JAX; a hit is compiled once, without planning,
+      and taken where it fits (else the step is planned again).
     **jit_kwargs: passed to ``jax.jit``. ``donate_argnums`` /
       ``donate_argnames`` donate as there; a step already wrapped in
       ``jax.jit`` with donated arguments keeps its donation.
@@ -446,38 +484,4 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
     True
   """
   return Transformed(fun, budget, planner, static_argnums, static_argnames,
-                     jit_kwargs, max_rounds, reserve, target, plan)
-
-
-@dataclasses.dataclass
-class Analysis:
-  """What :func:`analyze` finds in a step."""
-  graph: Graph
-  memory: Liveness
-
-  @property
-  def residuals(self):
-    return self.graph.residuals
-
-  @property
-  def peak(self) -> int:
-    return self.memory.peak
-
-  def report(self, top: int | None = 30) -> str:
-    return (f"predicted footprint {format_bytes(self.peak)} at "
-            f"{self.memory.peak_name}\n" + residual_table(self.graph, top=top))
-
-
-def analyze(fun: Callable, *args, **kwargs) -> Analysis:
-  """Traces a step and lists its residuals with sizes, lifetimes and layers.
-
-  Example:
-    >>> import jax, jax.numpy as jnp, jaxmem
-    >>> step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
-    >>> a = jaxmem.analyze(step, jnp.ones((4, 4)), jnp.ones((2, 4)))
-    >>> [r.primitive for r in a.residuals]  # tanh(y) and 1 - tanh(y)**2
-    ['tanh', 'sub']
-  """
-  closed, _ = trace(jax.jit(fun), *args, **kwargs)
-  graph = build_graph(closed)
-  return Analysis(graph, evaluate(graph, Plan())[1])
+                     jit_kwargs, max_rounds, reserve, target, plan, plan_cache)

@@ -2,8 +2,6 @@
 one compilation jax.jit makes; an impossible budget fails at once the
 second time."""
 
-import time
-
 import jax
 import jax.numpy as jnp
 from jax import monitoring

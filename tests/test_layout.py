@@ -14,6 +14,7 @@ LAYERS = [
     {"_flags", "_provenance", "_budget", "_primitives", "_decisions", "_arguments", "_batching",
      "targets._description", "_hlo"},
     {"_saved", "targets._profiles"},
+    {"_plan_cache"},
     {"targets._compile", "targets._calibrate"},
     {"targets"},
     {"_graph"},
@@ -33,7 +34,7 @@ LAYERS = [
     {"planners"},
     {"_report", "_fit"},
     {"_fitted"},
-    {"_transform"},
+    {"_transform", "_analyze"},
     {""},  # the package itself: the public face
     {"_zoo", "_plots"},
     {"_benchmark"},

@@ -126,7 +126,7 @@ class LayerReport(Details):
 
   def table(self) -> str:
     """The swaps as a readable table."""
-    lines = [f"vTensor swaps (layer, its deficit, tensor, chunks swapped/cut, bytes):",
+    lines = ["vTensor swaps (layer, its deficit, tensor, chunks swapped/cut, bytes):",
              f"{'layer':<28} {'deficit':>10} {'tensor':>10} {'chunks':>7} "
              f"{'swapped':>10}  name", "-" * 90]
     for r in self.records:
