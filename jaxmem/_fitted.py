@@ -13,7 +13,7 @@ from jaxmem._graph import Graph
 from jaxmem._memory import Liveness
 from jaxmem._report import decision_label, residual_table
 from jaxmem._saved import dumps
-from jaxmem.planners import Planner
+from jaxmem.planners import ILP, Gap, Planner
 from jaxmem.targets import Target
 
 
@@ -78,6 +78,7 @@ class Fit:
   predicted: float | None = None
   unconstrained_predicted: float | None = None
   step: str = ""
+  _gap: Gap | None = dataclasses.field(default=None, init=False, repr=False)
 
   def save_plan(self, path) -> None:
     """Writes the plan as JSON to ``path``, for ``transform(...,
@@ -86,6 +87,18 @@ class Fit:
     with open(path, "w") as f:
       f.write(dumps(self.plan, self.step, budget=self.budget, target=self.target.name,
                     planner=self.planner.describe(), footprint=self.footprint))
+
+  def gap(self) -> Gap:
+    """The plan's cost against the exact planner's bound at the plan's own
+    model peak (:meth:`jaxmem.ILP.gap`), found once: the fit's planner
+    answers where it is the exact planner (its program is priced
+    already), else an exact planner on the same target prices the step
+    (a few seconds on large steps)."""
+    if self._gap is None:
+      exact = self.planner if isinstance(self.planner, ILP) else ILP(
+          target=self.planner.target)
+      self._gap = exact.gap(self.graph, self.result)
+    return self._gap
 
   @property
   def plan(self) -> Plan:
@@ -126,6 +139,7 @@ class Fit:
         f"block boundaries saved ({format_bytes(saved_bytes)})",
         f"added FLOPs       {self.added_flops:.3g} "
         f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
+        f"against optimum   {self.gap().text()}",
         f"planning time     {self.seconds:.2f} s ({self.attempts} round(s))",
         "",
         residual_table(self.graph, top=top, decisions=decisions),

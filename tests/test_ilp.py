@@ -120,3 +120,34 @@ def test_auto_offloads_where_recomputation_does_not_reach(mlp):
   # Without a host link of its own, nothing is offloaded.
   assert auto("orin-nano").fallback is None
   assert auto().fallback is None
+
+
+@pytest.mark.parametrize("fraction", [0.85, 0.75])
+def test_gap_of_a_combination_is_its_distance_to_the_enumerated_optimum(blocks, fraction):
+  graph, full = blocks
+  planner = ILP(drops=False, refine=False)
+  combos = _enumerate(graph, planner)
+  # The costliest combination within the aim, judged at its own peak.
+  plan, peak, cost = max((c for c in combos if c[1] <= int(full * fraction)),
+                         key=lambda c: c[2])
+  best = min(c for _, p, c in combos if p <= peak)
+  gap = planner.gap(graph, candidate(graph, plan, peak))
+  base = planner.cost(unplanned_liveness(graph).schedule)
+  assert gap.cost == pytest.approx(cost - base, rel=1e-9)
+  assert gap.bound == pytest.approx(best - base, rel=1e-4)
+  assert gap.gap == pytest.approx((cost - best) / (cost - base), abs=1e-4)
+  assert "within" in gap.text()
+
+
+def test_every_report_states_the_gap(mlp):
+  task, args, graph, _ = mlp
+  fit = jaxmem.transform(task.step, budget="60%", planner="recompute").fit(*args)
+  gap = fit.gap()
+  assert gap.cost == pytest.approx(fit.added_flops, rel=1e-9)  # FLOPs: the greedy's cost
+  assert gap.bound is not None and gap.status == "optimal"
+  assert gap.text() in fit.report()
+  assert fit.gap() is gap  # found once
+  # Below every combination's reach the gap is unknown, and says so.
+  lowest = Greedy().lowest(graph)[0]
+  assert ILP(drops=False).gap(graph, lowest).bound is None
+  assert "gap unknown" in ILP(drops=False).gap(graph, lowest).text()

@@ -28,7 +28,7 @@ LAYERS = [
     {"_memory", "_perf"},
     {"_evaluate"},
     {"_blocks", "_inner"},
-    {"planners._base", "planners._choices"},
+    {"planners._base", "planners._choices", "planners._solution"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},
     {"planners._ilp"},
     {"planners"},

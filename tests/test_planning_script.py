@@ -20,4 +20,9 @@ def test_rows_count_compilations_and_cost_plans_against_the_exact_planner(tmp_pa
   sweeps = {r["planner"]: r for r in rows if r["kind"] == "sweep"}
   assert set(sweeps) == {"ilp", "recompute"}
   assert sweeps["ilp"]["flops_over_ilp_median"] == 1.0
+  # Each fitting plan's gap is known (it reaches within the program's
+  # choices' peak) and the exact planner's plans are no costlier than its
+  # bound (refined, they may be cheaper).
+  assert sweeps["recompute"]["gap_known"] >= 1
+  assert sweeps["ilp"]["gap_max"] <= 1e-3
   assert "| mlp | ilp |" in (tmp_path / "results.md").read_text()

@@ -32,7 +32,7 @@ from jaxmem.targets._profiles import get_profile
 from jaxmem.planners._fixed import Fixed
 from jaxmem.planners._greedy import Greedy
 from jaxmem.planners._hybrid import Hybrid
-from jaxmem.planners._ilp import ILP, Solution
+from jaxmem.planners._ilp import ILP, Gap, Solution
 from jaxmem.planners._lgm import LGM, LayerReport, SwapRecord, reservation_floor
 
 
@@ -128,7 +128,7 @@ def get_planner(planner, target=None) -> Planner:
 
 
 __all__ = [
-    "ABLATIONS", "DEFAULT_TARGET", "Fixed", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport",
+    "ABLATIONS", "DEFAULT_TARGET", "Fixed", "Gap", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport",
     "PLANNERS", "Planner", "Solution", "SwapRecord", "auto", "get_planner", "hybrid", "ilp",
     "lgm", "lgm_unreserved", "lgm_whole", "offload_only", "recompute", "reservation_floor",
 ]

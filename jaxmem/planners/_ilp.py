@@ -41,69 +41,12 @@ from scipy import optimize
 
 from jaxmem._blocks import KEEPS, block_candidates, segments
 from jaxmem._decisions import KEEP, RECOMPUTE, Plan
-from jaxmem._evaluate import Candidate, Details, candidate, paused_gc, unplanned_liveness
+from jaxmem._evaluate import Candidate, candidate, paused_gc, unplanned_liveness
 from jaxmem._graph import Graph
 from jaxmem.planners._base import Planner
 from jaxmem.planners._choices import Choice, Drop, exclusive, levels, plan_of, rebuild_groups
+from jaxmem.planners._solution import Gap, Solution
 from jaxmem.planners._greedy import Greedy
-
-
-@dataclasses.dataclass
-class Solution(Details):
-  """What the solver proved about a plan.
-
-  Attributes:
-    chosen: ``(block, policy)`` of each block the plan checkpoints.
-    cost: the program's cost of the chosen blocks over the step as written
-      (recomputed FLOPs, or with a target predicted seconds in FLOPs of the
-      target).
-    bound: the solver's lower bound on that cost (equal to ``cost`` when
-      the program was solved to optimality).
-    refined: the plan's cost after the refinement (at most ``cost`` where
-      the two models agree; None before it).
-    fallback: the planner whose plan was taken (status ``"fallback"``).
-    status: ``"optimal"``, ``"time limit"`` (the incumbent, with its gap),
-      ``"fallback"`` (no combination fits, but the planner ``fallback``'s
-      plan does: it is taken, its gap unknown) or ``"infeasible"`` (nothing
-      fits; the plan is the lowest).
-    rounds: programs solved (one more per combination the memory model
-      refused).
-    seconds: time in the solver.
-  """
-  chosen: list
-  cost: float
-  bound: float
-  status: str
-  rounds: int
-  seconds: float
-  refined: float | None = None
-  fallback: str = ""
-
-  @property
-  def gap(self) -> float:
-    """``(cost - bound) / cost``: how far from the optimum the plan may be
-    (0 when it is the optimum)."""
-    return 0.0 if self.cost <= 0 else max(self.cost - self.bound, 0.0) / self.cost
-
-  def rows(self) -> list[dict]:
-    return [{"block": name, "policy": keep} for name, keep in self.chosen]
-
-  def table(self) -> str:
-    if self.status == "infeasible":
-      head = "exact planner: no choice of block policies fits; the lowest is taken"
-    elif self.status == "fallback":
-      return (f"exact planner: no combination of its choices fits; planner "
-              f"{self.fallback!r}'s plan is taken (gap unknown)")
-    elif self.status == "optimal":
-      head = "exact planner: optimal over its choices (blocks under a policy, residuals rebuilt alone)"
-    else:
-      head = (f"exact planner ({self.status}): within {self.gap:.1%} of the optimum over "
-              "its choices")
-    if self.refined is not None and self.refined < self.cost:
-      head += f"; the refinement cuts its cost to {self.refined / self.cost:.1%} of that"
-    lines = [f"{head} ({self.rounds} programs, {self.seconds:.2f} s):"]
-    lines += [f"  {name:<40} {keep}" for name, keep in self.chosen] or ["  (nothing)"]
-    return "\n".join(lines)
 
 
 @dataclasses.dataclass
@@ -395,6 +338,21 @@ class ILP(Planner):
         return found
       refused.append(chosen)
     return None
+
+  def gap(self, graph: Graph, found: Candidate) -> Gap:
+    """``found`` (any planner's plan for ``graph``) against the cheapest
+    combination of this planner's choices whose model peak is at most
+    ``found``'s."""
+    began = time.perf_counter()
+    with paused_gc():
+      cost = self.cost(found.schedule) - self.table(graph).base_cost
+      best = self._solve(graph, found.peak) if len(found.plan) else None
+    seconds = time.perf_counter() - began
+    if not len(found.plan):
+      return Gap(0.0, 0.0, "optimal", seconds)
+    if best is None:
+      return Gap(cost, None, "unreachable", seconds)
+    return Gap(cost, best.details.bound, best.details.status, seconds)
 
   def _min_peak(self, graph: Graph) -> Candidate:
     """The combination of the lowest model peak the program finds."""
