@@ -23,6 +23,9 @@ class Solution(Details):
       the two models agree; None before it).
     fallback: the planner whose plan was taken (status ``"fallback"``).
     status: ``"optimal"``, ``"time limit"`` (the incumbent, with its gap),
+      ``"aim tightened"`` (the memory model refused the program's
+      combinations until its limit was lowered below the aim: the plan
+      fits, its gap is to the bound at the aim),
       ``"fallback"`` (no combination fits, but the planner ``fallback``'s
       plan does: it is taken, its gap unknown) or ``"infeasible"`` (nothing
       fits; the plan is the lowest).
@@ -78,7 +81,7 @@ class Gap:
     bound: the solver's lower bound on the cost of any combination of the
       exact planner's choices that reaches the same model peak; None where
       no combination does.
-    status: the program's (``"optimal"``, ``"time limit"``,
+    status: the program's (``"optimal"``, ``"time limit"``, ``"aim tightened"``,
       ``"unreachable"``).
     seconds: time spent pricing and solving.
   """
@@ -100,7 +103,7 @@ class Gap:
     if self.bound is None:
       return ("gap unknown: no combination of the exact planner's choices reaches "
               "this plan's peak")
-    solved = "" if self.status == "optimal" else f" (its program stopped at the {self.status})"
+    solved = "" if self.status == "optimal" else f" (its program: {self.status})"
     if self.gap < 0:
       return (f"{-self.gap:.1%} cheaper than the exact planner's bound over its "
               f"choices{solved}: the plan reaches outside them")
