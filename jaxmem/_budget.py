@@ -6,8 +6,10 @@ Accepted forms:
 * a string with a unit: ``"3GiB"``, ``"512MB"``, ``"1.5 GB"``, ``"800 KiB"``,
   ``"4096B"`` (binary units KiB/MiB/GiB/TiB are powers of 1024, decimal
   KB/MB/GB/TB powers of 1000);
-* a fraction of the unconstrained footprint: ``"60%"`` or a float in (0, 1]
-  such as ``0.6``.
+* a fraction of the step's own footprint (XLA's compiled footprint of
+  the step as written, without donation, on the target): ``"60%"`` or a
+  float such as ``0.6``; above 1 (``"150%"``, ``1.5``) a budget the step as
+  written meets, which needs no plan.
 """
 
 from __future__ import annotations
@@ -20,8 +22,8 @@ import re
 ACCEPTED = (
     "an int number of bytes (e.g. 3221225472), a string with a unit "
     "(e.g. '3GiB', '512MB', '1.5 GB'; units B, KB, MB, GB, TB, KiB, MiB, GiB, "
-    "TiB), or a fraction of the unconstrained footprint ('60%' or a float in "
-    "(0, 1], e.g. 0.6)")
+    "TiB), or a fraction of the step's own footprint ('60%' or a float, e.g. "
+    "0.6; '150%' or 1.5 leave room above it)")
 
 _UNITS = {
     "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -71,9 +73,9 @@ class Budget:
       return cls(nbytes=int(budget), text=format_bytes(int(budget)))
     if isinstance(budget, numbers.Real):
       value = float(budget)
-      if not 0.0 < value <= 1.0:
-        raise _bad(budget, "a float is a fraction and must lie in (0, 1]; "
-                   "pass an int for bytes")
+      if not 0.0 < value < math.inf:
+        raise _bad(budget, "a float is a fraction of the step's footprint and must be "
+                   "positive and finite; pass an int for bytes")
       return cls(fraction=value, text=f"{value:.0%}")
     if isinstance(budget, str):
       match = _PATTERN.match(budget)
@@ -81,8 +83,8 @@ class Budget:
         raise _bad(budget)
       number, unit = float(match.group(1)), match.group(2).lower()
       if unit == "%":
-        if not 0.0 < number <= 100.0:
-          raise _bad(budget, "a percentage must lie in (0, 100]")
+        if not 0.0 < number < math.inf:
+          raise _bad(budget, "a percentage must be positive")
         return cls(fraction=number / 100.0, text=budget.strip())
       if not unit:
         raise _bad(budget, _unitless(number))

@@ -41,6 +41,9 @@ from jaxmem.targets import holds_host_memory, xla_footprint
 # compilation of the step).
 STRUCTURED_COMPILES = 4
 
+# How far under the budget's share of the model the first plan aims.
+FIRST_MARGIN = 0.01
+
 
 @dataclasses.dataclass(frozen=True)
 class Trial:
@@ -103,6 +106,9 @@ class Fitter:
   where: str = ""
   fixed: int = 0
   clock: Callable[[object], float] | None = None
+  # Model bytes per XLA byte of each planned trial compiled: what the
+  # model's peaks have been worth on the target so far in this fit.
+  _ratios: list = dataclasses.field(default_factory=list, init=False, repr=False)
 
   def _model_part(self, footprint: int) -> int:
     """The part of an XLA footprint the memory model's figures stand for."""
@@ -135,7 +141,20 @@ class Fitter:
     seconds = None if self.clock is None else self.clock(compiled)
     if candidate.plan.uses_host and not holds_host_memory(compiled):
       return Trial(candidate, int(candidate.peak / self.model_scale) + self.fixed, seconds)
-    return Trial(candidate, xla_footprint(compiled), seconds)
+    trial = Trial(candidate, xla_footprint(compiled), seconds)
+    if trial.footprint is not None and len(candidate.plan):
+      self._ratios.append(candidate.peak / self._model_part(trial.footprint))
+    return trial
+
+  def may_fit(self, candidate: Candidate) -> bool:
+    """Whether ``candidate`` may fit the budget by what the steps compiled
+    so far say the model's bytes are worth (the least model bytes per XLA
+    byte seen, the step as written's included: the largest footprint it
+    may have); True before any plan is compiled."""
+    if not self._ratios:
+      return True
+    least = min(self.model_scale, *self._ratios)  # the step as written's included
+    return candidate.peak / least + self.fixed <= self.budget
 
   def cost(self, trial: Trial | Candidate) -> float:
     """The planner's cost of a plan (its cost model's, before compiling)."""
@@ -153,7 +172,10 @@ class Fitter:
     """Plans toward the budget in the model's scale; while XLA's footprint
     is over it and the plan met its aim, aims lower. The step as written
     where it is already within the aim."""
-    graph, scale, previous = self.graph, self.model_scale, None
+    # The first aim keeps FIRST_MARGIN under the budget's share: the model
+    # tracks XLA within about that much, and a first plan that fits saves
+    # a compilation.
+    graph, scale, previous = self.graph, self.model_scale * (1 - FIRST_MARGIN), None
     for rounds in itertools.count(1):
       aim = int(self._model_part(self.budget) * scale)
       if self.needs_plan(aim):
@@ -183,8 +205,9 @@ class Fitter:
     plan's savings below what XLA gives them, recomputes more than it needs
     to: re-planned up to ``rounds`` times for a looser aim in model bytes
     (bisecting between the last aim that fit and the first that did not),
-    a plan is taken if XLA's footprint still fits and it costs less
-    (:meth:`Planner.cost`)."""
+    a plan is compiled where the plans compiled so far say it may fit
+    (:meth:`may_fit`), and taken if XLA's footprint still fits and it
+    costs less (:meth:`Planner.cost`)."""
     room = self._model_part(self.budget)
     low, high = found.candidate.aim / room, None
     for _ in range(rounds):
@@ -193,7 +216,8 @@ class Fitter:
       scale = ((low + high) / 2 if high else
                low * room / self._model_part(found.measured) * 0.99)
       candidate = self.planner.plan(self.graph, int(room * scale))
-      if candidate.fits and candidate.plan != found.candidate.plan:
+      if (candidate.fits and candidate.plan != found.candidate.plan
+          and self.may_fit(candidate)):
         trial = self.compile(candidate)
         if trial.measured <= self.budget and self.cheaper(trial, found):
           found, low = trial, scale

@@ -80,6 +80,13 @@ class Fit:
   step: str = ""
   _gap: Gap | None = dataclasses.field(default=None, init=False, repr=False)
 
+  def __repr__(self) -> str:
+    fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
+    return (f"Fit(budget={format_bytes(self.budget)}, footprint={fp}, "
+            f"unconstrained={format_bytes(self.unconstrained)}, "
+            f"decisions={len(self.plan)}, planner={self.planner.name!r}, "
+            f"target={self.target.name!r}); .report() for the whole")
+
   def save_plan(self, path) -> None:
     """Writes the plan as JSON to ``path``, for ``transform(...,
     plan=path)`` to apply without planning (to this step, with these
@@ -131,15 +138,17 @@ class Fit:
            "and backward pass (residuals, decisions and FLOPs below are one "
            "iteration's)"] if self.loop else []),
         f"peak at           {p.peak_name}",
-        f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
+        ("decisions         none: the step as written fits the budget, nothing needed "
+         "planning" if not len(self.plan) else
+         f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
         f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
         f"{len(self.plan.values_with('offload'))} offloaded, "
         f"{len(self.plan.values_with('chunked'))} split into vTensors; "
         f"{format_bytes(p.host_peak)} on the host at most); {len(saved)} "
-        f"block boundaries saved ({format_bytes(saved_bytes)})",
+        f"block boundaries saved ({format_bytes(saved_bytes)})"),
         f"added FLOPs       {self.added_flops:.3g} "
         f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
-        f"against optimum   {self.gap().text()}",
+        *([f"against optimum   {self.gap().text()}"] if len(self.plan) else []),
         f"planning time     {self.seconds:.2f} s ({self.attempts} round(s))",
         "",
         residual_table(self.graph, top=top, decisions=decisions),

@@ -18,7 +18,13 @@ def test_fraction(text):
   assert Budget.parse(text).resolve(1000) == 600
 
 
-@pytest.mark.parametrize("bad", [-5, 0, "lots", [1], "0%", "120%", 1.5, "-3GiB",
+@pytest.mark.parametrize("text", ["150%", 1.5])
+def test_a_fraction_above_one_reads_as_it_reads(text):
+  # A sweep over 50/100/150% does not break on its third value.
+  assert Budget.parse(text).resolve(1000) == 1500
+
+
+@pytest.mark.parametrize("bad", [-5, 0, "lots", [1], "0%", "-20%", -0.5, float("inf"), "-3GiB",
                                  "3 parsecs", None, True])
 def test_bad_budgets_list_the_accepted_forms(bad):
   with pytest.raises(BudgetError, match="Expected an int number of bytes"):

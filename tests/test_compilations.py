@@ -104,3 +104,12 @@ def test_a_saved_plan_reloads_to_the_same_program(args, tmp_path):
   # A budget the saved plan does not meet names the plan's footprint.
   with pytest.raises(jaxmem.BudgetError):
     jaxmem.transform(_step, budget=fit.footprint - 1, plan=path).fit(*args)
+
+
+def test_a_planned_budget_compiles_the_step_and_at_most_two_plans(args):
+  # The first plan aims a little under the budget's share, and a looser
+  # plan is compiled only where the steps compiled so far say it may fit.
+  fitted = jaxmem.transform(lambda w, x: _step(w, x), budget="70%")
+  _, made = compiles(fitted.fit, *args)
+  assert len(fitted.fit(*args).plan)
+  assert made <= 3, made  # the step as written, then plans

@@ -136,14 +136,15 @@ class Greedy(Planner):
     result = self._layers_back(graph, result, aim)
     moved = sorted(result.plan.values_with("offload"),
                    key=lambda v: (-graph.values[v].nbytes, v))
-    return self._give_back(graph, result, aim, "offload", [[v] for v in moved])
+    return self._give_back(graph, result, aim, "offload", [[v] for v in moved], self.refine)
 
-  def refined(self, graph, result: Candidate, aim: int) -> Candidate:
+  def refined(self, graph, result: Candidate, aim: int,
+              evaluations: int | None = None) -> Candidate:
     """Libra's greedy refinement of a plan that fits: recomputed residuals
     are kept again wherever the peak stays within ``aim``, whole blocks
     first, then one by one, the costliest rebuilds per byte first (matmul
-    and convolution outputs before elementwise ones), within ``refine``
-    evaluations. A plan that overshot (a ladder or block plan taken for a
+    and convolution outputs before elementwise ones), within
+    ``evaluations`` (None: ``refine``) evaluations. A plan that overshot (a ladder or block plan taken for a
     looser aim) gives back the recomputation it does not need. A loop
     whose stacks are rebuilt per iteration first keeps its last layers'
     stacks again, as many as the aim allows (:meth:`_layers_back`)."""
@@ -153,17 +154,18 @@ class Greedy(Planner):
     costly = sorted(dropped, key=lambda v: (-graph.producer(v).flops
                                              / max(graph.values[v].nbytes, 1), v))
     return self._give_back(graph, result, aim, "recompute",
-                           [b for b in blocks if b] + [[v] for v in costly])
+                           [b for b in blocks if b] + [[v] for v in costly],
+                           self.refine if evaluations is None else evaluations)
 
   def _give_back(self, graph, result: Candidate, aim: int, kind: str,
-                 groups: list) -> Candidate:
+                 groups: list, evaluations: int) -> Candidate:
     """``result`` with each group's residuals still of ``kind`` kept on the
     device again, in order, wherever the peak stays within ``aim``,
-    within ``refine`` evaluations."""
+    within ``evaluations`` evaluations."""
     plan, schedule, memory = result.plan, result.schedule, result.memory
     tries = 0
     for group in groups:
-      if tries >= self.refine:
+      if tries >= evaluations:
         break
       group = [v for v in group if plan[v].kind == kind]
       if not group:
