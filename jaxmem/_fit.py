@@ -171,15 +171,20 @@ class Fitter:
   def tighten(self) -> tuple[Trial, int]:
     """Plans toward the budget in the model's scale; while XLA's footprint
     is over it and the plan met its aim, aims lower. The step as written
-    where it is already within the aim."""
+    where it is already within the aim. A planner that answers a lower
+    aim with the plan just compiled (a saved plan's) ends the search:
+    compiling it again would change nothing."""
     # The first aim keeps FIRST_MARGIN under the budget's share: the model
     # tracks XLA within about that much, and a first plan that fits saves
     # a compilation.
     graph, scale, previous = self.graph, self.model_scale * (1 - FIRST_MARGIN), None
+    trial = None
     for rounds in itertools.count(1):
       aim = int(self._model_part(self.budget) * scale)
       if self.needs_plan(aim):
         candidate = self.planner.plan(graph, aim, start=previous)
+        if trial is not None and candidate.plan == trial.candidate.plan:
+          return trial, rounds - 1
         previous = candidate.plan
       else:
         candidate = unplanned(graph, aim)
@@ -296,7 +301,7 @@ def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
   planner; the answer is the planner proposing the plan with the loop's
   ``(trial, rounds)``, or None where the plan does not fit."""
   fixed = Fixed(plan, source=source)
-  found = fitter(planner=fixed, max_rounds=1).fit(find_smallest=False)
+  found = fitter(planner=fixed).fit(find_smallest=False)
   return None if found is None else (fixed, found)
 
 

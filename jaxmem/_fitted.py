@@ -92,8 +92,13 @@ class Fit:
     plan=path)`` to apply without planning (to this step, with these
     argument shapes: :attr:`step` is their fingerprint)."""
     with open(path, "w") as f:
-      f.write(dumps(self.plan, self.step, budget=self.budget, target=self.target.name,
-                    planner=self.planner.describe(), footprint=self.footprint))
+      f.write(self.saved())
+
+  def saved(self) -> str:
+    """The plan as JSON (:mod:`jaxmem._saved`), with the budget, target,
+    planner and footprint it was fitted for."""
+    return dumps(self.plan, self.step, budget=self.budget, target=self.target.name,
+                 planner=self.planner.describe(), footprint=self.footprint)
 
   def gap(self) -> Gap:
     """The plan's cost against the exact planner's bound at the plan's own

@@ -16,9 +16,10 @@ given the environment variable ``JAXMEM_PLAN_CACHE_DIR``.
 Example:
   >>> import tempfile
   >>> from jaxmem._decisions import RECOMPUTE
+  >>> from jaxmem._saved import dumps
   >>> where = tempfile.mkdtemp()
   >>> k = key("abc", budget=1000)
-  >>> put(where, k, Plan.of({3: RECOMPUTE}), "abc") and None
+  >>> put(where, k, dumps(Plan.of({3: RECOMPUTE}), "abc")) and None
   >>> get(where, k, "abc") == Plan.of({3: RECOMPUTE})
   True
   >>> get(where, key("abc", budget=999), "abc") is None
@@ -37,7 +38,7 @@ from importlib import metadata
 import jax
 
 from jaxmem._decisions import Plan
-from jaxmem._saved import dumps, loads
+from jaxmem._saved import loads
 
 ENVIRONMENT = "JAXMEM_PLAN_CACHE_DIR"
 
@@ -89,16 +90,17 @@ def get(where: str, name: str, step: str) -> Plan | None:
     return None
 
 
-def put(where: str, name: str, plan: Plan, step: str, **about) -> str | None:
-  """Writes ``plan`` under ``name`` (atomically: a reader never sees half a
-  file) and returns its path; a directory that cannot be written gives a
-  warning, not an error (the fit stands)."""
+def put(where: str, name: str, text: str) -> str | None:
+  """Writes ``text`` (a saved plan, :func:`~jaxmem._saved.dumps`) under
+  ``name`` (atomically: a reader never sees half a file) and returns its
+  path; a directory that cannot be written gives a warning, not an error
+  (the fit stands)."""
   file = path(where, name)
   try:
     os.makedirs(where, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=where, suffix=".tmp")
     with os.fdopen(handle, "w") as f:
-      f.write(dumps(plan, step, **about))
+      f.write(text)
     os.replace(temporary, file)
   except OSError as err:
     warnings.warn(f"jaxmem: plan cache directory {where} cannot be written ({err}); "

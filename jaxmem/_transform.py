@@ -253,55 +253,59 @@ class Transformed:
     fitter = functools.partial(Fitter, planned, budget=budget - reserve,
                                unconstrained=unconstrained,
                                model_scale=model.peak / max(unconstrained - fixed, 1), jit=jit,
-                               # a saved plan is compiled once, never re-aimed
-                               max_rounds=1 if self.saved is not None else self.max_rounds,
-                               reserve=reserve, where=target.name,
+                               max_rounds=self.max_rounds, reserve=reserve, where=target.name,
                                fixed=fixed, clock=clock)
-    planner, found = self._search(fitter, planner, step, memo, leaves, target, budget,
-                                  reserve, unconstrained, find_smallest)
+    cached = self._cache_entry(step, leaves, target, budget, reserve, planner)
+    planner, found = self._search(fitter, planner, step, memo, cached, reserve,
+                                  unconstrained, find_smallest)
     if found is None:
       return None
     trial, attempts = found
     run_flat = emitter(trial.candidate)
     jitted = (written if in_place and not len(trial.candidate.plan)
               else self._jit(run_flat, out_tree, options))
-    return Fit(planned, trial.candidate, planner, budget, target, unconstrained,
+    fit = Fit(planned, trial.candidate, planner, budget, target, unconstrained,
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
                reserve, None if loop is None else graph.nodes[loop].source, out_tree,
                run_flat, {here.name: jitted}, trial.seconds,
                None if clock is None else clock(baseline), step)
+    if cached is not None and len(fit.plan) and not isinstance(planner, Fixed):
+      _plan_cache.put(*cached, fit.saved())  # planned here: kept for the next run
+    return fit
 
-  def _search(self, fitter: Callable, planner, step: str, memo: tuple, leaves,
-              target: Target, budget: int, reserve: int, unconstrained: int,
-              find_smallest: bool):
-    """``(planner, (trial, rounds))``: the plan cached for this step where
-    the plan cache has one that fits (``Fixed`` its planner), else the fit
-    loop's with ``planner`` (cached where it plans something); ``(planner,
-    None)`` where :meth:`can_fit`'s quick answer is no. A budget no plan
-    meets is remembered (``memo``) before its error is raised."""
-    cache = None if self.saved is not None else _plan_cache.directory(self.plan_cache)
-    entry = cache and _plan_cache.key(
+  def _cache_entry(self, step: str, leaves, target: Target, budget: int, reserve: int,
+                   planner) -> tuple[str, str] | None:
+    """``(directory, entry)`` of this fit in the plan cache, or None where
+    there is no cache (or a plan is given, ``plan=``)."""
+    where = None if self.saved is not None else _plan_cache.directory(self.plan_cache)
+    if where is None:
+      return None
+    return where, _plan_cache.key(
         step, shardings=[str(getattr(x, "sharding", None)) for x in leaves], budget=budget,
         reserve=reserve, target=target.name, profile=target.profile,
         description=None if target.profile is None else target.profile.description,
         planner=planner.describe(), max_rounds=self.max_rounds)
-    plan = cache and _plan_cache.get(cache, entry, step)
-    if plan:
-      hit = fit_plan(fitter, plan, _plan_cache.path(cache, entry))
+
+  def _search(self, fitter: Callable, planner, step: str, memo: tuple,
+              cached: tuple[str, str] | None, reserve: int, unconstrained: int,
+              find_smallest: bool):
+    """``(planner, (trial, rounds))``: the plan in the plan cache's entry
+    ``cached`` where there is one and it fits (``Fixed`` its planner),
+    else the fit loop's with ``planner``; ``(planner, None)`` where
+    :meth:`can_fit`'s quick answer is no. A budget no plan meets is
+    remembered (``memo``) before its error is raised."""
+    plan = None if cached is None else _plan_cache.get(*cached, step)
+    if plan is not None:
+      hit = fit_plan(fitter, plan, _plan_cache.path(*cached))
       if hit is not None:
         return hit
     try:
-      found = fitter(planner=planner).fit(find_smallest)
+      return planner, fitter(planner=planner).fit(find_smallest)
     except BudgetError as err:
       remember(self.fun, memo, err.smallest - reserve, unconstrained)
       raise
-    if cache and found is not None and len(found[0].candidate.plan):
-      _plan_cache.put(cache, entry, found[0].candidate.plan, step, budget=budget,
-                      target=target.name, planner=planner.describe(),
-                      footprint=found[0].footprint)
-    return planner, found
 
   @staticmethod
   def _baseline(written, as_written: Callable, target: Target, leaves, args, kwargs):

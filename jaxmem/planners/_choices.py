@@ -49,19 +49,27 @@ class Drop:
     return f"{node.readable} {node.prim.name}{more}", "recompute"
 
 
-def rebuild_groups(graph: Graph) -> list[tuple]:
-  """Each recomputable residual with the recomputable residuals fused onto
-  its buffer (XLA computes them from it where they are read: dropping
-  one without the others frees nothing), each group once."""
+def riders(graph: Graph) -> dict:
+  """Buffer id -> the recomputable residuals XLA computes from it inside
+  their readers (fused onto it)."""
   candidates = recomputable(graph)
-  riders: dict = {}
+  found: dict = {}
   for vid, bufs in fused_values(graph).items():
     if vid in candidates:
       for buf in bufs:
-        riders.setdefault(buf, []).append(vid)
+        found.setdefault(buf, []).append(vid)
+  return found
+
+
+def rebuild_groups(graph: Graph) -> list[tuple]:
+  """Each recomputable residual with the recomputable residuals fused onto
+  its buffer (:func:`riders`: XLA computes them from it where they are
+  read, so dropping one without the others frees nothing), each group
+  once."""
+  candidates, fused_onto = recomputable(graph), riders(graph)
   found = []
   for vid in candidates:
-    group = tuple(sorted({vid, *riders.get(vid, ())}))
+    group = tuple(sorted({vid, *fused_onto.get(vid, ())}))
     if group not in found and vid not in fused_values(graph):
       found.append(group)
   return found

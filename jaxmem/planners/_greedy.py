@@ -144,10 +144,11 @@ class Greedy(Planner):
     are kept again wherever the peak stays within ``aim``, whole blocks
     first, then one by one, the costliest rebuilds per byte first (matmul
     and convolution outputs before elementwise ones), within
-    ``evaluations`` (None: ``refine``) evaluations. A plan that overshot (a ladder or block plan taken for a
-    looser aim) gives back the recomputation it does not need. A loop
-    whose stacks are rebuilt per iteration first keeps its last layers'
-    stacks again, as many as the aim allows (:meth:`_layers_back`)."""
+    ``evaluations`` (None: ``refine``) evaluations. A plan that overshot
+    (a ladder or block plan taken for a looser aim) gives back the
+    recomputation it does not need. A loop whose stacks are rebuilt per
+    iteration first keeps its last layers' stacks again, as many as the
+    aim allows (:meth:`_layers_back`)."""
     result = self._layers_back(graph, result, aim)
     dropped = result.plan.values_with("recompute")
     blocks = [[v for v in seg.drops if v in dropped] for seg in segments(graph)]

@@ -149,6 +149,11 @@ class ILP(Planner):
       self._greedy = Greedy(target=self.target)
     return self._greedy
 
+  def _beyond(self) -> Planner:
+    """The planner for what the program's choices do not reach: the
+    fallback, else the recompute-only greedy."""
+    return self.fallback or self._recompute_greedy()
+
   def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
     """The cheapest combination whose model peak is at most ``aim``;
     where none is, the greedy's plan if it fits, else the lowest
@@ -162,7 +167,7 @@ class ILP(Planner):
         # dropped one, or offloaded): the fallback's plan where it fits,
         # else the lowest.
         lowest = self._own_lowest(graph)[0]
-        beyond = self.fallback or self._recompute_greedy()
+        beyond = self._beyond()
         found = beyond.plan(graph, aim)
         outside = Solution([], self.cost(found.schedule) - self.table(graph).base_cost,
                            0.0, "fallback", 0, 0.0, fallback=beyond.name)
@@ -194,8 +199,7 @@ class ILP(Planner):
     (:meth:`_own_lowest`), then the fallback's (the recompute greedy's
     where none is set): its plans reach outside the program's choices,
     and XLA may rate one lower."""
-    beyond = self.fallback or self._recompute_greedy()
-    return self._own_lowest(graph) + beyond.lowest(graph)
+    return self._own_lowest(graph) + self._beyond().lowest(graph)
 
   def _own_lowest(self, graph: Graph) -> list[Candidate]:
     """Plans of the lowest model peak, lowest first: the program's lowest,
@@ -360,13 +364,13 @@ class ILP(Planner):
     """``found`` (any planner's plan for ``graph``) against the cheapest
     combination of this planner's choices whose model peak is at most
     ``found``'s."""
+    if not len(found.plan):  # the step as written: nothing to price
+      return Gap(0.0, 0.0, "optimal")
     began = time.perf_counter()
     with paused_gc():
       cost = self.cost(found.schedule) - self.table(graph).base_cost
-      best = self._solve(graph, found.peak) if len(found.plan) else None
+      best = self._solve(graph, found.peak)
     seconds = time.perf_counter() - began
-    if not len(found.plan):
-      return Gap(0.0, 0.0, "optimal", seconds)
     if best is None:
       return Gap(cost, None, "unreachable", seconds)
     return Gap(cost, best.details.bound, best.details.status, seconds)

@@ -59,12 +59,13 @@ from jaxmem._budget import format_bytes
 from jaxmem._decisions import KEEP, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem.targets._profiles import DeviceProfile, get_profile
 from jaxmem._evaluate import (Candidate, Details, evaluate, fused_values, paused_gc,
-                              prefetch_point, recomputable)
+                              prefetch_point)
 from jaxmem._graph import Graph
 from jaxmem._memory import Liveness
 from jaxmem._perf import schedule_costs
 from jaxmem._schedule import Schedule
 from jaxmem.planners._base import Planner, with_target
+from jaxmem.planners._choices import riders
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +273,7 @@ class LGM(Planner):
   def _plan(self, graph, aim, plan) -> Candidate:
     profile = self.target_profile
     ceiling = int(aim * (1 - self.reserve))
-    riders = _riders(graph)
+    fused_onto = riders(graph)
     schedule, memory = evaluate(graph, plan)
     names = op_layers(schedule)
     report = LayerReport(list(dict.fromkeys(names)), demand(memory, names), {}, ceiling,
@@ -282,7 +283,7 @@ class LGM(Planner):
       # The layer with the largest demand holds the step's peak.
       peak = _Peak(schedule, memory, memory.peak_op, memory.peak - ceiling,
                    op_layers(schedule)[memory.peak_op], profile, schedule_costs(schedule))
-      found = self._step(graph, plan, peak, riders)
+      found = self._step(graph, plan, peak, fused_onto)
       if found is None:
         break  # nothing lowers the peak: it is not one swapping can lower
       (plan, schedule, memory), moves = found
@@ -293,7 +294,7 @@ class LGM(Planner):
     return Candidate(plan, schedule, memory, aim, memory.peak <= aim, 0.0, steps,
                      report)
 
-  def _step(self, graph, plan, peak: _Peak, riders: dict):
+  def _step(self, graph, plan, peak: _Peak, fused_onto: dict):
     """Covers one peak: ``((plan, schedule, memory), moves)`` with the moves
     taken, or None where no swap lowers it. vTensors first; where their
     merges make a new peak as high (a merge holds the chunks and the joined
@@ -304,7 +305,7 @@ class LGM(Planner):
       for vid, _, _ in moves:
         # Residuals XLA computes from this buffer inside their readers
         # would keep it on the device: they are rebuilt from its copy.
-        for rider in riders.get(vid, ()):
+        for rider in fused_onto.get(vid, ()):
           if trial[rider].kind == "keep":
             trial = trial.with_decision(rider, RECOMPUTE)
       t_schedule, t_memory = evaluate(graph, trial)
@@ -480,18 +481,6 @@ class LGM(Planner):
       else:
         chunks.append(KEEP)
     return Chunked(axis, tuple(bounds), tuple(chunks))
-
-
-def _riders(graph: Graph) -> dict:
-  """Buffer id -> the rebuildable residuals XLA computes from it inside
-  their readers."""
-  rebuildable = recomputable(graph)
-  riders: dict = {}
-  for vid, bufs in fused_values(graph).items():
-    if vid in rebuildable:
-      for buf in bufs:
-        riders.setdefault(buf, []).append(vid)
-  return riders
 
 
 def _applied(plan: Plan, moves) -> Plan:
