@@ -10,7 +10,7 @@ import pytest
 import jaxmem
 from jaxmem._evaluate import candidate, unplanned_liveness
 from jaxmem._graph import build_graph
-from jaxmem.planners import ILP, Greedy, auto
+from jaxmem.planners import ILP, Greedy, _greedy, auto
 from jaxmem.planners._choices import Choice
 from jaxmem.targets import xla_footprint
 from tests.helpers import assert_trees_close, assert_updates_close, xla_budget
@@ -151,3 +151,49 @@ def test_every_report_states_the_gap(mlp):
   lowest = Greedy().lowest(graph)[0]
   assert ILP(drops=False).gap(graph, lowest).bound is None
   assert "gap unknown" in ILP(drops=False).gap(graph, lowest).text()
+
+
+@pytest.mark.parametrize("model", ["blocks", "mlp"])
+def test_lazy_pricing_finds_what_pricing_every_choice_finds(request, model):
+  graph, base = request.getfixturevalue(model)[-2:]
+  lazy, eager = ILP(lazy=True, refine=False), ILP(lazy=False, refine=False)
+  for fraction in (0.9, 0.7, 0.5):
+    got, want = lazy.plan(graph, int(base * fraction)), eager.plan(graph, int(base * fraction))
+    assert got.fits == want.fits
+    if want.fits and want.details.status == "optimal":
+      assert lazy.cost(got.schedule) == pytest.approx(eager.cost(want.schedule), rel=1e-4)
+    if fraction == 0.9:  # only what the solutions took is priced
+      assert 0 < lazy.table(graph).priced < len(lazy.table(graph).choices) / 2
+
+
+def test_estimated_columns_are_optimistic(blocks):
+  graph, _ = blocks
+  table = ILP(lazy=True).table(graph)
+  estimated, cost = table.delta.copy(), table.cost.copy()
+  table.price(range(len(table.choices)))
+  assert table.exact.all() and table.priced == len(table.choices)
+  # Each choice costs no more than it really does and, at every forward
+  # equation, frees at least what it really frees (in the backward pass
+  # XLA's fusion may free a little more: see jaxmem.planners._pricing).
+  assert (cost <= table.cost * (1 + 1e-9) + 1e-6).all()
+  forward = [i for i, node in enumerate(table.rows) if node >= 0
+             and not graph.nodes[node].backward]
+  assert len(forward) > 50
+  assert (estimated[forward] <= table.delta[forward] + 1e-6).all()
+  assert (estimated < 0).sum() >= (table.delta < 0).sum() * 0.9
+
+
+def test_an_aim_under_the_lowest_reached_fails_at_once(mlp, monkeypatch):
+  _, _, graph, base = mlp
+  planner = Greedy()
+  first = planner.plan(graph, int(base * 0.05))
+  assert not first.fits
+  calls = []
+  monkeypatch.setattr(_greedy, "candidate", lambda *a, **k: calls.append(a))
+  monkeypatch.setattr(_greedy, "evaluate", lambda *a, **k: calls.append(a))
+  again = planner.plan(graph, int(base * 0.04))
+  assert not again.fits and again.plan == first.plan and again.peak == first.peak
+  assert calls == []  # no evaluation: the search reached no lower for a higher aim
+  monkeypatch.undo()
+  # An aim the lowest plan meets is searched as before.
+  assert planner.plan(graph, int(first.peak)).fits

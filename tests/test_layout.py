@@ -29,6 +29,7 @@ LAYERS = [
     {"_evaluate"},
     {"_blocks", "_inner"},
     {"planners._base", "planners._choices", "planners._solution"},
+    {"planners._pricing"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},
     {"planners._ilp"},
     {"planners"},

@@ -79,6 +79,10 @@ class Greedy(Planner):
   # The ladder's runs for the graph last planned (search state: see _ladder).
   _runs: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
                                    compare=False)
+  # For the graph last planned: per start plan, the lowest plan a search
+  # that found no fit returned (an aim under it fails at once).
+  _floors: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
+                                     compare=False)
 
   def __post_init__(self):
     if self.offload and self.target is None:
@@ -98,6 +102,13 @@ class Greedy(Planner):
     """Plans ``graph`` toward ``aim`` bytes, from ``start`` if given (a
     plan for a looser aim: tightening it is cheaper than starting over)."""
     began = time.perf_counter()
+    if self._floors[0] is not graph:
+      self._floors = (graph, {})
+    floor = self._floors[1].get(start)
+    if floor is not None and aim < floor.peak:
+      # The same search ended at ``floor`` for a higher aim: its direct run,
+      # the block plans and the whole ladder reach no lower for this one.
+      return dataclasses.replace(floor.aimed(aim), seconds=time.perf_counter() - began)
     candidates = recomputable(graph)
     best = None
     if aim > 0:
@@ -123,6 +134,8 @@ class Greedy(Planner):
       with paused_gc():
         best = (self.refined(graph, best, aim) if self.recompute
                 else self._keep_copies(graph, best, aim))
+    else:
+      self._floors[1][start] = best
     best.seconds = time.perf_counter() - began
     return best
 

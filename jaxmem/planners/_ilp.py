@@ -3,18 +3,22 @@
 Each module block (:func:`~jaxmem._blocks.segments`, at module depths 2
 and 3) is either left as written or checkpointed under one of the per-block
 policies of :data:`~jaxmem._blocks.KEEPS` (``nothing_saveable``,
-``dots_saveable``, ``dots_with_no_batch_dims_saveable``). The memory model
-evaluates each such choice alone, against the plan that keeps everything:
-what it adds to the live bytes at each equation of the step and what it adds
-to the plan's cost are the coefficients of a mixed-integer program, which
-HiGHS solves (``scipy.optimize.milp``):
+``dots_saveable``, ``dots_with_no_batch_dims_saveable``); residuals may
+also be rebuilt on their own (:class:`~jaxmem.planners._choices.Drop`).
+What each choice alone adds to the live bytes at each equation of the step
+and to the plan's cost are the coefficients of a mixed-integer program,
+which HiGHS solves (``scipy.optimize.milp``):
 
     minimize    sum_c cost_c x_c
     subject to  base_n + sum_c delta_nc x_c <= aim   for every equation n
                 at most one choice per block (and per nested block)
                 x_c in {0, 1}
 
-The plan of the chosen blocks is then evaluated by the memory model itself.
+The coefficients start as optimistic estimates; the memory model prices a
+choice (evaluates the plan that takes it alone) when a solution takes it,
+and the program is solved again until every choice taken is priced
+(:mod:`~jaxmem.planners._pricing`). The plan of the chosen blocks is then
+evaluated by the memory model itself.
 Where it disagrees with the sum (a block's boundary that the block before
 recomputes is kept again; two recomputations overlap), that combination is
 excluded and the program solved again, up to ``rounds`` times. Last, the
@@ -40,40 +44,15 @@ import numpy as np
 from scipy import optimize
 
 from jaxmem._blocks import KEEPS, block_candidates, segments
-from jaxmem._decisions import KEEP, RECOMPUTE, Plan
+from jaxmem._decisions import KEEP, Plan
 from jaxmem._evaluate import Candidate, candidate, paused_gc, unplanned_liveness
 from jaxmem._graph import Graph
 from jaxmem.planners._base import Planner
-from jaxmem.planners._choices import Choice, Drop, exclusive, levels, plan_of, rebuild_groups
+from jaxmem.planners import _pricing as pricing
+from jaxmem.planners._choices import Choice, Drop, exclusive, plan_of, rebuild_groups
+from jaxmem.planners._pricing import Table
 from jaxmem.planners._solution import Gap, Solution
 from jaxmem.planners._greedy import Greedy
-
-
-@dataclasses.dataclass
-class _Table:
-  """The program's coefficients for one graph: per choice, what it adds to
-  the live bytes at each equation (``delta``, rows as ``base``) and to the
-  cost; what any recomputation adds (``overhead``, ``overhead_cost``: see
-  :meth:`ILP.table`); the cost of the step as written (``base_cost``);
-  ``exclusive`` lists the groups of choices at most one
-  of which is taken."""
-  choices: list
-  base: np.ndarray
-  delta: np.ndarray
-  cost: np.ndarray
-  overhead: np.ndarray
-  overhead_cost: float
-  base_cost: float
-  exclusive: list
-  reference: tuple
-
-  def plan(self, graph: Graph, chosen: list) -> Plan:
-    """The plan of the choices at indices ``chosen``, with the reference
-    drop the overhead was measured with where any is taken."""
-    choices = [self.choices[i] for i in chosen]
-    if choices:
-      choices.append(Drop(self.reference))
-    return plan_of(graph, choices)
 
 
 @dataclasses.dataclass
@@ -96,6 +75,10 @@ class ILP(Planner):
       residuals again (the program's plans are optimal over whole choices:
       on the zoo's GPT-2, ResNet-18, ViT and residual MLP, 24 such
       evaluations saved nothing over none).
+    lazy: whether a choice's column is priced by the memory model only
+      when a solution takes it (:mod:`~jaxmem.planners._pricing`: the same
+      optimum, fewer evaluations), else every column before the first
+      program.
     fallback: the planner asked where no combination fits (a
       :class:`~jaxmem.Planner`; None: the recompute-only greedy), and for
       candidates of the lowest footprint beside the program's own.
@@ -130,6 +113,7 @@ class ILP(Planner):
   refine: bool = True
   give_back: int = 4
   fallback: object = None
+  lazy: bool = True
   assumed_target: bool = False
   # Search state for the graph last planned: the program's coefficients,
   # its lowest plans and the greedy (whose ladder keeps its runs), none of
@@ -227,10 +211,12 @@ class ILP(Planner):
     first."""
     return sorted(block_candidates(graph), key=lambda r: self.cost(r.schedule))
 
-  def table(self, graph: Graph) -> _Table:
-    """The program's coefficients for ``graph``, computed once per graph:
-    one memory model evaluation per block and policy and per rebuild
-    group.
+  def table(self, graph: Graph) -> Table:
+    """The program's coefficients for ``graph``, built once per graph
+    (:mod:`~jaxmem.planners._pricing`): per block and policy and per
+    rebuild group, a column estimated at no evaluation, priced by the
+    memory model when a solution takes it (every one at once where
+    ``lazy`` is False).
 
     Any recomputation changes the whole schedule a little (barriers keep
     XLA from merging recomputed values into the forward pass; values XLA
@@ -241,49 +227,29 @@ class ILP(Planner):
     does not count it once per choice."""
     if self._table[0] is graph:
       return self._table[1]
-    base = unplanned_liveness(graph)
-    rows = levels(base)
-    keys = list(rows)
-    base_cost = self.cost(base.schedule)
     drops = rebuild_groups(graph)
     smallest = min(drops, key=lambda g: (sum(graph.values[v].nbytes for v in g), g),
                    default=())
-    reference = {v: RECOMPUTE for v in smallest}
-    ref = candidate(graph, Plan.of(reference)).memory
-    ref_rows, ref_cost = levels(ref), self.cost(ref.schedule)
     segs = segments(graph)
-    choices, columns, costs = [], [], []
-
-    def add(choice, plan: Plan):
-      decisions = {**reference, **plan.as_dict()}
-      memory = candidate(graph, Plan.of(decisions)).memory
-      found = levels(memory)
-      column = [found.get(k, 0) - ref_rows.get(k, 0) for k in keys]
-      if min(column) < 0:  # it frees something somewhere
-        choices.append(choice)
-        columns.append(column)
-        costs.append(self.cost(memory.schedule) - ref_cost)
-
+    choices, plans = [], []
     for seg in segs:
       seen = set()
       for keep in self.keeps:
         plan = plan_of(graph, [Choice(seg, keep)])
         if plan not in seen and plan.values_with("recompute"):
           seen.add(plan)  # a policy keeping all this block recomputes: as written
-          add(Choice(seg, keep), plan)
+          choices.append(Choice(seg, keep))
+          plans.append(plan)
     for group in drops if self.drops else ():
       if group != smallest:
-        add(Drop(group), plan_of(graph, [Drop(group)]))
-    table = _Table(
-        choices, np.array([rows[k] for k in keys], dtype=float),
-        np.array(columns, dtype=float).T.reshape(len(keys), len(choices)),
-        np.array(costs, dtype=float),
-        np.array([ref_rows.get(k, 0) - rows[k] for k in keys], dtype=float),
-        ref_cost - base_cost, base_cost, exclusive(graph, choices, segs), smallest)
+        choices.append(Drop(group))
+        plans.append(plan_of(graph, [Drop(group)]))
+    table = pricing.build(graph, choices, plans, unplanned_liveness(graph), smallest,
+                          self.cost, lambda chosen: exclusive(graph, chosen, segs), self.lazy)
     self._table = (graph, table)
     return table
 
-  def _program(self, table: _Table, refused: list, width: int) -> list:
+  def _program(self, table: Table, refused: list, width: int) -> list:
     """The constraints every program shares, over ``width`` variables
     (the choices, the overhead, then any of the program's own): at most
     one choice per block, any choice brings the overhead, and the
@@ -326,29 +292,40 @@ class ILP(Planner):
     """The cheapest combination whose model peak fits ``aim``, or None."""
     table = self.table(graph)
     n = len(table.choices)
-    memory = np.hstack([table.delta, table.overhead[:, None]])
-    reach = table.base + np.clip(memory, 0, None).sum(axis=1)
-    binding = reach > aim  # rows no combination can push over the aim are left out
-    cost = np.append(table.cost, table.overhead_cost)
-    # Bytes and costs scaled to about 1, for HiGHS's tolerances.
-    nbytes, unit = max(table.base.max(), 1.0), max(np.abs(cost).max(), 1.0)
-    refused, spent, limit, first = [], 0.0, aim, None
-    for rounds in range(1, self.rounds + 1):
+    refused, spent, limit, first, rounds, solves = [], 0.0, aim, None, 0, 0
+    while rounds < self.rounds:
+      memory = np.hstack([table.delta, table.overhead[:, None]])
+      reach = table.base + np.clip(memory, 0, None).sum(axis=1)
+      binding = reach > limit  # rows no combination can push over the limit are left out
+      cost = np.append(table.cost, table.overhead_cost)
+      # Bytes and costs scaled to about 1, for HiGHS's tolerances.
+      nbytes, unit = max(table.base.max(), 1.0), max(np.abs(cost).max(), 1.0)
       constraints = self._program(table, refused, n + 1)
       if binding.any():
-        constraints.append(optimize.LinearConstraint(
-            memory[binding] / nbytes, -np.inf, (limit - table.base[binding]) / nbytes))
+        rows, base = _distinct_rows(memory[binding], table.base[binding])
+        constraints.append(optimize.LinearConstraint(rows / nbytes, -np.inf,
+                                                     (limit - base) / nbytes))
       began = time.perf_counter()
-      x, bound, status = self._milp(cost / unit, constraints, n + 1)
+      x, bound, status = self._milp(_tie_broken(cost / unit, n), constraints, n + 1)
       spent += time.perf_counter() - began
+      solves += 1
       if x is None:
+        # Estimates are optimistic but for a few bytes: where some are
+        # left, the program over exact columns is solved before giving up.
+        if table.price(range(n)):
+          continue
         return None
-      # The first program's bound is the one that holds at ``aim``; after
-      # a tightening the plan is no longer proved optimal.
-      first = bound if first is None else first
+      chosen = [i for i in range(n) if x[i] > 0.5]
+      if table.price(chosen if solves < _SOLVES_PRICED else range(n)):
+        continue  # taken on estimates: solved again with their exact columns
+      rounds += 1
+      # The first program whose plan is priced bounds the exact program at
+      # ``aim`` (the estimates are optimistic); after a tightening the
+      # plan is no longer proved optimal.
+      # (less what the tie-break may add).
+      first = bound - _TIE * (n + 1) if first is None else first
       if limit < aim and status == "optimal":
         status = "aim tightened"
-      chosen = [i for i in range(n) if x[i] > 0.5]
       found = self._candidate(graph, table, chosen, aim, first * unit, status, rounds, spent)
       if found.fits:
         return found
@@ -376,23 +353,32 @@ class ILP(Planner):
     return Gap(cost, best.details.bound, best.details.status, seconds)
 
   def _min_peak(self, graph: Graph) -> Candidate:
-    """The combination of the lowest model peak the program finds."""
+    """The combination of the lowest model peak the program finds (the
+    cheapest such, up to a tie-break)."""
     table = self.table(graph)
     n = len(table.choices)
-    # Variables: the choices, the overhead, then the peak, minimized.
-    cost = np.zeros(n + 2)
-    cost[n + 1] = 1
     nbytes = max(table.base.max(), 1.0)  # scaled to about 1, for HiGHS's tolerances
-    rows = np.hstack([table.delta, table.overhead[:, None], -np.ones((len(table.base), 1))])
-    rows[:, :-1] /= nbytes
-    constraints = [optimize.LinearConstraint(rows, -np.inf, -table.base / nbytes)]
-    began = time.perf_counter()
-    x, bound, status = self._milp(cost, constraints + self._program(table, [], n + 2), n + 1)
-    chosen = [i for i in range(n) if x[i] > 0.5]
+    began, solves = time.perf_counter(), 0
+    while True:
+      # Variables: the choices, the overhead, then the peak, minimized.
+      cost = np.zeros(n + 2)
+      # The plan's cost, at a millionth of a peak, breaks ties.
+      cost[:n + 1] = _tie_broken(1e-6 * np.append(table.cost, table.overhead_cost)
+                                 / max(np.abs(table.cost).max(initial=0.0), 1.0), n)
+      cost[n + 1] = 1
+      memory = np.hstack([table.delta, table.overhead[:, None]]) / nbytes
+      rows, base = _distinct_rows(memory, table.base / nbytes)
+      rows = np.hstack([rows, -np.ones((len(rows), 1))])
+      constraints = [optimize.LinearConstraint(rows, -np.inf, -base)]
+      x, bound, status = self._milp(cost, constraints + self._program(table, [], n + 2), n + 1)
+      solves += 1
+      chosen = [i for i in range(n) if x[i] > 0.5]
+      if not table.price(chosen if solves < _SOLVES_PRICED else range(n)):
+        break
     return self._candidate(graph, table, chosen, 0, bound, status, 1,
                            time.perf_counter() - began)
 
-  def _candidate(self, graph, table: _Table, chosen: list, aim: int, bound, status,
+  def _candidate(self, graph, table: Table, chosen: list, aim: int, bound, status,
                  rounds: int, seconds: float) -> Candidate:
     """The plan of ``chosen`` evaluated by the memory model, with its
     :class:`Solution`."""
@@ -404,6 +390,37 @@ class ILP(Planner):
     found.details = Solution([c.describe(graph) for c in choices], cost,
                              float(bound), status, rounds, seconds)
     return found
+
+
+# Programs solved on estimated columns before every column is priced (a
+# bound on the pricing rounds; each prices at least one column).
+_SOLVES_PRICED = 6
+
+
+_TIE = 1e-7
+
+
+def _tie_broken(cost: np.ndarray, n: int) -> np.ndarray:
+  """``cost`` (scaled to about 1) with each of its first ``n`` variables
+  charged ``_TIE`` more: among equal plans the program takes the fewest
+  choices (an unpriced choice of no estimated cost is not taken for
+  nothing); the plans it prefers cost at most n * 1e-7 more, under
+  HiGHS's default relative gap (1e-4)."""
+  cost = cost.copy()
+  cost[:n] += _TIE
+  return cost
+
+
+def _distinct_rows(rows: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Rows with equal coefficients merged into one, with the largest
+  ``base`` among them (the one that binds): equations between the same
+  makings and reads of the chosen values."""
+  if not len(rows):
+    return rows, base
+  unique, inverse = np.unique(rows, axis=0, return_inverse=True)
+  top = np.full(len(unique), -np.inf)
+  np.maximum.at(top, inverse.ravel(), base)
+  return unique, top
 
 
 @contextlib.contextmanager

@@ -1,0 +1,243 @@
+"""The exact planner's coefficients, priced as the program needs them.
+
+A choice's column (what it adds to the live bytes at each equation) and its
+cost are exact when the memory model has evaluated the plan that takes it,
+one whole-schedule evaluation each. Most choices are never taken at a given
+budget, so a :class:`Table` starts from an *optimistic* estimate of every
+column, read off the reference plan's memory model at no evaluation: each
+residual the choice recomputes frees its whole buffer from its making to
+its first backward read, or to its last where XLA may compute the rebuilt
+copy inside its readers (no transient bytes), and the choice costs the
+FLOPs of the equations that rebuild its residuals (no copies, no
+barriers). The planner solves over the estimates, prices the
+choices its solution takes that are still estimated (:meth:`Table.price`),
+and solves again until every choice it takes is exact.
+
+Why this finds the optimum of the program over exact columns: a column that
+frees at least the bytes the exact one frees at every equation and costs no
+more makes the program over estimates a relaxation of the exact one; its
+optimum costs no more than the exact optimum, and once every choice it takes
+is exact that optimum is a plan of the exact program, optimal there too,
+and its bound a bound there. The estimate is such a column at every forward
+equation; in the backward pass XLA's fusion (emulated by the memory model)
+can free a few more bytes at an equation that reads the rebuilt values (on
+the zoo's GPT-2, at 1-9 of its 2,600 equations for a fifth of the choices),
+so the lazy optimum can differ from the fully priced one where such an
+equation binds. Where the program over estimates has no solution, every
+column is priced before the planner gives up on it, and after a few
+programs (``_ilp._SOLVES_PRICED``) every column is: at worst, planning
+costs what pricing every choice first costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from jaxmem import _primitives as primitives
+from jaxmem._decisions import RECOMPUTE, Plan
+from jaxmem._evaluate import candidate, fused_values
+from jaxmem._graph import Graph
+from jaxmem._memory import Liveness
+from jaxmem.planners._choices import Drop, levels, plan_of
+
+
+@dataclasses.dataclass
+class Table:
+  """The program's coefficients for one graph.
+
+  Attributes:
+    choices: the choices, one variable each.
+    base: live bytes at each row (an equation; see :func:`levels`) of the
+      step as written.
+    delta: what each choice adds to each row (rows x choices), on top of
+      the reference plan.
+    cost: what each choice adds to the plan's cost.
+    exact: per choice, whether its column and cost come from the memory
+      model (else they are the optimistic estimate).
+    overhead: what any recomputation adds to each row (the reference plan
+      against the step as written); ``overhead_cost`` likewise.
+    base_cost: the cost of the step as written.
+    exclusive: groups of choices at most one of which is taken.
+    reference: the residuals the reference plan recomputes.
+    priced: the memory model evaluations spent on columns so far.
+    rows: the node index of each row (``-1``: after the last equation).
+  """
+  choices: list
+  base: np.ndarray
+  delta: np.ndarray
+  cost: np.ndarray
+  exact: np.ndarray
+  overhead: np.ndarray
+  overhead_cost: float
+  base_cost: float
+  exclusive: list
+  reference: tuple
+  priced: int = 0
+  rows: list = dataclasses.field(default_factory=list, repr=False)
+  # How to price: the graph, the planner's cost of a schedule, and the
+  # reference plan's rows and cost.
+  _graph: Graph | None = dataclasses.field(default=None, repr=False)
+  _cost_of: object = dataclasses.field(default=None, repr=False)
+  _reference_rows: dict = dataclasses.field(default_factory=dict, repr=False)
+  _reference_cost: float = 0.0
+
+  def plan(self, graph: Graph, chosen) -> Plan:
+    """The plan of the choices at indices ``chosen``, with the reference
+    drop the overhead was measured with where any is taken."""
+    choices = [self.choices[i] for i in chosen]
+    if choices:
+      choices.append(Drop(self.reference))
+    return plan_of(graph, choices)
+
+  def price(self, chosen) -> int:
+    """Makes the columns of ``chosen`` exact (one memory model evaluation
+    each not yet priced); returns how many it priced."""
+    todo = [i for i in chosen if not self.exact[i]]
+    for i in todo:
+      self.delta[:, i], self.cost[i] = self._evaluated(self.choices[i])
+      self.exact[i] = True
+    self.priced += len(todo)
+    return len(todo)
+
+  def _evaluated(self, choice) -> tuple[np.ndarray, float]:
+    """A choice's exact column and cost: the plan that takes it alone (on
+    top of the reference) against the reference."""
+    decisions = {v: RECOMPUTE for v in self.reference}
+    decisions.update(plan_of(self._graph, [choice]).as_dict())
+    memory = candidate(self._graph, Plan.of(decisions)).memory
+    found = levels(memory)
+    column = np.array([found.get(k, 0) - self._reference_rows.get(k, 0) for k in self.rows],
+                      dtype=float)
+    return column, self._cost_of(memory.schedule) - self._reference_cost
+
+
+def build(graph: Graph, choices: list, plans: list, base: Liveness, reference: tuple,
+          cost_of, exclusive: list, lazy: bool) -> Table:
+  """The table of ``choices`` (whose plans alone are ``plans``), against
+  the step as written (``base``) and the plan that recomputes
+  ``reference``: estimated columns where ``lazy``, else every one priced.
+  Choices whose estimate frees nothing anywhere are left out (their exact
+  column frees nothing either)."""
+  rows = levels(base)
+  keys = list(rows)
+  ref = candidate(graph, Plan.of({v: RECOMPUTE for v in reference})).memory
+  ref_rows = levels(ref)
+  estimate = _Estimator(graph, ref, {k: i for i, k in enumerate(keys)}, reference)
+  columns, costs, kept = [], [], []
+  for i, plan in enumerate(plans):
+    column, cost = estimate(plan)
+    if column.min() < 0:
+      kept.append(i)
+      columns.append(column)
+      costs.append(cost)
+  ref_cost, base_cost = cost_of(ref.schedule), cost_of(base.schedule)
+  table = Table(
+      [choices[i] for i in kept], np.array([rows[k] for k in keys], dtype=float),
+      np.array(columns, dtype=float).T.reshape(len(keys), len(kept)),
+      np.array(costs, dtype=float), np.zeros(len(kept), dtype=bool),
+      np.array([ref_rows.get(k, 0) - rows[k] for k in keys], dtype=float),
+      ref_cost - base_cost, base_cost, exclusive([choices[i] for i in kept]), reference,
+      _graph=graph, _cost_of=cost_of, rows=keys, _reference_rows=ref_rows,
+      _reference_cost=ref_cost)
+  if not lazy:
+    table.price(range(len(kept)))
+    freeing = [i for i in range(len(kept)) if table.delta[:, i].min() < 0]
+    table = _only(table, freeing, exclusive)
+  return table
+
+
+def _only(table: Table, kept: list, exclusive) -> Table:
+  """``table`` with the choices at indices ``kept`` alone."""
+  choices = [table.choices[i] for i in kept]
+  return dataclasses.replace(
+      table, choices=choices, delta=table.delta[:, kept], cost=table.cost[kept],
+      exact=table.exact[kept], exclusive=exclusive(choices))
+
+
+class _Estimator:
+  """Optimistic columns read off the reference plan's memory model."""
+
+  def __init__(self, graph: Graph, ref: Liveness, row_of_node: dict, reference: tuple):
+    self.graph, self.ref, self.reference = graph, ref, reference
+    self.fused = fused_values(graph)
+    # Equations the reference plan runs again already (its drop, and the
+    # values XLA would compute inside backward readers from a bias add):
+    # a choice's cost is counted on top of them.
+    self.rerun = {op.node for op in ref.schedule.ops if op.kind == "recompute"}
+    ops = ref.schedule.ops
+    self.backward = [op.kind != "node" or graph.nodes[op.node].backward for op in ops]
+    # The row each op counts at: the next equation's (see ``levels``).
+    self.row_at = np.empty(len(ops), dtype=int)
+    pending = []
+    for pos, op in enumerate(ops):
+      pending.append(pos)
+      if op.kind == "node":
+        self.row_at[pending] = row_of_node[op.node]
+        pending = []
+    self.row_at[pending] = row_of_node[-1]
+    self.rows = len(row_of_node)
+    self.producer_at = {k: pos for pos, op in enumerate(ops) for k in op.outs}
+    self.kept = set(ref.schedule.inputs) | {k for k in ref.schedule.outputs
+                                            if isinstance(k, tuple)}
+
+  def __call__(self, plan: Plan) -> tuple[np.ndarray, float]:
+    """The column and cost of ``plan`` (one choice's) at their most: each
+    buffer it may free (:meth:`_buffers`) freed from its making to its
+    first backward read (its last, where the copy may be fused);
+    the FLOPs of the equations that rebuild its residuals from the values
+    the backward pass may read (as the schedule builder rebuilds them),
+    each once."""
+    dropped = plan.values_with("recompute") | set(self.reference)
+    column = np.zeros(self.rows)
+    for buf in self._buffers(plan.values_with("recompute")):
+      back = [p for p in self.ref.reads.get(buf, ()) if self.backward[p]]
+      if back:
+        # From the producer on: a residual read again only where it is
+        # rebuilt may fuse into its forward readers and get no buffer.
+        # Up to its first backward read, where the copy is made, or, where
+        # XLA may compute the copy inside its readers, through the last.
+        start = self.producer_at[buf]
+        end = max(back) + 1 if self._fusible(buf) else min(back)
+        column[np.unique(self.row_at[start:end])] -= self.ref.schedule.nbytes(buf)
+    return column, self._rebuild_flops(plan.values_with("recompute"), dropped,
+                                       plan.values_with("save"))
+
+  def _fusible(self, buf) -> bool:
+    """Whether XLA may compute a recomputed copy of ``buf`` inside its
+    readers (an elementwise producer)."""
+    return primitives.fuses_elementwise(self.graph.producer(buf[0]).prim.name)
+
+  def _buffers(self, values) -> set:
+    """The buffers recomputing ``values`` may free: each value's own, the
+    one a view of it shares, and those a value computed inside its
+    readers is computed from."""
+    found = set()
+    for vid in values:
+      key = (vid, 0)
+      found.update(self.ref.fused_reads.get(key, ()) if key in self.ref.fused
+                   else [self.ref.root.get(key, key)])
+    return {b for b in found if b not in self.kept and b in self.producer_at}
+
+  def _rebuild_flops(self, rebuilt: frozenset, dropped: set, saved: frozenset) -> float:
+    """FLOPs of the equations that rebuild the residuals in ``rebuilt``,
+    with those in ``dropped`` recomputed, from values the backward pass
+    may read (``_schedule``'s rule: step
+    inputs, saved values, kept residuals with a buffer, buffers kept
+    fused residuals are computed from)."""
+    graph, fused = self.graph, self.fused
+    held = {b for v, bufs in fused.items()
+            if v not in dropped and graph.is_residual(v) for b in bufs}
+    available = lambda v: (not graph.is_forward_value(v) or v in held or v in saved
+                           or (graph.is_residual(v) and v not in dropped and v not in fused))
+    run, stack = set(), [v for v in rebuilt if graph.is_residual(v)]
+    while stack:
+      vid = stack.pop()
+      if available(vid):
+        continue
+      producer = graph.values[vid].producer
+      if producer not in run:
+        run.add(producer)
+        stack.extend(a for a in graph.nodes[producer].ins if isinstance(a, int))
+    return float(sum(graph.nodes[n].flops for n in run - self.rerun))
