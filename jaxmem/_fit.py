@@ -246,20 +246,20 @@ class Fitter:
     limit = self.cost(found) if cheaper else float("inf")
     reach = self._model_part(self.budget) * self.model_scale / 0.9
     compiles = 0
-    for candidate in self.planner.structured(self.graph):
-      if self.clock is None and self.cost(candidate) >= limit:
+    for shaped in self.planner.structured(self.graph):
+      if self.clock is None and self.cost(shaped) >= limit:
         break
       if self.clock is not None:
-        if candidate.peak > reach:
+        if shaped.peak > reach:
           continue
         compiles += 1
         if compiles > STRUCTURED_COMPILES:
           break
-      candidate = dataclasses.replace(candidate, aim=found.candidate.aim, fits=True)
-      trial = self.compile(candidate)
+      shaped = dataclasses.replace(shaped, aim=found.candidate.aim, fits=True)
+      trial = self.compile(shaped)
       if trial.measured > self.budget:
         # Plans the model rates as large as this one will not fit either.
-        reach = min(reach, candidate.peak * 0.999)
+        reach = min(reach, shaped.peak * 0.999)
         continue
       if (best is found and not cheaper) or self.cheaper(trial, best):
         best = trial

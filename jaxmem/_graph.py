@@ -58,14 +58,26 @@ class Node:
   @property
   def readable(self) -> str:
     """Module path without transform wrappers, e.g. ``Net/Block_0/Conv_0``."""
-    path = _TRANSFORMS.sub("", self.name_stack).replace(")", "").strip("/")
-    path = re.sub(r"/+", "/", path)
-    return path or "<top>"
+    return _readable(self.name_stack)
 
   def scope(self, depth: int = 2) -> str:
     """The module block this node works on: its module path cut after
     ``depth`` names (``GPT2/block0``), as :meth:`Graph.blocks` groups nodes."""
-    return "/".join(self.readable.split("/")[:depth])
+    return _scope(self.name_stack, depth)
+
+
+# Name stacks repeat across a step's equations, and schedules ask for them
+# once per equation per evaluation: each is parsed once.
+@functools.lru_cache(maxsize=None)
+def _readable(name_stack: str) -> str:
+  path = _TRANSFORMS.sub("", name_stack).replace(")", "").strip("/")
+  path = re.sub(r"/+", "/", path)
+  return path or "<top>"
+
+
+@functools.lru_cache(maxsize=None)
+def _scope(name_stack: str, depth: int) -> str:
+  return "/".join(_readable(name_stack).split("/")[:depth])
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

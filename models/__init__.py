@@ -18,6 +18,7 @@ name            model (key options)
 ``vit``         ViT-Tiny-style (dim, depth, heads, patch, size, pool)
 ``gpt2``        GPT-2-style decoder (dim, depth, heads, seq, vocab, tied)
 ``unet``        U-Net segmentation (width, depth levels, size, norm)
+``vgg``         VGG-11/13/16/19, plain conv stacks (depth, width, hidden, size)
 =============== ===========================================================
 
 Example:
@@ -38,7 +39,7 @@ from typing import Callable
 
 import optax
 
-from jaxmem_models import _gpt2, _legacy, _mobilenet, _resnet, _unet, _vit
+from jaxmem_models import _gpt2, _legacy, _mobilenet, _resnet, _unet, _vgg, _vit
 from jaxmem_models._attention import MLP, SelfAttention, TransformerBlock
 from jaxmem_models._gpt2 import GPT2
 from jaxmem_models._legacy import Block, ResidualMLP, SmallCNN, Transformer
@@ -47,6 +48,7 @@ from jaxmem_models._remat import REMAT_POLICIES, check_remat, policy, remat_bloc
 from jaxmem_models._resnet import BasicBlock, Bottleneck, ResNet
 from jaxmem_models._task import Task, classify, image_batch, param_count, token_batch
 from jaxmem_models._unet import ConvBlock, UNet, UpBlock
+from jaxmem_models._vgg import VGG, ConvReLU
 from jaxmem_models._vit import ViT
 
 # Factories: ``(**config) -> (module, make_batch, loss)``.
@@ -54,7 +56,7 @@ REGISTRY: dict[str, Callable] = {
     "mlp": _legacy.mlp, "cnn": _legacy.cnn, "transformer": _legacy.transformer,
     "mobilenetv2": _mobilenet.mobilenetv2, "resnet18": _resnet.resnet18,
     "resnet50": _resnet.resnet50, "resnet_deep": _resnet.resnet_deep,
-    "vit": _vit.vit, "gpt2": _gpt2.gpt2, "unet": _unet.unet,
+    "vit": _vit.vit, "gpt2": _gpt2.gpt2, "unet": _unet.unet, "vgg": _vgg.vgg,
 }
 
 _classify = classify  # the name the original module used
@@ -71,6 +73,7 @@ CPU_SIZES: dict[str, dict] = {
     "gpt2": dict(dim=64, depth=4, heads=2, seq=128, vocab=256, batch=8),
     "unet": dict(width=8, depth=2, size=64, batch=4),
     "resnet_deep": dict(depth=12, width=8, size=32, batch=16),
+    "vgg": dict(depth=11, width=8, size=32, batch=32, hidden=64),
 }
 
 
@@ -141,5 +144,5 @@ __all__ = [
     "ResidualMLP", "SmallCNN", "Block", "Transformer",
     "MobileNetV2", "InvertedResidual", "ResNet", "BasicBlock", "Bottleneck",
     "ViT", "GPT2", "TransformerBlock", "SelfAttention", "MLP",
-    "UNet", "ConvBlock", "UpBlock",
+    "UNet", "ConvBlock", "UpBlock", "VGG", "ConvReLU",
 ]

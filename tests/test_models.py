@@ -22,6 +22,7 @@ TINY = {
     "vit": dict(dim=16, depth=1, heads=2, patch=4, size=16, batch=2),
     "gpt2": dict(dim=16, depth=1, heads=2, seq=8, vocab=32, batch=2),
     "unet": dict(width=8, depth=1, size=8, batch=2),
+    "vgg": dict(depth=11, width=2, size=32, batch=2, hidden=8),
 }
 
 # One conv model with BatchNorm and one transformer with dropout.
@@ -120,7 +121,7 @@ def test_remat_policy_matches_the_plain_step(plain, name, remat):
 
 
 @pytest.mark.parametrize("name", [
-    "transformer", "unet",  # Flax attention; UpBlock has train at position 3
+    "transformer", "unet", "vgg",  # Flax attention; UpBlock has train at position 3
     *[pytest.param(n, marks=pytest.mark.slow)
       for n in ("mobilenetv2", "resnet50", "vit", "resnet_deep")]])
 def test_remat_on_every_block_type(plain, name):

@@ -25,7 +25,7 @@ the zoo's GPT-2, at 1-9 of its 2,600 equations for a fifth of the choices),
 so the lazy optimum can differ from the fully priced one where such an
 equation binds. Where the program over estimates has no solution, every
 column is priced before the planner gives up on it, and after a few
-programs (``_ilp._SOLVES_PRICED``) every column is: at worst, planning
+programs, or once half the choices are (``_ilp._lazy``), every column is: at worst, planning
 costs what pricing every choice first costs.
 """
 
