@@ -249,21 +249,31 @@ class Bench:
     return fits_budget(task.step, jax.eval_shape(task.init), budget_bytes, planner)
 
   def max_batch(self, method: Method, budget_bytes: int, limit: int = 64) -> int:
-    """The largest batch at which ``method`` fits ``budget_bytes``: doubling
-    from the configured batch, then bisection; 0 if even batch 1 does not
-    fit, and at most ``limit`` times the configured batch."""
+    """The largest batch at which ``method`` fits ``budget_bytes``
+    (:func:`largest_batch` from the configured batch, at most ``limit``
+    times it)."""
     start = self.config.get("batch", self.models.options(self.model)["batch"])
-    fits = lambda b: self.fits_at(method, budget_bytes, b)
     self.progress(f"{self.model}: max batch of {method.name}")
-    if not fits(start):
-      low, high = 0, start
-    else:
-      low, high = start, 2 * start
-      while high <= limit * start and fits(high):
-        low, high = high, 2 * high
-      if high > limit * start:
-        return low
-    while high - low > 1:
-      mid = (low + high) // 2
-      low, high = (mid, high) if fits(mid) else (low, mid)
-    return low
+    return largest_batch(lambda b: self.fits_at(method, budget_bytes, b), start, limit)
+
+
+def largest_batch(fits: Callable[[int], bool], start: int, limit: int = 64) -> int:
+  """The largest batch ``b`` with ``fits(b)``: doubling from ``start``, then
+  bisection; 0 if even batch 1 does not fit, and at most ``limit * start``.
+
+  Example:
+    >>> largest_batch(lambda b: b <= 37, 4)
+    37
+  """
+  if not fits(start):
+    low, high = 0, start
+  else:
+    low, high = start, 2 * start
+    while high <= limit * start and fits(high):
+      low, high = high, 2 * high
+    if high > limit * start:
+      return low
+  while high - low > 1:
+    mid = (low + high) // 2
+    low, high = (mid, high) if fits(mid) else (low, mid)
+  return low

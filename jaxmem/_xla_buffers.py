@@ -30,7 +30,7 @@ from jaxmem._decisions import Plan
 from jaxmem._emit import emit
 from jaxmem._graph import Graph
 from jaxmem._schedule import build_schedule
-from jaxmem._xla_cpu_fusion import Fusion
+from jaxmem._xla_cpu_fusion import Fusion, select_and_scatter_scratch
 
 TAG = "jaxmem#"
 _TAG = re.compile(re.escape(TAG) + r"(\d+)")
@@ -181,7 +181,10 @@ class LearnedFusion(Fusion):
     return key[0] not in self.buffers.materialized
 
   def scratch(self, pos: int) -> int:
-    return 0
+    node = self.ops[pos].node
+    if node is None or self.graph.nodes[node].prim.name != "select_and_scatter_add":
+      return 0
+    return select_and_scatter_scratch(self.graph, self.graph.nodes[node], indexed=False)
 
   def beside(self, key) -> int:
     pos = self.producer_of.get(key)

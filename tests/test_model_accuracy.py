@@ -16,7 +16,9 @@ import jaxmem_models as models
 from jaxmem.targets import xla_footprint
 
 # model / XLA, measured on XLA:CPU (jax 0.10.2): gpt2 0.80, vit 0.89,
-# mobilenetv2 0.90, unet 0.94, resnet18 0.97, resnet_deep 0.99.
+# mobilenetv2 0.90, unet 0.94, resnet18 0.97, resnet_deep 0.99; vgg 0.73
+# (XLA:CPU holds more of the plain conv stack's backward pass than the model
+# counts: an open gap the fit loop closes from the compiled footprint).
 BANDS = {
     "gpt2": (0.78, 1.0),
     "vit": (0.87, 1.0),
@@ -24,6 +26,7 @@ BANDS = {
     "unet": (0.92, 1.0),
     "resnet18": (0.95, 1.0),
     "resnet_deep": (0.97, 1.01),
+    "vgg": (0.70, 0.76),
 }
 
 

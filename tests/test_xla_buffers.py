@@ -101,3 +101,27 @@ def test_the_learned_model_follows_xla_gpu_on_the_step_as_written(name):
   xla = xla_footprint(compiled) - workspace_bytes(compiled)
   learned = unplanned(with_buffers(graph, learn(graph, target)), 0).peak
   assert abs(learned / xla - 1) <= 0.10, (learned, xla)
+
+
+@pytest.mark.parametrize("target", [None, "t4"])
+@pytest.mark.parametrize("shape", [(6, 64, 64, 8), (2, 16, 16, 32)])
+def test_a_max_pool_gradient_holds_what_xla_expands_it_to(shape, target):
+  """XLA rewrites a max-pool's gradient (``select_and_scatter_add``) into a
+  scatter with temporaries several times the pooled tensor (XLA:CPU: the
+  operand's indices along every axis); the model counts them while it
+  runs, to within 5% of the compiler's footprint."""
+  import flax.linen as nn
+  step = jax.grad(lambda x: jnp.sum(nn.max_pool(x, (2, 2), (2, 2)) ** 2))
+  x = jax.ShapeDtypeStruct(shape, jnp.float32)
+  graph = build_graph(jax.make_jaxpr(step)(x))
+  if target is None:
+    xla = xla_footprint(jax.jit(step).lower(x).compile())
+  else:
+    where = resolve(target, ())
+    xla = xla_footprint(jax.jit(step, compiler_options=where.options(measuring=True)).lower(
+        *placed((x,), target)).compile())
+    graph = with_buffers(graph, learn(graph, where))
+  model = unplanned(graph, 0).peak
+  operand = 4 * jnp.prod(jnp.array(shape))
+  assert xla > 3 * operand  # the expansion is most of the footprint
+  assert abs(model / xla - 1) <= 0.05, (model, xla)
