@@ -11,6 +11,7 @@ from jaxmem._decisions import Plan
 from jaxmem._evaluate import Candidate
 from jaxmem._graph import Graph
 from jaxmem._memory import Liveness
+from jaxmem._policies import block_policies
 from jaxmem._report import decision_label, residual_table
 from jaxmem._saved import dumps
 from jaxmem.planners import ILP, Gap, Planner
@@ -111,6 +112,20 @@ class Fit:
           target=self.planner.target)
       self._gap = exact.gap(self.graph, self.result)
     return self._gap
+
+  def policies(self) -> dict[str, str]:
+    """The plan as per-block ``jax.checkpoint`` policies: module path ->
+    the name of a ``jax.checkpoint_policies`` policy, to wrap those blocks
+    in ``nn.remat(Block, policy=...)`` in the model's code and train the
+    same plan without jaxmem (:func:`jaxmem._policies.block_policies`).
+
+    Raises:
+      ValueError: where the plan recomputes single residuals or offloads,
+        which no per-block policy does; fit with
+        ``planner=jaxmem.planners.ilp(drops=False, refine=False)`` for
+        plans that are per-block policies only.
+    """
+    return block_policies(self.graph, self.plan)
 
   @property
   def plan(self) -> Plan:

@@ -28,6 +28,7 @@ LAYERS = [
     {"_memory", "_perf"},
     {"_evaluate"},
     {"_blocks", "_inner"},
+    {"_policies"},
     {"planners._base", "planners._choices", "planners._solution"},
     {"planners._pricing"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},

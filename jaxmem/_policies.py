@@ -1,0 +1,97 @@
+"""A plan written as per-block ``jax.checkpoint`` policies, for model code.
+
+A plan made only of whole blocks checkpointed under a policy (the exact
+planner's plans with ``drops=False, refine=False`` are) is what wrapping
+those blocks in ``nn.remat(Block, policy=...)`` (or ``jax.checkpoint``)
+gives: :func:`block_policies` names them, so the plan can move into the
+model's own code and train without jaxmem. A plan that recomputes single
+residuals, or offloads, has no such form: the error names what it does that
+no per-block policy does.
+"""
+
+from __future__ import annotations
+
+from jaxmem._blocks import KEEPS, checkpoint_block, segments
+from jaxmem._decisions import Plan
+from jaxmem._graph import Graph
+
+
+class NotPolicies(ValueError):
+  """A plan that per-block checkpoint policies cannot express."""
+
+
+def block_policies(graph: Graph, plan: Plan) -> dict[str, str]:
+  """``plan`` as module path -> policy name (a ``jax.checkpoint_policies``
+  attribute): in forward order, each block (at module depth 2, else the
+  depth-3 blocks inside it) whose residuals the plan recomputes, under the
+  policy that recomputes exactly those; ``{}`` for a plan that recomputes
+  nothing.
+
+  Raises:
+    NotPolicies: where the plan offloads, splits or recomputes residuals
+      that no combination of whole blocks under those policies does.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, flax.linen as nn
+    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem.planners._choices import Choice, plan_of
+    >>> class Block(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return x + nn.Dense(8)(jnp.tanh(nn.Dense(8)(x)))
+    >>> class Net(nn.Module):
+    ...   @nn.compact
+    ...   def __call__(self, x):
+    ...     return jnp.sum(Block()(Block()(x)) ** 2)
+    >>> net, x = Net(), jnp.ones((4, 8))
+    >>> p = net.init(jax.random.key(0), x)
+    >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(p))
+    >>> seg = {s.name: s for s in segments(g)}["Net/Block_0"]
+    >>> block_policies(g, plan_of(g, [Choice(seg, "nothing_saveable")]))
+    {'Net/Block_0': 'nothing_saveable'}
+  """
+  moved = sorted(v for v, d in plan.items if d.kind in ("offload", "chunked"))
+  if moved:
+    raise NotPolicies(
+        f"the plan keeps {len(moved)} residual(s) in host memory or in chunks "
+        f"({_names(graph, moved)}); per-block policies that offload "
+        "(jax.checkpoint_policies.offload_dot_with_no_batch_dims, "
+        "save_and_offload_only_these_names) are not written out from a plan")
+  wanted = plan.values_with("recompute")
+  if not wanted:
+    return {}
+  chosen: dict = {}
+  decisions: dict = {}
+  first = lambda seg: (graph.blocks(seg.depth)[seg.name][0], seg.depth)
+  for seg in sorted(segments(graph), key=first):
+    if any(seg.name.startswith(name + "/") for name in chosen):
+      continue  # inside a block taken whole
+    inside = wanted & set(seg.drops)
+    if not inside:
+      continue
+    for keep in KEEPS:
+      trial = dict(decisions)
+      checkpoint_block(graph, seg, keep, trial)
+      if _recomputed(trial) & set(seg.drops) == inside:
+        chosen[seg.name], decisions = keep, trial
+        break
+  missing = sorted(_recomputed(decisions) ^ wanted)
+  if missing:
+    raise NotPolicies(
+        f"{len(missing)} residual decision(s) of the plan are not those of whole "
+        f"blocks under {sorted(KEEPS)} ({_names(graph, missing)}; the blocks that "
+        f"match: {chosen or 'none'}); for a plan made only of per-block policies, "
+        "fit with planner=jaxmem.planners.ilp(drops=False, refine=False)")
+  return chosen
+
+
+def _recomputed(decisions: dict) -> set:
+  return {v for v, d in decisions.items() if d.kind == "recompute"}
+
+
+def _names(graph: Graph, values, shown: int = 4) -> str:
+  """Readable names of the first ``shown`` of ``values``."""
+  names = [f"{graph.producer(v).readable} {graph.producer(v).prim.name}"
+           for v in values[:shown]]
+  more = f", and {len(values) - shown} more" if len(values) > shown else ""
+  return ", ".join(names) + more
