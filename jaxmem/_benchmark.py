@@ -20,7 +20,7 @@ from jaxmem import _zoo
 from jaxmem._budget import BudgetError
 from jaxmem.targets import get_profile
 from jaxmem._evaluate import unplanned
-from jaxmem.targets import xla_footprint
+from jaxmem.targets import holds_host_memory, xla_footprint
 from jaxmem._perf import predict_schedule
 from jaxmem._transform import transform
 from jaxmem.planners import ABLATIONS, PLANNERS
@@ -75,7 +75,9 @@ class Row:
   """One method at one budget. Byte figures are XLA's compiled footprints
   (temp + arguments + outputs - aliases); ``model_bytes`` is jaxmem's
   prediction. A jaxmem method that cannot meet the budget has ``fits``
-  False and ``xla_bytes`` the smallest footprint it reaches."""
+  False and ``xla_bytes`` the smallest footprint it reaches.
+  ``time_ratio`` is the median, over runs, of the step's time over the
+  unconstrained step's timed just before it (:func:`paired_seconds`)."""
   method: str
   budget: str
   budget_bytes: int
@@ -94,6 +96,9 @@ class Row:
   copy_ops: dict | None = dataclasses.field(default=None, repr=False)
   host_timeline: list | None = dataclasses.field(default=None, repr=False)
   vtensors: list | None = None  # the LGM planner's swaps (SwapRecord fields)
+  # ``xla_bytes`` is the model's device peak: an offload plan on a backend
+  # that ignores host memory (XLA's footprint would count the copies).
+  footprint_modelled: bool = False
 
 
 # Row fields too long for the JSON file (per-op series, for plots).
@@ -103,12 +108,25 @@ SERIES = ("timeline", "recompute_ops", "copy_ops", "host_timeline")
 def median_seconds(fn: Callable, args, repeats: int) -> float:
   """Median wall time of ``fn(*args)`` over ``repeats`` runs after a warm-up."""
   jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(max(repeats, 1)):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+  return statistics.median(_seconds(fn, args) for _ in range(max(repeats, 1)))
+
+
+def paired_seconds(base: Callable, base_args, fn: Callable, args,
+                   repeats: int) -> tuple[float, float]:
+  """``(median seconds of fn, median of fn's time over base's)``, each run
+  of ``fn`` timed right after one of ``base``: a machine whose speed drifts
+  during a run (a shared or throttled CPU) moves both sides of each pair."""
+  jax.block_until_ready(base(*base_args))
+  jax.block_until_ready(fn(*args))
+  pairs = [(_seconds(base, base_args), _seconds(fn, args)) for _ in range(max(repeats, 1))]
+  return (statistics.median(b for _, b in pairs),
+          statistics.median(b / a for a, b in pairs))
+
+
+def _seconds(fn: Callable, args) -> float:
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  return time.perf_counter() - start
 
 
 def compiled_flops(compiled) -> float | None:
@@ -154,11 +172,11 @@ class Bench:
     self.target = None if target is None else get_profile(target)
     self.base = self.task(Method("unconstrained"))
     self.args = self.base.init()
-    compiled = jax.jit(self.base.step).lower(*self.args).compile()
+    compiled = self.base_compiled = jax.jit(self.base.step).lower(*self.args).compile()
     self.unconstrained = xla_footprint(compiled)
     self.base_flops = compiled_flops(compiled)
     self.base_seconds = median_seconds(compiled, self.args, repeats)
-    self._fixed = {Method("unconstrained"): (self.unconstrained, 1.0, self.base_seconds)}
+    self._fixed = {Method("unconstrained"): (self.unconstrained, 1.0, self.base_seconds, 1.0)}
 
   def task(self, method: Method, **overrides):
     remat = method.option if method.kind == "remat" else None
@@ -176,7 +194,9 @@ class Bench:
         row.xla_bytes = err.smallest
         return row
       self._describe(row, fit)
-      figures = self._run(fitted.lower(*self.args).compile(), self.args)
+      compiled = fitted.lower(*self.args).compile()
+      figures = self._run(compiled, self.args)
+      row.footprint_modelled = fit.plan.uses_host and not holds_host_memory(compiled)
     elif method in self._fixed:  # the step does not depend on the budget
       figures = self._fixed[method]
     else:
@@ -184,13 +204,13 @@ class Bench:
       args = task.init()
       figures = self._fixed[method] = self._run(
           jax.jit(task.step).lower(*args).compile(), args)
-    row.xla_bytes, row.flops_ratio, seconds = figures
+    row.xla_bytes, row.flops_ratio, seconds, row.time_ratio = figures
     if method.kind == "jaxmem":
       # The transform's own figure: XLA's, or for offload plans on a backend
       # that ignores host memory (CPU), the model's device peak.
       row.xla_bytes = fit.footprint
     row.fits = row.xla_bytes <= budget_bytes
-    row.step_ms, row.time_ratio = seconds * 1e3, seconds / self.base_seconds
+    row.step_ms = seconds * 1e3
     return row
 
   def _describe(self, row: Row, fit) -> None:
@@ -230,10 +250,13 @@ class Bench:
     return self._fixed[method][0]
 
   def _run(self, compiled, args) -> tuple:
-    """(footprint, FLOPs ratio, median seconds) of a compiled step, timed
-    by calling the compiled executable itself (no second compilation)."""
-    return (xla_footprint(compiled), self._flops_ratio(compiled),
-            median_seconds(compiled, args, self.repeats))
+    """(footprint, FLOPs ratio, median seconds, time over the unconstrained
+    step's) of a compiled step, timed by calling the compiled executable
+    itself (no second compilation), each run paired with one of the
+    unconstrained step (:func:`paired_seconds`)."""
+    seconds, ratio = paired_seconds(self.base_compiled, self.args, compiled, args,
+                                    self.repeats)
+    return xla_footprint(compiled), self._flops_ratio(compiled), seconds, ratio
 
   def _flops_ratio(self, compiled) -> float | None:
     flops = compiled_flops(compiled)

@@ -11,8 +11,9 @@ largest batch that fits the first budget. Methods: ``unconstrained``,
 ``--json`` and ``--plot`` write the figures and plots.
 
 The default run (a residual MLP at 70% and 50%) takes about a minute on two
-CPU cores. On CPU the step times are CPU times (DESIGN.md fact 9: not the
-GPU's); footprints carry the remat flag of fact 1.
+CPU cores. On CPU the step times are CPU times, which say little of a GPU's;
+each is timed in pairs with the unconstrained step, so the ratios hold on a
+CPU whose speed drifts.
 """
 
 from __future__ import annotations
@@ -55,20 +56,37 @@ def _cell(value, fmt) -> str:
   return "-" if value is None else fmt(value)
 
 
+def _ratio(value) -> str:
+  return f"{value:.2f}"
+
+
+# (header, width, cell of a row), in the table's order.
+_COLUMNS = (
+    ("fits", 5, lambda r: "yes" if r.fits else "NO"),
+    ("XLA", 11, lambda r: _cell(r.xla_bytes, format_bytes) + ("*" if r.footprint_modelled
+                                                               else "")),
+    ("model", 10, lambda r: _cell(r.model_bytes, format_bytes)),
+    ("time x", 7, lambda r: _cell(r.time_ratio, _ratio)),
+    ("pred x", 7, lambda r: _cell(r.predicted_ratio, _ratio)),
+    ("FLOPs x", 8, lambda r: _cell(r.flops_ratio, _ratio)),
+    ("plan s", 7, lambda r: _cell(r.planning_s, "{:.1f}".format)),
+    ("max batch", 9, lambda r: _cell(r.max_batch, str)),
+)
+
+
 def table(rows: list[Row]) -> str:
-  """The readable table of a run's rows."""
+  """The readable table of a run's rows; a column with no figure in any
+  row (``pred x`` without a target, ``max batch`` without the search) is
+  left out."""
   width = max([7] + [len(r.budget) for r in rows])
-  header = (f"{'method':<40} {'budget':>{width}} {'fits':>5} {'XLA':>10} {'model':>10} "
-            f"{'time x':>7} {'pred x':>7} {'FLOPs x':>8} {'plan s':>7} {'max batch':>9}")
+  columns = [(name, w, cell) for name, w, cell in _COLUMNS
+             if any(cell(r) != "-" for r in rows)]
+  header = f"{'method':<40} {'budget':>{width}} " + " ".join(
+      f"{name:>{w}}" for name, w, _ in columns)
   lines = [header, "-" * len(header)]
   for r in rows:
-    lines.append(
-        f"{r.method:<40} {r.budget:>{width}} {('yes' if r.fits else 'NO'):>5} "
-        f"{_cell(r.xla_bytes, format_bytes):>10} {_cell(r.model_bytes, format_bytes):>10} "
-        f"{_cell(r.time_ratio, '{:.2f}'.format):>7} "
-        f"{_cell(r.predicted_ratio, '{:.2f}'.format):>7} "
-        f"{_cell(r.flops_ratio, '{:.2f}'.format):>8} "
-        f"{_cell(r.planning_s, '{:.1f}'.format):>7} {_cell(r.max_batch, str):>9}")
+    lines.append(f"{r.method:<40} {r.budget:>{width}} " + " ".join(
+        f"{cell(r):>{w}}" for _, w, cell in columns))
   return "\n".join(lines)
 
 
@@ -180,13 +198,19 @@ def main(argv=None) -> int:
         f"unconstrained step {format_bytes(result['unconstrained_bytes'])}, "
         f"{result['unconstrained_step_ms']:.1f} ms\n")
   print(table(rows))
+  cpu = result["machine"]["backend"] == "cpu"
   print("\nXLA = compiled footprint (temp + args + outputs - aliases); for a method "
-        "that does not fit, the smallest it reaches; for offload plans on a backend that "
-        "ignores host memory (CPU), jaxmem's device peak. model = jaxmem's prediction. "
-        "time x, FLOPs x = ratios to the unconstrained step of this run; pred x = the "
-        "step time the target's profile predicts, over its prediction for the "
-        "unconstrained step"
-        + (" (CPU time on CPU)." if result["machine"]["backend"] == "cpu" else "."))
+        "that does not fit, the smallest it reaches"
+        + ("; * = jaxmem's device peak, for an offload plan on a backend that ignores "
+           "host memory" if any(r.footprint_modelled for r in rows) else "")
+        + ". model = jaxmem's prediction. time x = the median over runs of the step's "
+        "time over the unconstrained step's, timed in pairs"
+        + (" (CPU time: what this CPU measured, which says little of a GPU's)"
+           if cpu else "")
+        + "; FLOPs x = XLA's count over the unconstrained step's"
+        + ("; pred x = the step time the target's profile predicts, over its prediction "
+           "for the unconstrained step" if any(r.predicted_ratio is not None for r in rows)
+           else "") + ".")
   if result["target_profile"] is None:
     print(f"No --target given: jaxmem planners that time copies (hybrid, offload, lgm) "
           f"plan for the {DEFAULT_TARGET} profile; pass --target PROFILE "

@@ -84,3 +84,28 @@ def test_target_profile_plans_and_predicts(tmp_path):
   assert row["predicted_ms"] > 0 and row["predicted_ratio"] >= 1.0
   with pytest.raises(SystemExit, match="unknown --target 'k80'"):
     bench.main(TINY + ["--target", "k80", "--quiet"])
+
+
+def test_table_leaves_out_empty_columns_and_marks_modelled_footprints():
+  from jaxmem._benchmark import Row
+  plain = Row("unconstrained", "70%", 70, False, 100, time_ratio=1.0, flops_ratio=1.0)
+  hosted = Row("jaxmem:hybrid", "70%", 70, True, 60, model_bytes=60, time_ratio=1.1,
+               flops_ratio=1.0, planning_s=2.0, footprint_modelled=True)
+  text = bench.table([plain, hosted])
+  header = text.splitlines()[0]
+  assert "pred x" not in header and "max batch" not in header  # no row has one
+  assert "time x" in header and "model" in header
+  assert "60 B*" in text and "100 B*" not in text
+  assert "pred x" in bench.table([Row("jaxmem:ilp", "70%", 70, True, 60,
+                                      predicted_ratio=1.2)]).splitlines()[0]
+
+
+def test_time_ratios_are_timed_in_pairs():
+  from jaxmem._benchmark import paired_seconds
+  calls = []
+  base = lambda: calls.append("base")
+  step = lambda: calls.append("step")
+  seconds, ratio = paired_seconds(base, (), step, (), repeats=3)
+  # A warm-up of each, then base before step in every pair.
+  assert calls == ["base", "step"] + ["base", "step"] * 3
+  assert seconds > 0 and ratio > 0
