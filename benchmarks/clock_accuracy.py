@@ -19,7 +19,7 @@ copies of at most 16 MiB from Python, whose 0.2-0.4 ms per copy is the
 dispatch's, not the link's.
 
   PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/clock_accuracy.py \\
-      --runs benchmarks/results/2026-11-23-nvidia-h200 --target h200 \\
+      --runs benchmarks/results/gpu-check-h200 --target h200 \\
       --out benchmarks/results/clock-vs-h200
 """
 

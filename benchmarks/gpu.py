@@ -27,7 +27,7 @@ the same configurations through lowering and planning only, on any backend
 it meets a GPU.
 
 Results: ``results.json`` and ``results.md`` under ``--out`` (default
-``benchmarks/results/<date>-<device>/``), with the command, the commit and
+``benchmarks/results/gpu-check-<device>/``), with the command, the date, the commit and
 whether the tree was dirty (``JAXMEM_COMMIT`` / ``JAXMEM_DIRTY`` name them
 where the tree has no ``.git``).
 
@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import datetime
 import json
 import math
 import os
@@ -248,7 +247,7 @@ def write(result: dict, out: str) -> str:
 
 def _default_out(env: dict) -> str:
   device = str(env.get("device_kind") or "unknown").lower().replace(" ", "-")
-  return os.path.join(HERE, "results", f"{datetime.date.today().isoformat()}-{device}")
+  return os.path.join(HERE, "results", f"gpu-check-{device}")
 
 
 def _gib(value) -> str:

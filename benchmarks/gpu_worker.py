@@ -99,7 +99,7 @@ def _update_norms(args, out) -> list[float]:
   moments (Adam's first is a tenth of the gradient), so a gradient wrong
   in scale moves a norm and one wrong in direction (permuted, a slice
   shifted) moves a probe's product (offload inside loops has given wrong
-  gradients in XLA releases, DESIGN.md)."""
+  gradients in some XLA releases)."""
   figures = []
   pairs = zip(jax.tree_util.tree_leaves(args[0]), jax.tree_util.tree_leaves(out[0]))
   for i, (before, after) in enumerate(pairs):

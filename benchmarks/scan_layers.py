@@ -10,7 +10,7 @@ as L grows (issue 17). Medians of ``--repeats`` runs, each in a fresh trace
 and compile (JAX's caches cleared).
 
   python benchmarks/scan_layers.py --depths 8 32 128 --budget 60% \\
-      --out benchmarks/results/<date>-cpu-scan-layers
+      --out benchmarks/results/scan-layers-cpu
 """
 
 from __future__ import annotations

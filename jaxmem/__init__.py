@@ -27,7 +27,7 @@ Example:
 from jaxmem import _flags
 
 # XLA:CPU merges recomputation back into the forward pass unless a pass is off
-# (DESIGN.md fact 1). jaxmem's own steps carry that option per compilation; for
+# (see _flags.py). jaxmem's own steps carry that option per compilation; for
 # plain jax.jit of remat steps on CPU it goes into XLA_FLAGS before JAX's
 # backend starts, but only in a CPU-only process: XLA:GPU needs the pass.
 _flags.enable_cpu_remat(warn=False)

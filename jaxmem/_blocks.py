@@ -4,7 +4,7 @@ A *segment* is a module block (its module path cut at depth 2 or 3,
 ``GPT2/block0``) with the residuals made and used inside it and the values it
 reads from outside it. Checkpointing a segment drops the first and saves
 the second, so recomputation starts at the block's boundary instead of
-running back through earlier blocks (DESIGN.md fact 12). The greedy's block
+running back through earlier blocks (XLA follows such plans closely). The greedy's block
 moves and the plans shaped like the per-block remat baselines are built
 from these.
 """

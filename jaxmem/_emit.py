@@ -14,7 +14,7 @@ from jaxmem._schedule import Schedule
 
 
 # Where each copy op of a schedule puts its value: host memory is
-# ``pinned_host`` (DESIGN.md fact 3; XLA:CPU ignores it, fact 2).
+# ``pinned_host`` (XLA:GPU places it there; XLA:CPU ignores memory kinds).
 _SPACES = {"offload": lambda: jax.memory.Space.Host,
            "prefetch": lambda: jax.memory.Space.Device}
 

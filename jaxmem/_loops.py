@@ -4,7 +4,7 @@ its stacked outputs.
 In the joint jaxpr of a step whose layers run under ``lax.scan`` (plain,
 Flax ``nn.scan``, ...), the forward scan emits every residual of its body
 stacked as ``[L, ...]`` and a backward scan (``reverse=True``) reads them
-one slice per iteration (DESIGN.md fact 13). To the graph such a value is
+one slice per iteration. To the graph such a value is
 one residual; this module says what it is inside the loop: which output of
 which scan, how many iterations, the bytes of one slice, and which forward
 body value it stacks, so that reports read "per layer bytes x L" and a

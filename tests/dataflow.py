@@ -1,7 +1,7 @@
 """Where data flows in an emitted step: checks of host offload and vTensors
 read from the program itself, not from annotation counts.
 
-XLA:CPU ignores host memory (DESIGN.md fact 2), so on CPU the program's
+XLA:CPU ignores host memory, so on CPU the program's
 jaxpr is the referee: which values are copied to ``pinned_host``, which
 copies come back, and which equations read what. Optimization barriers
 pass values through (output ``i`` is input ``i``), so values are followed

@@ -1,7 +1,7 @@
 """The memory model's host accounting against figures worked out by hand.
 
 On CPU the device footprint of an offload plan is the memory model's
-(DESIGN.md fact 2), so the model must not be checked against itself. Here
+(XLA:CPU ignores host memory), so the model must not be checked against itself. Here
 the step is a chain of equal matmuls (no fusion, no temporaries beyond the
 chain), and what each plan moves is derived from the graph's facts alone:
 where each residual is made, last read forward and first read backward.

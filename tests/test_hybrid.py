@@ -56,7 +56,8 @@ def test_offload_plans_give_the_same_numbers(mlp, planner, budget):
   fitted = jaxmem.transform(task.step, budget=budget, planner=planner)
   plan = fitted.fit(*args)
   # The budget from XLA's footprint of the step as written; on CPU an
-  # offload plan's device footprint is the model's (DESIGN.md fact 2).
+  # offload plan's device footprint is the model's (XLA:CPU ignores host
+  # memory).
   assert plan.footprint <= xla_budget(task.step, args, budget) == plan.budget
   moved = plan.plan.values_with("offload")
   assert moved

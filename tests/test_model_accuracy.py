@@ -4,7 +4,7 @@ At the zoo's small, activation-dominated sizes (``CPU_SIZES``) the
 untransformed step's model peak over XLA:CPU's compiled footprint lies in a
 band per model, asserted at what is true today. The model sits under XLA
 where XLA:CPU packs temporaries less tightly than their live ranges
-(DESIGN.md fact 10: GPT-2's attention); the fit loop closes that gap from
+(GPT-2's attention); the fit loop closes that gap from
 the compiled footprint, so the band is a claim about the model alone.
 """
 

@@ -1,6 +1,6 @@
 """Host offload in the rewrite: copies to pinned_host and back, same numbers,
 device bytes freed in the memory model (XLA:CPU ignores memory kinds,
-DESIGN.md fact 2, so the device footprint of an offload plan is the model's)."""
+so the device footprint of an offload plan is the model's)."""
 
 import jax
 import optax

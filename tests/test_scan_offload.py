@@ -1,7 +1,7 @@
 """Offload inside loops (``jaxmem._loop_schedule``): a scanned stack's stacked
 residuals kept in host memory one slice per iteration.
 
-XLA:CPU ignores host memory (DESIGN.md fact 2), so these checks read the
+XLA:CPU ignores host memory, so these checks read the
 emitted program's data flow (which values are in host memory, what copies
 them and what reads them), the memory and performance models against
 figures computed here from the graph, and the gradients against the

@@ -1,6 +1,6 @@
 """vTensors (split / salloc / merge) and the LGM planner.
 
-XLA:CPU ignores host memory kinds (DESIGN.md fact 2): the lowered program is
+XLA:CPU ignores host memory kinds: the lowered program is
 checked for the copies (the jaxpr, and a CUDA lowering made on this CPU),
 and the device footprint is the memory model's.
 """
