@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
+import time
 import weakref
 from typing import Callable
 
@@ -40,6 +42,10 @@ from jaxmem.targets import holds_host_memory, xla_footprint
 # target with a clock, to rank them by predicted time (each is one
 # compilation of the step).
 STRUCTURED_COMPILES = 4
+
+# Each plan and each compilation of a fit, at INFO level:
+# logging.basicConfig(); logging.getLogger("jaxmem").setLevel("INFO").
+_log = logging.getLogger("jaxmem")
 
 # How far under the budget's share of the model the first plan aims.
 FIRST_MARGIN = 0.01
@@ -128,6 +134,8 @@ class Fitter:
     if not find_smallest:
       shaped = self.structured(trial, cheaper=False)
       return (shaped, rounds) if shaped.measured <= self.budget else None
+    _log.info("jaxmem: no plan toward the budget fits; compiling the candidates for "
+              "the smallest footprint")
     trials = self.lowest(trial)
     fitting = [t for t in trials if t.measured <= self.budget]
     if not fitting:
@@ -135,8 +143,27 @@ class Fitter:
     cheapest = functools.reduce(lambda a, b: b if self.cheaper(b, a) else a, fitting)
     return self.structured(cheapest), rounds
 
+  def plan(self, aim: int, start: Plan | None = None) -> Candidate:
+    """The planner's plan for ``aim`` model bytes (logged)."""
+    began = time.perf_counter()
+    found = self.planner.plan(self.graph, aim, start=start)
+    _log.info("jaxmem: %s planned for %s (model bytes): %d decisions, model peak %s "
+              "(%s) in %.1f s", self.planner.name, format_bytes(aim), len(found.plan),
+              format_bytes(found.peak), "fits" if found.fits else "over",
+              time.perf_counter() - began)
+    return found
+
   def compile(self, candidate: Candidate) -> Trial:
     """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
+    began = time.perf_counter()
+    trial = self._compiled(candidate)
+    _log.info("jaxmem: compiled %s: footprint %s against the budget %s in %.1f s",
+              f"a plan of {len(candidate.plan)} decisions" if len(candidate.plan)
+              else "the step as written", format_bytes(trial.measured),
+              format_bytes(self.budget), time.perf_counter() - began)
+    return trial
+
+  def _compiled(self, candidate: Candidate) -> Trial:
     compiled = self.jit(candidate)
     seconds = None if self.clock is None else self.clock(compiled)
     if candidate.plan.uses_host and not holds_host_memory(compiled):
@@ -182,7 +209,7 @@ class Fitter:
     for rounds in itertools.count(1):
       aim = int(self._model_part(self.budget) * scale)
       if self.needs_plan(aim):
-        candidate = self.planner.plan(graph, aim, start=previous)
+        candidate = self.plan(aim, start=previous)
         if trial is not None and candidate.plan == trial.candidate.plan:
           return trial, rounds - 1
         previous = candidate.plan
@@ -220,7 +247,7 @@ class Fitter:
         break
       scale = ((low + high) / 2 if high else
                low * room / self._model_part(found.measured) * 0.99)
-      candidate = self.planner.plan(self.graph, int(room * scale))
+      candidate = self.plan(int(room * scale))
       if (candidate.fits and candidate.plan != found.candidate.plan
           and self.may_fit(candidate)):
         trial = self.compile(candidate)

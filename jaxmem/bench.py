@@ -19,9 +19,11 @@ CPU whose speed drifts.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import dataclasses
 import json
+import logging
 import platform
 import sys
 import time
@@ -120,7 +122,14 @@ def _parser(models) -> argparse.ArgumentParser:
 
 
 def run(opts) -> dict:
-  """Measures what ``opts`` asks for; returns the JSON-ready result."""
+  """Measures what ``opts`` asks for; returns the JSON-ready result. Unless
+  ``--quiet``, progress goes to stderr: the run's steps and each plan and
+  compilation of every fit."""
+  with _fit_progress(not opts.quiet):
+    return _run(opts)
+
+
+def _run(opts) -> dict:
   source = provenance("-m jaxmem.bench", sys.argv[1:])  # the code as the run starts
   models = _zoo.models()
   progress = (lambda line: None) if opts.quiet else (
@@ -171,6 +180,26 @@ def run(opts) -> dict:
       "versions": {name: importlib.metadata.version(name)
                    for name in ("jax", "jaxlib", "flax", "optax", "jaxmem")},
   }
+
+
+@contextlib.contextmanager
+def _fit_progress(shown: bool):
+  """jaxmem's INFO log (each plan and compilation of a fit) on stderr while
+  a run lasts, where progress is shown."""
+  log = logging.getLogger("jaxmem")
+  if not shown:
+    yield
+    return
+  handler = logging.StreamHandler(sys.stderr)
+  handler.setFormatter(logging.Formatter("[%(asctime)s]   %(message)s", "%H:%M:%S"))
+  level = log.level
+  log.addHandler(handler)
+  log.setLevel(logging.INFO)
+  try:
+    yield
+  finally:
+    log.removeHandler(handler)
+    log.setLevel(level)
 
 
 def save(result: dict, opts) -> None:

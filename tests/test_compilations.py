@@ -158,3 +158,17 @@ def test_a_looser_plan_is_compiled_only_where_the_compiled_ones_say_it_may_fit(a
   assert fitter.may_fit(loose) == (loose.peak / least <= fitter.budget)
   assert not fitter.may_fit(loose)
   assert fitter.may_fit(tight)
+
+
+def test_each_plan_and_compilation_is_logged(args, caplog):
+  """A long fit is not silent to whoever asks: each plan and each compilation
+  of the fit loop at INFO on the ``jaxmem`` logger (jaxmem-bench shows them)."""
+  import logging
+  with caplog.at_level(logging.INFO, logger="jaxmem"), counted() as made:
+    fit = jaxmem.transform(_step, budget="60%").fit(*args)
+  lines = [r.getMessage() for r in caplog.records if r.name == "jaxmem"]
+  planned = [m for m in lines if " planned for " in m]
+  compiled = [m for m in lines if m.startswith("jaxmem: compiled a plan of")]
+  assert planned and compiled and len(fit.plan)
+  assert len(compiled) <= len(made)  # one line per compilation of a plan
+  assert all("against the budget" in m for m in compiled)
