@@ -163,7 +163,8 @@ class Fit:
          f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
         f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
         f"{len(self.plan.values_with('offload'))} offloaded, "
-        f"{len(self.plan.values_with('chunked'))} split into vTensors; "
+        f"{len(self.plan.values_with('chunked'))} decided per chunk (layer ranges of "
+        "a loop's stacks, or vTensors); "
         f"{format_bytes(p.host_peak)} on the host at most); {len(saved)} "
         f"block boundaries saved ({format_bytes(saved_bytes)})"),
         f"added FLOPs       {self.added_flops:.3g} "

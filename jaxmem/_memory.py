@@ -84,12 +84,16 @@ class Liveness:
 
   @property
   def peak_name(self) -> str:
-    """Readable name of the equation at the peak."""
+    """Readable name of the operation at the peak: the module path and
+    primitive of the equation (``recomputed`` for a rebuilt one; the copy
+    or barrier a rewrite added), and its place in the rewritten step."""
     op = self.schedule.ops[self.peak_op]
+    where = f"op {self.peak_op} of {len(self.schedule.ops)} in the rewritten step"
     if op.node is None:
-      return f"{_OPS.get(op.kind, 'optimization_barrier')} ({op.kind}, op {self.peak_op})"
+      return f"{_OPS.get(op.kind, 'optimization_barrier')} ({op.kind}; {where})"
     node = self.schedule.nodes[op.node]
-    return f"{node.readable} {node.prim.name} ({op.kind}, op {self.peak_op})"
+    how = "recomputed; " if op.kind == "recompute" else ""
+    return f"{node.readable} {node.prim.name} ({how}{where})"
 
 
 def simulate(schedule: Schedule) -> Liveness:
