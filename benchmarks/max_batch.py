@@ -35,6 +35,7 @@ import jax  # noqa: E402
 import jaxmem  # noqa: E402
 from jaxmem._benchmark import largest_batch  # noqa: E402
 from jaxmem._budget import Budget, format_bytes  # noqa: E402
+from jaxmem._zoo import models  # noqa: E402
 from jaxmem.targets import placed, xla_footprint  # noqa: E402
 
 from benchmarks._results import write  # noqa: E402
@@ -106,7 +107,7 @@ def main(argv=None) -> None:
   parser.add_argument("--out", required=True)
   opts = parser.parse_args(argv)
   config = {k: json.loads(v) for k, v in (item.split("=", 1) for item in opts.config)}
-  config.setdefault("batch", jaxmem._zoo.models().options(opts.model)["batch"])
+  config.setdefault("batch", models().options(opts.model)["batch"])
   budget = Budget.parse(opts.budget).resolve(footprint(opts.model, config, opts.target))
   methods = (["unmodified"] + [f"remat:{p}" for p in POLICIES]
              + [f"jaxmem:{p}" for p in opts.planners])

@@ -77,9 +77,10 @@ class ILP(Planner):
       4 such evaluations saved at most 0.05% of a plan's cost, at two
       budgets, for 10% more planning time; none are spent by default).
     lazy: whether a choice's column is priced by the memory model only
-      when a solution takes it (:mod:`~jaxmem.planners._pricing`: the same
-      optimum, fewer evaluations), else every column before the first
-      program.
+      when a solution takes it (:mod:`~jaxmem.planners._pricing`: fewer
+      evaluations, and the optimum of pricing every column wherever the
+      estimates bound the exact columns), else every column before the
+      first program.
     fallback: the planner asked where no combination fits (a
       :class:`~jaxmem.Planner`; None: the recompute-only greedy), and for
       candidates of the lowest footprint beside the program's own.
