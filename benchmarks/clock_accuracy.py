@@ -41,7 +41,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
 
-from jaxmem._xla_clock import program_time  # noqa: E402
+from jaxmem.cost._xla_clock import program_time  # noqa: E402
 from jaxmem.targets import get_profile  # noqa: E402
 
 from benchmarks._results import write  # noqa: E402

@@ -44,10 +44,10 @@ import jax.numpy as jnp  # noqa: E402
 
 import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
 from jaxmem.targets import DeviceProfile, get_profile  # noqa: E402
-from jaxmem._evaluate import unplanned  # noqa: E402
+from jaxmem.cost._evaluate import unplanned  # noqa: E402
 from jaxmem import _flags  # noqa: E402
 from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
-from jaxmem._perf import predict_schedule  # noqa: E402
+from jaxmem.cost._perf import predict_schedule  # noqa: E402
 from jaxmem._zoo import models as _models  # noqa: E402
 from jaxmem.planners import PLANNERS  # noqa: E402
 

@@ -34,10 +34,10 @@ from jaxmem._zoo import models as _models
 models = _models()
 from jaxmem.targets import PROFILES
 from jaxmem._provenance import provenance
-from jaxmem._graph import build_graph
+from jaxmem.graph._graph import build_graph
 from jaxmem._budget import format_bytes
-from jaxmem._perf import predict_schedule, schedule_transfers
-from jaxmem._evaluate import unplanned
+from jaxmem.cost._perf import predict_schedule, schedule_transfers
+from jaxmem.cost._evaluate import unplanned
 from jaxmem.planners import PLANNERS
 
 SIZES = {

@@ -28,8 +28,8 @@ import jax
 from jax import monitoring
 import numpy as np
 
-from jaxmem._evaluate import unplanned_liveness
-from jaxmem._graph import build_graph
+from jaxmem.cost._evaluate import unplanned_liveness
+from jaxmem.graph._graph import build_graph
 from jaxmem.planners import ILP, PLANNERS
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])

@@ -35,7 +35,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 import jaxmem  # noqa: E402
-from jaxmem._xla_clock import program_time  # noqa: E402
+from jaxmem.cost._xla_clock import program_time  # noqa: E402
 from jaxmem._zoo import models  # noqa: E402
 from jaxmem.targets import get_profile, placed, xla_footprint  # noqa: E402
 

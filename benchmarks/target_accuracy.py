@@ -29,9 +29,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 import jaxmem  # noqa: E402
-from jaxmem._evaluate import unplanned  # noqa: E402
-from jaxmem._graph import build_graph, trace  # noqa: E402
-from jaxmem._xla_buffers import learn, with_buffers  # noqa: E402
+from jaxmem.cost._evaluate import unplanned  # noqa: E402
+from jaxmem.graph._graph import build_graph, trace  # noqa: E402
+from jaxmem.cost._xla_buffers import learn, with_buffers  # noqa: E402
 from jaxmem.targets import placed, workspace_bytes, xla_footprint  # noqa: E402
 from jaxmem._zoo import models  # noqa: E402
 

@@ -17,7 +17,7 @@ The public face, in one screen:
   :class:`GpuDescription`, :data:`PROFILES`, :func:`calibrate`;
 * :func:`enable_cpu_remat`, the XLA:CPU flag set on import.
 
-Internals stay importable from their modules (``jaxmem._graph``, ...).
+Internals stay importable from their modules (``jaxmem.graph._graph``, ...).
 
 Example:
   >>> import jaxmem

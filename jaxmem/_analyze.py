@@ -10,10 +10,10 @@ import jax
 
 from jaxmem._budget import format_bytes
 from jaxmem._decisions import Plan
-from jaxmem._evaluate import evaluate
-from jaxmem._graph import Graph, build_graph, trace
-from jaxmem._memory import Liveness
-from jaxmem._report import residual_table
+from jaxmem.cost._evaluate import evaluate
+from jaxmem.graph._graph import Graph, build_graph, trace
+from jaxmem.cost._memory import Liveness
+from jaxmem.fit._report import residual_table
 
 
 @dataclasses.dataclass

@@ -19,9 +19,9 @@ import jax
 from jaxmem import _zoo
 from jaxmem._budget import BudgetError
 from jaxmem.targets import get_profile
-from jaxmem._evaluate import unplanned
+from jaxmem.cost._evaluate import unplanned
 from jaxmem.targets import holds_host_memory, xla_footprint
-from jaxmem._perf import predict_schedule
+from jaxmem.cost._perf import predict_schedule
 from jaxmem._transform import transform
 from jaxmem.planners import ABLATIONS, PLANNERS
 

@@ -12,20 +12,22 @@ from typing import Callable
 import jax
 from jax.extend import core as jex
 
-from jaxmem import _plan_cache, _primitives
-from jaxmem._arguments import Arguments, inherited_donations
-from jaxmem._batching import batchable
+from jaxmem.fit import _plan_cache
+
+from jaxmem.graph import _primitives
+from jaxmem.fit._arguments import Arguments, inherited_donations
+from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
-from jaxmem._emit import emit
-from jaxmem._evaluate import Candidate, evaluate
-from jaxmem._fit import Fitter, budget_error, fit_plan, remember, remembered
-from jaxmem._fitted import Fit
-from jaxmem._graph import Graph, build_graph, trace
-from jaxmem._inner import body_graph, embedded, inner_loop
-from jaxmem._xla_buffers import learn, with_buffers
-from jaxmem._xla_clock import program_time
-from jaxmem._saved import fingerprint, loads
+from jaxmem.schedule._emit import emit
+from jaxmem.cost._evaluate import Candidate, evaluate
+from jaxmem.fit._fit import Fitter, budget_error, fit_plan, remember, remembered
+from jaxmem.fit._fitted import Fit
+from jaxmem.graph._graph import Graph, build_graph, trace
+from jaxmem.fit._inner import body_graph, embedded, inner_loop
+from jaxmem.cost._xla_buffers import learn, with_buffers
+from jaxmem.cost._xla_clock import program_time
+from jaxmem.fit._saved import fingerprint, loads
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes, xla_footprint
 
@@ -196,7 +198,7 @@ class Transformed:
 
   def _build(self, args, kwargs, leaves, target: Target,
              find_smallest: bool = True) -> Fit | None:
-    """Traces, analyzes and runs the fit loop (:class:`~jaxmem._fit.Fitter`)."""
+    """Traces, analyzes and runs the fit loop (:class:`~jaxmem.fit._fit.Fitter`)."""
     start = time.perf_counter()
     self.arguments = self.arguments.with_donations(
         *inherited_donations(self.fun, args, kwargs, self.arguments))

@@ -26,8 +26,8 @@ def mlp():
   import optax
 
   import jaxmem_models as models
-  from jaxmem._graph import build_graph
-  from jaxmem._evaluate import evaluate
+  from jaxmem.graph._graph import build_graph
+  from jaxmem.cost._evaluate import evaluate
   task = models.get("mlp", optimizer=optax.adam(1e-3, eps=1e-3), depth=6, width=32,
                     batch=256, features=16)
   args = task.init()

@@ -5,10 +5,10 @@ import pytest
 
 import jaxmem
 import jaxmem_models as models
-from jaxmem._blocks import block_plans, segments
+from jaxmem.planners._blocks import block_plans, segments
 from jaxmem._decisions import OFFLOAD, RECOMPUTE, Plan
-from jaxmem._graph import build_graph
-from jaxmem._policies import NotPolicies, block_policies
+from jaxmem.graph._graph import build_graph
+from jaxmem.fit._policies import NotPolicies, block_policies
 from jaxmem.planners import Fixed, ilp
 from jaxmem.targets import xla_footprint
 

@@ -16,9 +16,9 @@ import pytest
 import jaxmem
 from jaxmem.targets import xla_footprint
 import jaxmem_models as models
-from jaxmem._emit import emit
-from jaxmem._blocks import block_plans, segments
-from jaxmem._evaluate import Candidate, evaluate, unplanned
+from jaxmem.schedule._emit import emit
+from jaxmem.planners._blocks import block_plans, segments
+from jaxmem.cost._evaluate import Candidate, evaluate, unplanned
 from tests.helpers import assert_trees_close, xla_budget
 
 # Activation-dominated (the residuals outweigh parameters and Adam's state).

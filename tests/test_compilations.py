@@ -11,10 +11,10 @@ from jax import monitoring
 import pytest
 
 import jaxmem
-from jaxmem._emit import emit
-from jaxmem._evaluate import unplanned_liveness
-from jaxmem._fit import Fitter
-from jaxmem._graph import build_graph
+from jaxmem.schedule._emit import emit
+from jaxmem.cost._evaluate import unplanned_liveness
+from jaxmem.fit._fit import Fitter
+from jaxmem.graph._graph import build_graph
 from jaxmem.planners import Fixed, Greedy
 from jaxmem.targets import xla_footprint
 from tests.helpers import tanh_step

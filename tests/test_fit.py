@@ -1,4 +1,4 @@
-"""The fit loop's choices among compiled plans (``jaxmem._fit.Fitter``),
+"""The fit loop's choices among compiled plans (``jaxmem.fit._fit.Fitter``),
 with the compiler replaced by a table: each plan's footprint and predicted
 time are given, so what the loop takes follows from its rules alone."""
 
@@ -10,9 +10,9 @@ import pytest
 
 import jaxmem
 from jaxmem._decisions import RECOMPUTE, Plan
-from jaxmem._evaluate import candidate, unplanned
-from jaxmem._fit import Fitter
-from jaxmem._graph import build_graph
+from jaxmem.cost._evaluate import candidate, unplanned
+from jaxmem.fit._fit import Fitter
+from jaxmem.graph._graph import build_graph
 
 
 def _step(w, x):

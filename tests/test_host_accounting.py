@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import pytest
 
 from jaxmem._decisions import KEEP, OFFLOAD, Chunked, Offload, Plan
-from jaxmem._evaluate import evaluate
-from jaxmem._graph import build_graph
+from jaxmem.cost._evaluate import evaluate
+from jaxmem.graph._graph import build_graph
 
 N, B, D = 6, 128, 16
 SLICE = B * D * 4  # bytes of each residual

@@ -9,9 +9,9 @@ import pytest
 import jaxmem
 from jaxmem.targets import get_profile
 from jaxmem._decisions import KEEP
-from jaxmem._evaluate import evaluate, prefetch_point
+from jaxmem.cost._evaluate import evaluate, prefetch_point
 from jaxmem.planners import Greedy, hybrid, offload_only
-from jaxmem._emit import emit
+from jaxmem.schedule._emit import emit
 from tests.dataflow import assert_offloads_flow
 from tests.helpers import assert_trees_close, xla_budget
 

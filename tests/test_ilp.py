@@ -8,8 +8,8 @@ import flax.linen as nn
 import pytest
 
 import jaxmem
-from jaxmem._evaluate import candidate, unplanned_liveness
-from jaxmem._graph import build_graph
+from jaxmem.cost._evaluate import candidate, unplanned_liveness
+from jaxmem.graph._graph import build_graph
 from jaxmem.planners import ILP, Greedy, _greedy, auto
 from jaxmem.planners._choices import Choice
 from jaxmem.targets import xla_footprint

@@ -11,37 +11,41 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 
 # Lowest first: a module imports only from layers below its own.
 LAYERS = [
-    {"_flags", "_provenance", "_budget", "_primitives", "_decisions", "_arguments", "_batching",
-     "targets._description", "_hlo"},
-    {"_saved", "targets._profiles"},
-    {"_plan_cache"},
+    {"_flags", "_provenance", "_budget", "graph._primitives", "_decisions", "fit._arguments",
+     "fit._batching", "targets._description", "cost._hlo",
+     "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code
+    {"fit._saved", "targets._profiles"},
+    {"fit._plan_cache"},
     {"targets._compile", "targets._calibrate"},
     {"targets"},
-    {"_graph"},
-    {"_xla_cpu_fusion", "_loops"},
-    {"_schedule"},
-    {"_scan_remat"},
-    {"_loop_segments"},
-    {"_loop_schedule"},
-    {"_emit"},
-    {"_xla_buffers", "_xla_clock"},
-    {"_memory", "_perf"},
-    {"_evaluate"},
-    {"_blocks", "_inner"},
-    {"_policies"},
+    {"graph._graph"},
+    {"graph._xla_cpu_fusion", "graph._loops"},
+    {"schedule._schedule"},
+    {"schedule._scan_remat"},
+    {"schedule._loop_segments"},
+    {"schedule._loop_schedule"},
+    {"schedule._emit"},
+    {"cost._xla_buffers", "cost._xla_clock"},
+    {"cost._memory", "cost._perf"},
+    {"cost._evaluate"},
+    {"planners._blocks", "fit._inner"},
+    {"fit._policies"},
     {"planners._base", "planners._choices", "planners._solution"},
     {"planners._pricing"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},
     {"planners._ilp"},
     {"planners"},
-    {"_report", "_fit"},
-    {"_fitted"},
+    {"fit._report", "fit._fit"},
+    {"fit._fitted"},
     {"_transform", "_analyze"},
     {""},  # the package itself: the public face
     {"_zoo", "_plots"},
     {"_benchmark"},
     {"bench"},
 ]
+# Each stage package holds the modules of one stage of the flow, lowest
+# first (a module of a lower stage never imports one of a higher stage):
+STAGES = ["graph", "schedule", "cost", "planners", "fit"]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
 MAX_MODULE_LINES = 500
 MAX_FUNCTION_LINES = 80
@@ -136,6 +140,22 @@ def test_no_import_cycle():
   assert found is None, "import cycle: " + " -> ".join(found)
 
 
+def _later_stage(name: str, targets) -> list[str]:
+  """The jaxmem modules among ``targets`` in a stage package after ``name``'s."""
+  stage = lambda n: STAGES.index(n.split(".")[0]) if n.split(".")[0] in STAGES else None
+  own = stage(name)
+  return [] if own is None else [t for t in targets
+                                  if stage(t) is not None and stage(t) > own]
+
+
+def test_stages_run_in_order():
+  """The folders show the flow: graph -> schedule -> cost -> planners -> fit."""
+  bad = [f"{path.relative_to(PACKAGE)}:{line} imports jaxmem.{target}"
+         for name, path in _modules().items()
+         for target, _, line in _imports(path) if _later_stage(name, [target])]
+  assert not bad, "a stage imports a later stage:\n" + "\n".join(bad)
+
+
 def test_no_private_name_crosses_modules():
   bad = [f"{path.relative_to(PACKAGE)}:{line} takes {taken!r} from jaxmem.{source}"
          for name, path in _modules().items()
@@ -164,11 +184,13 @@ def test_the_checks_can_fail(tmp_path):
   name, a module import), and the judges catch an upward import and a
   cycle."""
   source = tmp_path / "probe.py"
-  source.write_text("def f():\n  from jaxmem._evaluate import _hidden\n"
+  source.write_text("def f():\n  from jaxmem.cost._evaluate import _hidden\n"
                     "from jaxmem import _flags\nimport jaxmem.planners\n")
-  assert sorted(_imports(source)) == [("_evaluate", "_hidden", 2), ("_flags", None, 3),
+  assert sorted(_imports(source)) == [("_flags", None, 3), ("cost._evaluate", "_hidden", 2),
                                       ("planners", None, 4)]
-  assert _upward("_evaluate", ["planners", "_graph"]) == ["planners"]
-  assert _upward("_graph", ["_graph", "_primitives"]) == []
+  assert _upward("cost._evaluate", ["planners", "graph._graph"]) == ["planners"]
+  assert _upward("graph._graph", ["graph._graph", "graph._primitives"]) == []
+  assert _later_stage("cost._evaluate", ["fit._fit", "graph._graph", "_decisions"]) == [
+      "fit._fit"]
   assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
   assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None

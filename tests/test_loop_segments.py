@@ -1,4 +1,4 @@
-"""Per-layer plans (``jaxmem._loop_segments``): a scanned stack whose stacked
+"""Per-layer plans (``jaxmem.schedule._loop_segments``): a scanned stack whose stacked
 residuals are chunked along the layer axis runs in segments, each with its
 own decisions, gives the untransformed step's gradients, frees each
 rebuilt segment's share in XLA's footprint, and stays one scan per
@@ -9,12 +9,12 @@ import pytest
 
 import jaxmem
 from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Plan
-from jaxmem._emit import emit
-from jaxmem._evaluate import evaluate
+from jaxmem.schedule._emit import emit
+from jaxmem.cost._evaluate import evaluate
 from jaxmem.targets import xla_footprint
-from jaxmem._graph import build_graph
-from jaxmem._loops import loops, stacked_residuals
-from jaxmem._scan_remat import hostable, rebuildable
+from jaxmem.graph._graph import build_graph
+from jaxmem.graph._loops import loops, stacked_residuals
+from jaxmem.schedule._scan_remat import hostable, rebuildable
 
 from tests.dataflow import assert_hosted_loops_flow
 from tests.helpers import assert_trees_close

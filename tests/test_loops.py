@@ -1,4 +1,4 @@
-"""Loops in the joint graph (``jaxmem._loops``): a scanned layer stack's
+"""Loops in the joint graph (``jaxmem.graph._loops``): a scanned layer stack's
 stacked residuals are seen per iteration, in the graph and in reports."""
 
 import flax.linen as nn
@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem._graph import build_graph
-from jaxmem._loops import loops, stacked_residuals
+from jaxmem.graph._graph import build_graph
+from jaxmem.graph._loops import loops, stacked_residuals
 
 L, B, D = 16, 64, 32
 

@@ -231,7 +231,7 @@ def test_default_configs_build(name):
 def every_residual_chunked(graph):
   """A plan cutting every materialized residual with an axis of 2+ in two
   along it, the second chunk offloaded (vTensors on every residual)."""
-  from jaxmem._evaluate import fused_values
+  from jaxmem.cost._evaluate import fused_values
   fused = fused_values(graph)
   decisions = {}
   for r in graph.residuals:
@@ -249,9 +249,9 @@ def test_vtensor_and_block_plans_match_on_the_zoo(plain, name):
   """Every residual split into vTensors (half of each swapped), and every
   block checkpointed from its saved boundary: the untransformed step's
   numbers, on every model of the zoo."""
-  from jaxmem._emit import emit
-  from jaxmem._blocks import block_plans
-  from jaxmem._evaluate import evaluate
+  from jaxmem.schedule._emit import emit
+  from jaxmem.planners._blocks import block_plans
+  from jaxmem.cost._evaluate import evaluate
   task, args, want = plain(name, sgd=True)
   graph = jaxmem.analyze(task.step, *args).graph
   plans = [every_residual_chunked(graph)] + block_plans(graph)[:1]

@@ -7,12 +7,12 @@ import optax
 import pytest
 
 import jaxmem_models as models
-from jaxmem._emit import emit
-from jaxmem._graph import build_graph
-from jaxmem._evaluate import fused_values
-from jaxmem._memory import simulate
+from jaxmem.schedule._emit import emit
+from jaxmem.graph._graph import build_graph
+from jaxmem.cost._evaluate import fused_values
+from jaxmem.cost._memory import simulate
 from jaxmem._decisions import OFFLOAD, Offload, Plan
-from jaxmem._schedule import build_schedule
+from jaxmem.schedule._schedule import build_schedule
 from tests.dataflow import assert_offloads_flow
 from tests.helpers import assert_trees_close
 

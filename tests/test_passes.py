@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem._decisions import Plan
-from jaxmem._graph import build_graph, forward_passes
-from jaxmem._inner import body_graph, inner_loop
-from jaxmem._schedule import build_schedule
+from jaxmem.graph._graph import build_graph, forward_passes
+from jaxmem.fit._inner import body_graph, inner_loop
+from jaxmem.schedule._schedule import build_schedule
 
 
 def _loss(w, x):

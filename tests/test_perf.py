@@ -6,11 +6,11 @@ import pytest
 
 import jaxmem
 from jaxmem.targets import PROFILES, DeviceProfile, get_profile
-from jaxmem._graph import build_graph
-from jaxmem._primitives import is_free
-from jaxmem._perf import OpCost, Transfer, predict, predict_schedule, schedule_costs
+from jaxmem.graph._graph import build_graph
+from jaxmem.graph._primitives import is_free
+from jaxmem.cost._perf import OpCost, Transfer, predict, predict_schedule, schedule_costs
 from jaxmem._decisions import RECOMPUTE, Plan
-from jaxmem._schedule import build_schedule
+from jaxmem.schedule._schedule import build_schedule
 
 
 def test_presets_have_sources_and_only_jetson_is_unified():

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import pytest
 
 import jaxmem
-from jaxmem._saved import dumps
+from jaxmem.fit._saved import dumps
 from jaxmem._decisions import Plan
 from tests.helpers import tanh_step
 

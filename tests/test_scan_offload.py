@@ -1,4 +1,4 @@
-"""Offload inside loops (``jaxmem._loop_schedule``): a scanned stack's stacked
+"""Offload inside loops (``jaxmem.schedule._loop_schedule``): a scanned stack's stacked
 residuals kept in host memory one slice per iteration.
 
 XLA:CPU ignores host memory, so these checks read the
@@ -13,13 +13,13 @@ import pytest
 import jaxmem
 from jaxmem._decisions import OFFLOAD, RECOMPUTE, Plan
 from jaxmem.targets import get_profile
-from jaxmem._emit import emit
-from jaxmem._evaluate import evaluate
+from jaxmem.schedule._emit import emit
+from jaxmem.cost._evaluate import evaluate
 from jaxmem.targets import xla_footprint
-from jaxmem._graph import build_graph
-from jaxmem._loops import stacked_residuals
-from jaxmem._perf import predict_schedule, schedule_transfers
-from jaxmem._scan_remat import hostable, rebuildable
+from jaxmem.graph._graph import build_graph
+from jaxmem.graph._loops import stacked_residuals
+from jaxmem.cost._perf import predict_schedule, schedule_transfers
+from jaxmem.schedule._scan_remat import hostable, rebuildable
 
 from tests.dataflow import assert_hosted_loops_flow
 from tests.helpers import assert_trees_close

@@ -1,4 +1,4 @@
-"""Recomputation inside loops (``jaxmem._scan_remat``): stacked residuals of a
+"""Recomputation inside loops (``jaxmem.schedule._scan_remat``): stacked residuals of a
 scanned layer stack rebuilt per iteration of the backward scan give the
 untransformed step's gradients and free the stacks' bytes in XLA's footprint."""
 
@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 
 from jaxmem._decisions import RECOMPUTE, Plan
-from jaxmem._emit import emit
-from jaxmem._evaluate import evaluate
+from jaxmem.schedule._emit import emit
+from jaxmem.cost._evaluate import evaluate
 from jaxmem.targets import xla_footprint
 from jaxmem._flags import compiler_options
-from jaxmem._graph import build_graph
-from jaxmem._loops import loops
-from jaxmem._scan_remat import rebuildable
+from jaxmem.graph._graph import build_graph
+from jaxmem.graph._loops import loops
+from jaxmem.schedule._scan_remat import rebuildable
 
 from test_loops import L, _flax, _plain
 
@@ -84,7 +84,7 @@ def _deep():
 
 
 def test_a_nested_loop_keeps_one_carry_per_group_and_gives_the_same_gradients():
-  from jaxmem._scan_remat import group_size, nestable
+  from jaxmem.schedule._scan_remat import group_size, nestable
   step, args = _deep()
   graph = build_graph(jax.make_jaxpr(step)(*args))
   per_iteration = rebuildable(graph)
@@ -129,7 +129,7 @@ def test_a_loop_that_can_only_nest_has_its_nested_variant():
   """``nn.scan(nn.remat(Block))`` stacks nothing but its layer inputs: no
   stack is rebuildable per iteration, and the lowest search still gets the
   loop nested to compile."""
-  from jaxmem._scan_remat import loop_variants, nestable
+  from jaxmem.schedule._scan_remat import loop_variants, nestable
   from test_written_steps import _flax as written_flax
   step, args = written_flax(remat=True)
   graph = build_graph(jax.make_jaxpr(step)(*args))

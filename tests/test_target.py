@@ -15,7 +15,7 @@ import pytest
 
 import jaxmem
 import jaxmem_models as models
-from jaxmem._xla_clock import program_time
+from jaxmem.cost._xla_clock import program_time
 from jaxmem.targets import (PROFILES, GpuDescription, host_bytes, parse, placed, resolve,
                             xla_footprint)
 from tests.helpers import assert_updates_close

@@ -127,9 +127,9 @@ def test_random_ops_recompute_from_the_same_key():
   """Dropout masks rebuilt in the backward pass replay the same key: with
   every residual recomputed, the rewritten step re-runs random-bit equations
   and still gives the untransformed step's numbers."""
-  from jaxmem._emit import emit
-  from jaxmem._evaluate import recomputable
-  from jaxmem._schedule import build_schedule
+  from jaxmem.schedule._emit import emit
+  from jaxmem.cost._evaluate import recomputable
+  from jaxmem.schedule._schedule import build_schedule
 
   task = models.get("transformer", **SMALL["transformer"])
   state, batch = task.init()

@@ -14,10 +14,10 @@ import jaxmem
 import jaxmem_models as models
 from jaxmem._decisions import KEEP, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem.targets import get_profile
-from jaxmem._emit import emit
-from jaxmem._evaluate import fused_values
-from jaxmem._memory import simulate
-from jaxmem._schedule import build_schedule
+from jaxmem.schedule._emit import emit
+from jaxmem.cost._evaluate import fused_values
+from jaxmem.cost._memory import simulate
+from jaxmem.schedule._schedule import build_schedule
 from jaxmem.planners import LGM, hybrid, reservation_floor
 from tests.dataflow import assert_offloads_flow, chunk_merges
 from tests.helpers import assert_trees_close, xla_budget

@@ -7,9 +7,9 @@ import optax
 import pytest
 
 import jaxmem_models as models
-from jaxmem._evaluate import unplanned
-from jaxmem._graph import build_graph
-from jaxmem._xla_buffers import assign, learn, with_buffers, written_buffers
+from jaxmem.cost._evaluate import unplanned
+from jaxmem.graph._graph import build_graph
+from jaxmem.cost._xla_buffers import assign, learn, with_buffers, written_buffers
 from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint
 
 # A scheduled program as XLA:GPU prints it, cut to what the reader uses: a

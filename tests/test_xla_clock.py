@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxmem._xla_clock import program_time
+from jaxmem.cost._xla_clock import program_time
 from jaxmem.targets import get_profile, placed, resolve
 
 # Round figures so each expected time is worked out by hand: 1 GB/s of
@@ -156,10 +156,10 @@ def test_the_planners_cost_follows_the_clock_on_a_gpu_target(name, config):
   (``_perf``: only values with a buffer move, one launch per kernel) is
   within 25% of the clock's time for that program."""
   import jaxmem_models as models
-  from jaxmem._evaluate import unplanned
-  from jaxmem._graph import build_graph
-  from jaxmem._perf import predict_schedule
-  from jaxmem._xla_buffers import learn, with_buffers
+  from jaxmem.cost._evaluate import unplanned
+  from jaxmem.graph._graph import build_graph
+  from jaxmem.cost._perf import predict_schedule
+  from jaxmem.cost._xla_buffers import learn, with_buffers
 
   task = models.get(name, **config)
   shapes = jax.eval_shape(task.init)

@@ -2,7 +2,7 @@
 
 A planner is a small object with a name and, where it times plans, a
 target (the GPU whose profile times them). It proposes
-:class:`~jaxmem._evaluate.Candidate` plans for a graph, each aimed at a
+:class:`~jaxmem.cost._evaluate.Candidate` plans for a graph, each aimed at a
 peak in model bytes; the fit loop compiles them and keeps the one XLA
 agrees with. Subclass :class:`Planner` and implement :meth:`Planner.plan`;
 the other methods have defaults.
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from jaxmem._decisions import Plan
 from jaxmem.targets._profiles import DeviceProfile, get_profile
-from jaxmem._evaluate import Candidate
-from jaxmem._graph import Graph
-from jaxmem._perf import predict_schedule
-from jaxmem._schedule import Schedule
+from jaxmem.cost._evaluate import Candidate
+from jaxmem.graph._graph import Graph
+from jaxmem.cost._perf import predict_schedule
+from jaxmem.schedule._schedule import Schedule
 
 # The target a planner that times copies plans for when none is given.
 DEFAULT_TARGET = "t4"
@@ -36,7 +36,7 @@ class Planner:
     >>> class KeepAll(Planner):
     ...   name = "keep-all"
     ...   def plan(self, graph, aim, start=None):
-    ...     from jaxmem._evaluate import candidate
+    ...     from jaxmem.cost._evaluate import candidate
     ...     return candidate(graph, Plan(), aim)
     >>> KeepAll().describe()
     'keep-all (cost: recomputed FLOPs)'

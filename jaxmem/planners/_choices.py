@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem._blocks import Segment, checkpoint_block
+from jaxmem.planners._blocks import Segment, checkpoint_block
 from jaxmem._decisions import RECOMPUTE, Plan
-from jaxmem._evaluate import fused_values, recomputable
-from jaxmem._graph import Graph
-from jaxmem._memory import Liveness
+from jaxmem.cost._evaluate import fused_values, recomputable
+from jaxmem.graph._graph import Graph
+from jaxmem.cost._memory import Liveness
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +83,8 @@ def levels(memory: Liveness) -> dict[int, int]:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxmem._graph import build_graph
-    >>> from jaxmem._evaluate import unplanned_liveness
+    >>> from jaxmem.graph._graph import build_graph
+    >>> from jaxmem.cost._evaluate import unplanned_liveness
     >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda x: jnp.sum(jnp.sin(x))))(jnp.ones(8)))
     >>> memory = unplanned_liveness(g)
     >>> max(levels(memory).values()) == memory.peak

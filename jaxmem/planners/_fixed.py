@@ -5,8 +5,8 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem._decisions import Plan
-from jaxmem._evaluate import Candidate, candidate
-from jaxmem._graph import Graph
+from jaxmem.cost._evaluate import Candidate, candidate
+from jaxmem.graph._graph import Graph
 from jaxmem.planners._base import Planner
 
 

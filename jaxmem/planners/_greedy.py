@@ -6,14 +6,14 @@ import dataclasses
 import logging
 import time
 
-from jaxmem._blocks import KEEPS, block_candidates, block_plans, checkpoint_moves, segments
+from jaxmem.planners._blocks import KEEPS, block_candidates, block_plans, checkpoint_moves, segments
 from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem.targets._profiles import PROFILES, get_profile
-from jaxmem._evaluate import (Candidate, candidate, chain_flops, evaluate, fused_values,
+from jaxmem.cost._evaluate import (Candidate, candidate, chain_flops, evaluate, fused_values,
                               paused_gc, prefetch_point, recomputable)
-from jaxmem._graph import Graph, Residual
-from jaxmem._loop_segments import segmentable
-from jaxmem._scan_remat import hostable, rebuildable
+from jaxmem.graph._graph import Graph, Residual
+from jaxmem.schedule._loop_segments import segmentable
+from jaxmem.schedule._scan_remat import hostable, rebuildable
 from jaxmem.planners._base import Planner
 
 # Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
@@ -38,7 +38,7 @@ class Greedy(Planner):
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem.graph._graph import build_graph
     >>> def step(w, x):
     ...   def f(w):
     ...     h = x

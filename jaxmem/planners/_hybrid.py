@@ -6,9 +6,9 @@ import dataclasses
 import time
 
 from jaxmem._decisions import Offload, Plan
-from jaxmem._evaluate import Candidate, evaluate, fused_values, paused_gc, prefetch_point
-from jaxmem._graph import Graph
-from jaxmem._loops import stacked_residuals
+from jaxmem.cost._evaluate import Candidate, evaluate, fused_values, paused_gc, prefetch_point
+from jaxmem.graph._graph import Graph
+from jaxmem.graph._loops import stacked_residuals
 from jaxmem.planners._base import Planner
 
 

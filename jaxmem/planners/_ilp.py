@@ -1,8 +1,8 @@
 """The exact planner: per-block checkpointing solved as a 0/1 program.
 
-Each module block (:func:`~jaxmem._blocks.segments`, at module depths 2
+Each module block (:func:`~jaxmem.planners._blocks.segments`, at module depths 2
 and 3) is either left as written or checkpointed under one of the per-block
-policies of :data:`~jaxmem._blocks.KEEPS` (``nothing_saveable``,
+policies of :data:`~jaxmem.planners._blocks.KEEPS` (``nothing_saveable``,
 ``dots_saveable``, ``dots_with_no_batch_dims_saveable``); residuals may
 also be rebuilt on their own (:class:`~jaxmem.planners._choices.Drop`).
 What each choice alone adds to the live bytes at each equation of the step
@@ -43,10 +43,10 @@ import time
 import numpy as np
 from scipy import optimize
 
-from jaxmem._blocks import KEEPS, block_candidates, segments
+from jaxmem.planners._blocks import KEEPS, block_candidates, segments
 from jaxmem._decisions import KEEP, Plan
-from jaxmem._evaluate import Candidate, candidate, paused_gc, unplanned_liveness
-from jaxmem._graph import Graph
+from jaxmem.cost._evaluate import Candidate, candidate, paused_gc, unplanned_liveness
+from jaxmem.graph._graph import Graph
 from jaxmem.planners._base import Planner
 from jaxmem.planners import _pricing as pricing
 from jaxmem.planners._choices import Choice, Drop, exclusive, plan_of, rebuild_groups
@@ -97,7 +97,7 @@ class ILP(Planner):
     ...     for _ in range(4):
     ...       x = Block()(x)
     ...     return jnp.sum(x ** 2)
-    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem.graph._graph import build_graph
     >>> net, x = Net(), jnp.ones((256, 64))
     >>> p = net.init(jax.random.key(0), x)
     >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(p))

@@ -39,8 +39,8 @@ a Layered Graph Model:
 
 Example:
   >>> import jax, jaxmem_models as models
-  >>> from jaxmem._graph import build_graph
-  >>> from jaxmem._evaluate import evaluate
+  >>> from jaxmem.graph._graph import build_graph
+  >>> from jaxmem.cost._evaluate import evaluate
   >>> task = models.get("mlp", depth=6, width=32, batch=256, features=16)
   >>> g = build_graph(jax.make_jaxpr(task.step)(*task.init()))
   >>> base = evaluate(g, Plan())[1].peak
@@ -58,12 +58,12 @@ import time
 from jaxmem._budget import format_bytes
 from jaxmem._decisions import KEEP, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem.targets._profiles import DeviceProfile, get_profile
-from jaxmem._evaluate import (Candidate, Details, evaluate, fused_values, paused_gc,
+from jaxmem.cost._evaluate import (Candidate, Details, evaluate, fused_values, paused_gc,
                               prefetch_point)
-from jaxmem._graph import Graph
-from jaxmem._memory import Liveness
-from jaxmem._perf import schedule_costs
-from jaxmem._schedule import Schedule
+from jaxmem.graph._graph import Graph
+from jaxmem.cost._memory import Liveness
+from jaxmem.cost._perf import schedule_costs
+from jaxmem.schedule._schedule import Schedule
 from jaxmem.planners._base import Planner, with_target
 from jaxmem.planners._choices import riders
 

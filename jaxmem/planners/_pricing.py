@@ -35,11 +35,11 @@ import dataclasses
 
 import numpy as np
 
-from jaxmem import _primitives as primitives
+from jaxmem.graph import _primitives as primitives
 from jaxmem._decisions import RECOMPUTE, Plan
-from jaxmem._evaluate import candidate, fused_values
-from jaxmem._graph import Graph
-from jaxmem._memory import Liveness
+from jaxmem.cost._evaluate import candidate, fused_values
+from jaxmem.graph._graph import Graph
+from jaxmem.cost._memory import Liveness
 from jaxmem.planners._choices import Drop, levels, plan_of
 
 

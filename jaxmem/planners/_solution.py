@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem._evaluate import Details
+from jaxmem.cost._evaluate import Details
 
 
 @dataclasses.dataclass

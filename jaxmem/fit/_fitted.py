@@ -8,12 +8,12 @@ from typing import Any, Callable
 
 from jaxmem._budget import format_bytes
 from jaxmem._decisions import Plan
-from jaxmem._evaluate import Candidate
-from jaxmem._graph import Graph
-from jaxmem._memory import Liveness
-from jaxmem._policies import block_policies
-from jaxmem._report import decision_label, residual_table
-from jaxmem._saved import dumps
+from jaxmem.cost._evaluate import Candidate
+from jaxmem.graph._graph import Graph
+from jaxmem.cost._memory import Liveness
+from jaxmem.fit._policies import block_policies
+from jaxmem.fit._report import decision_label, residual_table
+from jaxmem.fit._saved import dumps
 from jaxmem.planners import ILP, Gap, Planner
 from jaxmem.targets import Target
 
@@ -55,7 +55,7 @@ class Fit:
       (the clock over XLA:GPU's program, ``_xla_clock``); None on XLA:CPU.
     unconstrained_predicted: the same for the untransformed step.
     step: the fingerprint of the traced step a saved plan is checked
-      against (``jaxmem._saved.fingerprint``).
+      against (``jaxmem.fit._saved.fingerprint``).
   """
   graph: Graph
   result: Candidate
@@ -96,7 +96,7 @@ class Fit:
       f.write(self.saved())
 
   def saved(self) -> str:
-    """The plan as JSON (:mod:`jaxmem._saved`), with the budget, target,
+    """The plan as JSON (:mod:`jaxmem.fit._saved`), with the budget, target,
     planner and footprint it was fitted for."""
     return dumps(self.plan, self.step, budget=self.budget, target=self.target.name,
                  planner=self.planner.describe(), footprint=self.footprint)
@@ -117,7 +117,7 @@ class Fit:
     """The plan as per-block ``jax.checkpoint`` policies: module path ->
     the name of a ``jax.checkpoint_policies`` policy, to wrap those blocks
     in ``nn.remat(Block, policy=...)`` in the model's code and train the
-    same plan without jaxmem (:func:`jaxmem._policies.block_policies`).
+    same plan without jaxmem (:func:`jaxmem.fit._policies.block_policies`).
 
     Raises:
       ValueError: where the plan recomputes single residuals or offloads,

@@ -37,8 +37,8 @@ import itertools
 from jax.extend import core as jex
 
 from jaxmem._decisions import Plan
-from jaxmem._graph import Graph, analysis, forward_passes
-from jaxmem._xla_cpu_fusion import separated_reads
+from jaxmem.graph._graph import Graph, analysis, forward_passes
+from jaxmem.graph._xla_cpu_fusion import separated_reads
 
 Key = tuple  # (value id, version)
 
@@ -481,7 +481,7 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem.graph._graph import build_graph
     >>> from jaxmem._decisions import Plan, RECOMPUTE
     >>> step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
     >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))

@@ -16,11 +16,11 @@ import gc
 
 from jaxmem._decisions import Keep, Plan
 from jaxmem.targets._profiles import DeviceProfile
-from jaxmem._graph import Graph, Residual, analysis
-from jaxmem._memory import Liveness, simulate
-from jaxmem._perf import schedule_costs
-from jaxmem._loop_schedule import apply_in_loops, split_plan
-from jaxmem._schedule import Schedule, build_schedule
+from jaxmem.graph._graph import Graph, Residual, analysis
+from jaxmem.cost._memory import Liveness, simulate
+from jaxmem.cost._perf import schedule_costs
+from jaxmem.schedule._loop_schedule import apply_in_loops, split_plan
+from jaxmem.schedule._schedule import Schedule, build_schedule
 
 
 class Details:

@@ -2,12 +2,12 @@
 plan again.
 
 Like JAX's compilation cache, an entry is keyed by a digest of everything
-that decides the plan: the traced step (:func:`~jaxmem._saved.fingerprint`),
+that decides the plan: the traced step (:func:`~jaxmem.fit._saved.fingerprint`),
 the arguments' shardings, the budget in bytes, the reserve, the target
 (its name and profile), the planner and its settings, and the versions of
 jaxmem and JAX. A step that changed has another fingerprint, so another
 key: a stale entry is never found. An entry is a saved plan
-(:mod:`jaxmem._saved`, the format ``Fit.save_plan`` writes), applied like
+(:mod:`jaxmem.fit._saved`, the format ``Fit.save_plan`` writes), applied like
 ``transform(..., plan=path)``: compiled once and kept where it fits.
 
 The directory is ``transform(..., plan_cache=dir)``, or where that is not
@@ -16,7 +16,7 @@ given the environment variable ``JAXMEM_PLAN_CACHE_DIR``.
 Example:
   >>> import tempfile
   >>> from jaxmem._decisions import RECOMPUTE
-  >>> from jaxmem._saved import dumps
+  >>> from jaxmem.fit._saved import dumps
   >>> where = tempfile.mkdtemp()
   >>> k = key("abc", budget=1000)
   >>> put(where, k, dumps(Plan.of({3: RECOMPUTE}), "abc")) and None
@@ -38,7 +38,7 @@ from importlib import metadata
 import jax
 
 from jaxmem._decisions import Plan
-from jaxmem._saved import loads
+from jaxmem.fit._saved import loads
 
 ENVIRONMENT = "JAXMEM_PLAN_CACHE_DIR"
 
@@ -91,7 +91,7 @@ def get(where: str, name: str, step: str) -> Plan | None:
 
 
 def put(where: str, name: str, text: str) -> str | None:
-  """Writes ``text`` (a saved plan, :func:`~jaxmem._saved.dumps`) under
+  """Writes ``text`` (a saved plan, :func:`~jaxmem.fit._saved.dumps`) under
   ``name`` (atomically: a reader never sees half a file) and returns its
   path; a directory that cannot be written gives a warning, not an error
   (the fit stands)."""

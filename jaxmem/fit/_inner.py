@@ -11,7 +11,7 @@ planned body is judged by XLA's footprint of the whole step
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from jaxmem._graph import build_graph
+  >>> from jaxmem.graph._graph import build_graph
   >>> loss = lambda w, x: jnp.sum(jnp.tanh(x @ w))
   >>> def step(w, xs):
   ...   return jax.lax.scan(lambda g, x: (g + jax.grad(loss)(w, x), None),
@@ -27,10 +27,10 @@ import dataclasses
 
 import jax
 
-from jaxmem._emit import emit
-from jaxmem._evaluate import unplanned
-from jaxmem._graph import Graph, analysis, build_graph
-from jaxmem._schedule import Schedule
+from jaxmem.schedule._emit import emit
+from jaxmem.cost._evaluate import unplanned
+from jaxmem.graph._graph import Graph, analysis, build_graph
+from jaxmem.schedule._schedule import Schedule
 
 
 @analysis

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem import _primitives
+from jaxmem.graph import _primitives
 from jaxmem.targets._profiles import DeviceProfile
 
 

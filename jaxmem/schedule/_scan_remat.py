@@ -29,7 +29,7 @@ does, decided per residual after differentiation.
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from jaxmem._graph import build_graph
+  >>> from jaxmem.graph._graph import build_graph
   >>> def step(ws, x):
   ...   def loss(ws):
   ...     h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, ws)
@@ -48,8 +48,8 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem._decisions import OFFLOAD, RECOMPUTE, Plan
-from jaxmem._graph import Graph, Node, analysis
-from jaxmem._loops import loops
+from jaxmem.graph._graph import Graph, Node, analysis
+from jaxmem.graph._loops import loops
 
 
 def scan_shape(node: Node) -> tuple[int, int, int]:

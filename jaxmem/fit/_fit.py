@@ -32,9 +32,9 @@ from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._decisions import Plan
-from jaxmem._evaluate import Candidate, candidate, unplanned, unplanned_liveness
-from jaxmem._graph import Graph
-from jaxmem._scan_remat import loop_variants
+from jaxmem.cost._evaluate import Candidate, candidate, unplanned, unplanned_liveness
+from jaxmem.graph._graph import Graph
+from jaxmem.schedule._scan_remat import loop_variants
 from jaxmem.planners import Fixed, Planner
 from jaxmem.targets import holds_host_memory, xla_footprint
 
@@ -297,7 +297,7 @@ class Fitter:
   def lowest(self, tried: Trial) -> list[Trial]:
     """The planner's candidates for the smallest footprint
     (:meth:`Planner.lowest`) and the last plan with its loops in each
-    shape (:func:`~jaxmem._scan_remat.loop_variants`), each compiled, with
+    shape (:func:`~jaxmem.schedule._scan_remat.loop_variants`), each compiled, with
     ``tried`` (the last plan compiled): the smallest of them is the
     smallest budget an error names (XLA's figure, not the model's), and of
     those that fit the budget the fit takes the cheapest."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 from jax.extend import core as jex
 
-from jaxmem._schedule import Schedule
+from jaxmem.schedule._schedule import Schedule
 
 
 # Where each copy op of a schedule puts its value: host memory is
@@ -40,9 +40,9 @@ def emit(schedule: Schedule, tag: str | None = None):
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem.graph._graph import build_graph
     >>> from jaxmem._decisions import Plan
-    >>> from jaxmem._schedule import build_schedule
+    >>> from jaxmem.schedule._schedule import build_schedule
     >>> g = build_graph(jax.make_jaxpr(lambda x: jnp.sin(x) * 2)(1.0))
     >>> emit(build_schedule(g, Plan()))(0.0)
     [Array(0., dtype=float32, weak_type=True)]

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from jax.extend import core as jex
 
-from jaxmem import _primitives
-from jaxmem._graph import Graph, analysis
+from jaxmem.graph import _primitives
+from jaxmem.graph._graph import Graph, analysis
 
 
 class Fusion:

@@ -10,10 +10,10 @@ rewrites the schedule's scans instead (the re-emitted scans are
 
 * a recomputed one is not made by its forward scan but rebuilt per
   iteration inside the backward scans (or the loop runs nested in groups
-  of about sqrt(L) layers: :func:`~jaxmem._scan_remat.nestable`);
+  of about sqrt(L) layers: :func:`~jaxmem.schedule._scan_remat.nestable`);
 * an offloaded one is stacked in host memory one slice per iteration and
   copied back one slice per backward iteration
-  (:func:`~jaxmem._scan_remat.hostable`): its key is in
+  (:func:`~jaxmem.schedule._scan_remat.hostable`): its key is in
   ``Schedule.hosted`` and the memory model counts it on the host.
 
 Each backward scan rewritten gets a scratch output no op reads: the slices
@@ -22,7 +22,7 @@ iteration's), so the memory model counts them there.
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from jaxmem._graph import build_graph
+  >>> from jaxmem.graph._graph import build_graph
   >>> from jaxmem._decisions import OFFLOAD, Plan
   >>> layers = lambda ws, x: jax.lax.scan(lambda h, w: (jnp.sin(h @ w), None), x, ws)[0]
   >>> step = jax.grad(lambda ws, x: jnp.sum(layers(ws, x)))
@@ -37,15 +37,15 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem._decisions import Plan
-from jaxmem._graph import Graph, Node
-from jaxmem._loop_segments import (added_flops, scratch_bytes, segmented_backward,
+from jaxmem.graph._graph import Graph, Node
+from jaxmem.schedule._loop_segments import (added_flops, scratch_bytes, segmented_backward,
                                    segmented_forward, segments_of)
-from jaxmem._loops import loops
-from jaxmem._scan_remat import (backward_nested, backward_rebuilding, carry_outputs,
+from jaxmem.graph._loops import loops
+from jaxmem.schedule._scan_remat import (backward_nested, backward_rebuilding, carry_outputs,
                                 fetching, forward_nested, forward_without, group_size,
                                 hostable, nestable, rebuildable, scan_shape,
                                 unstacked_carries)
-from jaxmem._schedule import Op, Schedule
+from jaxmem.schedule._schedule import Op, Schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +56,7 @@ class InLoops:
     rebuilt: recomputed per iteration (or, their loop nested, per group).
     hosted: offloaded one slice per iteration.
     segmented: forward scan node -> its loop run in segments
-      (:class:`~jaxmem._loop_segments.Segmented`).
+      (:class:`~jaxmem.schedule._loop_segments.Segmented`).
     nested: the forward scan nodes of the loops run nested (a carry stack
       among ``rebuilt``): all their stacks are dropped.
   """

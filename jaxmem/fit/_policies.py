@@ -11,9 +11,9 @@ no per-block policy does.
 
 from __future__ import annotations
 
-from jaxmem._blocks import KEEPS, checkpoint_block, segments
+from jaxmem.planners._blocks import KEEPS, checkpoint_block, segments
 from jaxmem._decisions import Plan
-from jaxmem._graph import Graph
+from jaxmem.graph._graph import Graph
 
 
 class NotPolicies(ValueError):
@@ -33,7 +33,7 @@ def block_policies(graph: Graph, plan: Plan) -> dict[str, str]:
 
   Example:
     >>> import jax, jax.numpy as jnp, flax.linen as nn
-    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem.graph._graph import build_graph
     >>> from jaxmem.planners._choices import Choice, plan_of
     >>> class Block(nn.Module):
     ...   @nn.compact

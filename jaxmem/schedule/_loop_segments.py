@@ -28,12 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem._decisions import Plan
-from jaxmem._graph import Graph, Node
-from jaxmem._loops import loops
-from jaxmem._scan_remat import (backward_rebuilding, carry_outputs, fetching,
+from jaxmem.graph._graph import Graph, Node
+from jaxmem.graph._loops import loops
+from jaxmem.schedule._scan_remat import (backward_rebuilding, carry_outputs, fetching,
                                 forward_without, hostable, rebuildable, scan_shape,
                                 unstacked_carries)
-from jaxmem._schedule import Op
+from jaxmem.schedule._schedule import Op
 
 KINDS = ("keep", "recompute", "offload")
 # Versions of the keys a segmented loop adds: segment k's piece of a stack,

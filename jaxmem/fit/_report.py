@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from jaxmem._budget import format_bytes
-from jaxmem._graph import Graph
-from jaxmem._loops import stacked_residuals
+from jaxmem.graph._graph import Graph
+from jaxmem.graph._loops import stacked_residuals
 
 
 def _table(header: list[str], rows: list[list[str]]) -> str:

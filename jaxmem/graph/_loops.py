@@ -12,7 +12,7 @@ planner can decide per iteration.
 
 Example:
   >>> import jax, jax.numpy as jnp
-  >>> from jaxmem._graph import build_graph
+  >>> from jaxmem.graph._graph import build_graph
   >>> def step(ws, x):
   ...   def loss(ws):
   ...     h, _ = jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, ws)
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem._graph import Graph, analysis
+from jaxmem.graph._graph import Graph, analysis
 
 
 @dataclasses.dataclass(frozen=True)

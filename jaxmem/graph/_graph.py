@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping
 import jax
 from jax.extend import core as jex
 
-from jaxmem import _primitives
+from jaxmem.graph import _primitives
 
 _TRANSFORMS = re.compile(r"\b(?:jvp|transpose|vmap|pmap|remat|checkpoint)\(")
 _AD = re.compile(r"\b(jvp|transpose)\(")

@@ -25,12 +25,13 @@ import re
 from typing import Mapping
 
 import jax
-from jaxmem import _hlo as hlo, _primitives
+from jaxmem.cost import _hlo as hlo
+from jaxmem.graph import _primitives
 from jaxmem._decisions import Plan
-from jaxmem._emit import emit
-from jaxmem._graph import Graph
-from jaxmem._schedule import build_schedule
-from jaxmem._xla_cpu_fusion import Fusion, select_and_scatter_scratch
+from jaxmem.schedule._emit import emit
+from jaxmem.graph._graph import Graph
+from jaxmem.schedule._schedule import build_schedule
+from jaxmem.graph._xla_cpu_fusion import Fusion, select_and_scatter_scratch
 
 TAG = "jaxmem#"
 _TAG = re.compile(re.escape(TAG) + r"(\d+)")
@@ -165,7 +166,7 @@ def with_buffers(graph: Graph, buffers: Buffers | None) -> Graph:
 
 
 class LearnedFusion(Fusion):
-  """:class:`~jaxmem._xla_cpu_fusion.Fusion`'s interface over
+  """:class:`~jaxmem.graph._xla_cpu_fusion.Fusion`'s interface over
   :class:`Buffers`: a value fuses into a reader where the compiler gave it
   no buffer in the step as written and the reader is an equation."""
 

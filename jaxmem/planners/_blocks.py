@@ -15,10 +15,10 @@ import collections
 import dataclasses
 import re
 
-from jaxmem import _primitives
+from jaxmem.graph import _primitives
 from jaxmem._decisions import KEEP, RECOMPUTE, SAVE, Plan
-from jaxmem._evaluate import Candidate, candidate, recomputable
-from jaxmem._graph import Graph, analysis
+from jaxmem.cost._evaluate import Candidate, candidate, recomputable
+from jaxmem.graph._graph import Graph, analysis
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ def segments(graph: Graph, depths: tuple = (2, 3)) -> list[Segment]:
     ...   def __call__(self, x):
     ...     h = Block()(x)
     ...     return jnp.sum(Block()(h) ** 2)
-    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem.graph._graph import build_graph
     >>> net, x = Net(), jnp.ones((4, 8))
     >>> p = net.init(jax.random.key(0), x)
     >>> g = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(p))

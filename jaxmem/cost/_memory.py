@@ -28,10 +28,10 @@ import dataclasses
 
 from jax.extend import core as jex
 
-from jaxmem import _primitives
-from jaxmem._schedule import Schedule
-from jaxmem._xla_buffers import LearnedFusion
-from jaxmem._xla_cpu_fusion import Fusion
+from jaxmem.graph import _primitives
+from jaxmem.schedule._schedule import Schedule
+from jaxmem.cost._xla_buffers import LearnedFusion
+from jaxmem.graph._xla_cpu_fusion import Fusion
 
 # What the ops a rewrite adds are, by schedule op kind (see ``_schedule.Op``):
 # copies between memories, and a vTensor's split and merge (copies into
@@ -101,9 +101,9 @@ def simulate(schedule: Schedule) -> Liveness:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from jaxmem._graph import build_graph
+    >>> from jaxmem.graph._graph import build_graph
     >>> from jaxmem._decisions import Plan
-    >>> from jaxmem._schedule import build_schedule
+    >>> from jaxmem.schedule._schedule import build_schedule
     >>> step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
     >>> g = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
     >>> simulate(build_schedule(g, Plan())).peak >= 4 * (16 + 8 + 16)

@@ -44,7 +44,7 @@ import re
 
 import numpy as np
 
-from jaxmem import _hlo as hlo
+from jaxmem.cost import _hlo as hlo
 from jaxmem.targets import DeviceProfile
 
 # Instructions that run no kernel: those that write no buffer, and more that
