@@ -22,8 +22,9 @@ class Solution(Details):
     refined: the plan's cost after the refinement (at most ``cost`` where
       the two models agree; None before it).
     fallback: the planner whose plan was taken (status ``"fallback"``).
-    status: ``"optimal"``, ``"time limit"`` (the incumbent, with its gap),
-      ``"aim tightened"`` (the memory model refused the program's
+    status: ``"optimal"``, ``"near-optimal"`` (the solver stopped within
+      :attr:`ILP.mip_gap` of its bound), ``"time limit"`` (the incumbent,
+      with its gap), ``"aim tightened"`` (the memory model refused the program's
       combinations until its limit was lowered below the aim: the plan
       fits, its gap is to the bound at the aim),
       ``"fallback"`` (no combination fits, but the planner ``fallback``'s
@@ -81,7 +82,8 @@ class Gap:
     bound: the solver's lower bound on the cost of any combination of the
       exact planner's choices that reaches the same model peak; None where
       no combination does.
-    status: the program's (``"optimal"``, ``"time limit"``, ``"aim tightened"``,
+    status: the program's (``"optimal"``, ``"near-optimal"``, ``"time limit"``,
+      ``"aim tightened"``,
       ``"unreachable"``).
     seconds: time spent pricing and solving.
   """
