@@ -60,7 +60,7 @@ def _enumerate(graph, planner):
 @pytest.mark.parametrize("fraction", [0.95, 0.85, 0.75])
 def test_block_program_finds_the_enumerated_optimum(blocks, fraction):
   graph, full = blocks
-  planner = ILP(drops=False, refine=False)
+  planner = ILP(drops=False, refine=False, mip_gap=0.0)
   aim = int(full * fraction)
   fitting = [(cost, peak) for _, peak, cost in _enumerate(graph, planner) if peak <= aim]
   found = planner.plan(graph, aim)
@@ -71,6 +71,42 @@ def test_block_program_finds_the_enumerated_optimum(blocks, fraction):
   assert planner.cost(found.schedule) == pytest.approx(min(fitting)[0], rel=1e-9)
   assert found.details.status == "optimal"
   assert found.details.gap == pytest.approx(0, abs=1e-4)  # HiGHS's default tolerance
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.8])  # within the program's reach
+def test_a_near_optimal_plan_is_within_its_gap_of_the_optimum(mlp, fraction):
+  """A program stopped at ``mip_gap`` reports a bound no higher than the
+  optimum, and its plan costs at most ``mip_gap`` over that bound."""
+  _, _, graph, base = mlp
+  aim = int(base * fraction)
+  loose = ILP(mip_gap=0.25, refine=False).plan(graph, aim).details
+  exact = ILP(mip_gap=0.0, refine=False).plan(graph, aim).details
+  assert exact.status == "optimal" and loose.status in ("optimal", "near-optimal")
+  assert loose.bound <= exact.cost * (1 + 1e-6)
+  assert loose.cost * (1 - 0.25) <= exact.cost * (1 + 1e-6)
+  assert loose.gap <= 0.25 + 1e-9
+
+
+def test_the_solver_status_names_what_was_proved(monkeypatch):
+  """HiGHS's answer read as the report words it: closed to its default
+  tolerance, stopped at ``mip_gap``, or stopped by the time limit."""
+  import types
+  from jaxmem.planners import _ilp
+  seen = {}
+
+  def fake(status, gap):
+    def milp(cost, **kwargs):
+      seen.update(kwargs["options"])
+      return types.SimpleNamespace(x=cost * 0, fun=1.0, mip_dual_bound=1.0 - gap,
+                                   status=status, mip_gap=gap)
+    return milp
+
+  planner = ILP(mip_gap=0.03, time_limit=1.5)
+  for status, gap, words in [(0, 0.0, "optimal"), (0, 0.02, "near-optimal"),
+                             (1, 0.2, "time limit")]:
+    monkeypatch.setattr(_ilp.optimize, "milp", fake(status, gap))
+    assert planner._milp(jnp.ones(3), [], 3)[2] == words
+  assert seen == {"time_limit": 1.5, "mip_rel_gap": 0.03}
 
 
 def test_lowest_is_no_higher_than_any_combination(blocks):
