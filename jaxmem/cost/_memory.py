@@ -93,7 +93,7 @@ class Liveness:
       return f"{_OPS.get(op.kind, 'optimization_barrier')} ({op.kind}; {where})"
     node = self.schedule.nodes[op.node]
     how = "recomputed; " if op.kind == "recompute" else ""
-    return f"{node.readable} {node.prim.name} ({how}{where})"
+    return f"{node.label} ({how}{where})"
 
 
 def simulate(schedule: Schedule) -> Liveness:

@@ -91,7 +91,6 @@ def _recomputed(decisions: dict) -> set:
 
 def _names(graph: Graph, values, shown: int = 4) -> str:
   """Readable names of the first ``shown`` of ``values``."""
-  names = [f"{graph.producer(v).readable} {graph.producer(v).prim.name}"
-           for v in values[:shown]]
+  names = [graph.producer(v).label for v in values[:shown]]
   more = f", and {len(values) - shown} more" if len(values) > shown else ""
   return ", ".join(names) + more

@@ -60,6 +60,12 @@ class Node:
     """Module path without transform wrappers, e.g. ``Net/Block_0/Conv_0``."""
     return _readable(self.name_stack)
 
+  @property
+  def label(self) -> str:
+    """Module path and primitive, e.g. ``Net/Block_0/Dense_0 dot_general``:
+    how reports and errors name the equation."""
+    return f"{self.readable} {self.prim.name}"
+
   def scope(self, depth: int = 2) -> str:
     """The module block this node works on: its module path cut after
     ``depth`` names (``GPT2/block0``), as :meth:`Graph.blocks` groups nodes."""
@@ -418,7 +424,7 @@ def _residuals(nodes, values) -> tuple[Residual, ...]:
       fwd = [u for u in value.uses if not nodes[u].backward]
       found.append(Residual(
           value=vid,
-          name=f"{node.readable} {node.prim.name} {node.source}".strip(),
+          name=f"{node.label} {node.source}".strip(),
           shape=tuple(value.aval.shape), dtype=value.aval.dtype,
           nbytes=value.nbytes, primitive=node.prim.name,
           produced_at=node.index,

@@ -1,8 +1,9 @@
 """XLA:CPU's fusion habits, emulated: which values get no buffer of their own.
 
 The memory model (``_memory``) counts buffers; XLA:CPU computes many
-elementwise values inside their readers instead of giving them one. :class:`Fusion` decides that per value of a schedule
-the way XLA's instruction fusion does:
+elementwise values inside their readers instead of giving them one.
+:class:`Fusion` decides that per value of a schedule the way XLA's
+instruction fusion does:
 
 * an elementwise value fuses into elementwise readers, and into a reduction
   over the minor-most axis;

@@ -44,9 +44,8 @@ class Drop:
     into.update({v: RECOMPUTE for v in self.values if v not in into})
 
   def describe(self, graph: Graph) -> tuple[str, str]:
-    node = graph.producer(self.values[0])
     more = f" (+{len(self.values) - 1})" if len(self.values) > 1 else ""
-    return f"{node.readable} {node.prim.name}{more}", "recompute"
+    return f"{graph.producer(self.values[0]).label}{more}", "recompute"
 
 
 def riders(graph: Graph) -> dict:

@@ -335,9 +335,8 @@ class ILP(Planner):
         continue  # taken on estimates: solved again with their exact columns
       rounds += 1
       # The first program whose plan is priced bounds the exact program at
-      # ``aim`` (the estimates are optimistic); after a tightening the
-      # plan is no longer proved optimal.
-      # (less what the tie-break may add).
+      # ``aim`` (the estimates are optimistic), less what the tie-break may
+      # add; after a tightening the plan is not proved optimal.
       first = bound - _TIE * (n + 1) if first is None else first
       if limit < aim and status in ("optimal", "near-optimal"):
         status = "aim tightened"
@@ -429,8 +428,8 @@ def _tie_broken(cost: np.ndarray, n: int) -> np.ndarray:
   """``cost`` (scaled to about 1) with each of its first ``n`` variables
   charged ``_TIE`` more: among equal plans the program takes the fewest
   choices (an unpriced choice of no estimated cost is not taken for
-  nothing); the plans it prefers cost at most n * 1e-7 more, under
-  HiGHS's default relative gap (1e-4)."""
+  nothing); the plans it prefers cost at most n * 1e-7 more, far under
+  the gap the solver closes (``ILP.mip_gap``)."""
   cost = cost.copy()
   cost[:n] += _TIE
   return cost

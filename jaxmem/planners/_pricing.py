@@ -25,8 +25,8 @@ the zoo's GPT-2, at 1-9 of its 2,600 equations for a fifth of the choices),
 so the lazy optimum can differ from the fully priced one where such an
 equation binds. Where the program over estimates has no solution, every
 column is priced before the planner gives up on it, and after a few
-programs, or once half the choices are (``_ilp._lazy``), every column is: at worst, planning
-costs what pricing every choice first costs.
+programs, or once half the choices are (``_ilp._lazy``), every column is:
+at worst, planning costs what pricing every choice first costs.
 """
 
 from __future__ import annotations

@@ -24,9 +24,9 @@ class Solution(Details):
     fallback: the planner whose plan was taken (status ``"fallback"``).
     status: ``"optimal"``, ``"near-optimal"`` (the solver stopped within
       :attr:`ILP.mip_gap` of its bound), ``"time limit"`` (the incumbent,
-      with its gap), ``"aim tightened"`` (the memory model refused the program's
-      combinations until its limit was lowered below the aim: the plan
-      fits, its gap is to the bound at the aim),
+      with its gap), ``"aim tightened"`` (the memory model refused the
+      program's combinations until its limit was lowered below the aim:
+      the plan fits, its gap is to the bound at the aim),
       ``"fallback"`` (no combination fits, but the planner ``fallback``'s
       plan does: it is taken, its gap unknown) or ``"infeasible"`` (nothing
       fits; the plan is the lowest).
@@ -83,8 +83,7 @@ class Gap:
       exact planner's choices that reaches the same model peak; None where
       no combination does.
     status: the program's (``"optimal"``, ``"near-optimal"``, ``"time limit"``,
-      ``"aim tightened"``,
-      ``"unreachable"``).
+      ``"aim tightened"``, ``"unreachable"``).
     seconds: time spent pricing and solving.
   """
   cost: float
