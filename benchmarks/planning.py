@@ -12,7 +12,8 @@ For each model (the zoo's CPU sizes, XLA:CPU):
   cost of its plans against the exact planner's, and each fitting plan's
   gap to the exact planner's bound at its own peak (``ILP.gap``: negative
   where the plan reaches outside the exact planner's choices; on the
-  planner's own target, the hybrid's predicted time).
+  planner's own target, the hybrid's predicted time); the slowest budget
+  is named, and the JSON rows hold each budget's time.
 
     python benchmarks/planning.py --models mlp gpt2 resnet18 --out DIR
 """
@@ -87,9 +88,14 @@ def sweep(name: str, config: dict, planners, count: int) -> list[dict]:
       if gap is not None:
         gaps.append(gap)
     fitting = [f for f in fractions if costs[planner_name, f][0]]
+    slowest = int(np.argmax(times))
     rows.append(dict(model=name, kind="sweep", planner=planner_name, budgets=count,
                      first_s=times[0], rest_median_s=float(np.median(times[1:])),
                      total_s=float(sum(times)), fits=len(fitting),
+                     slowest_s=times[slowest], slowest_at=float(fractions[slowest]),
+                     per_budget=[dict(fraction=float(f), seconds=s,
+                                      fits=bool(costs[planner_name, f][0]))
+                                 for f, s in zip(fractions, times)],
                      gap_median=float(np.median(gaps)) if gaps else float("nan"),
                      gap_max=float(max(gaps)) if gaps else float("nan"),
                      gap_known=len(gaps)))
@@ -108,10 +114,11 @@ def table(rows) -> str:
             f"{r['jit_s']:.2f} | {r['seconds']:.2f} | {r['ratio']:.2f} | {r['compiles']} |"
             for r in rows if r["kind"] == "transform"]
   lines += ["", "| model | planner | budgets fitted | first budget s | median s after | "
-            "sweep total s | FLOPs / ILP's (median, min) | gap to ILP bound (median, max; "
-            "known) |", "|---|---|---|---|---|---|---|---|"]
+            "slowest s (at) | sweep total s | FLOPs / ILP's (median, min) | gap to ILP bound "
+            "(median, max; known) |", "|---|---|---|---|---|---|---|---|---|"]
   lines += [f"| {r['model']} | {r['planner']} | {r['fits']}/{r['budgets']} | "
-            f"{r['first_s']:.2f} | {r['rest_median_s']:.2f} | {r['total_s']:.1f} | "
+            f"{r['first_s']:.2f} | {r['rest_median_s']:.2f} | "
+            f"{r['slowest_s']:.2f} ({r['slowest_at']:.0%}) | {r['total_s']:.1f} | "
             f"{r['flops_over_ilp_median']:.2f}, {r['flops_over_ilp_min']:.2f} | "
             f"{r['gap_median']:+.1%}, {r['gap_max']:+.1%}; {r['gap_known']} |"
             for r in rows if r["kind"] == "sweep"]

@@ -25,4 +25,7 @@ def test_rows_count_compilations_and_cost_plans_against_the_exact_planner(tmp_pa
   # bound (refined, they may be cheaper).
   assert sweeps["recompute"]["gap_known"] >= 1
   assert sweeps["ilp"]["gap_max"] <= 1e-3
+  per_budget = sweeps["ilp"]["per_budget"]
+  assert len(per_budget) == 3 and sum(b["fits"] for b in per_budget) == sweeps["ilp"]["fits"]
+  assert max(b["seconds"] for b in per_budget) == sweeps["ilp"]["slowest_s"]
   assert "| mlp | ilp |" in (tmp_path / "results.md").read_text()
