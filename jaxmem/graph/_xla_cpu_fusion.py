@@ -47,12 +47,18 @@ class Fusion:
     self.nbytes = schedule.nbytes
     self.names = names
     self.backward = backward
+    # Per op: its non-literal inputs, and whether XLA fuses into it as an
+    # elementwise op or a reduction (asked once per read, so kept).
+    self._operands = [[k for k in op.ins if not isinstance(k, jex.Literal)]
+                      for op in self.ops]
+    self._elementwise = [_primitives.fuses_elementwise(n) for n in names]
+    self._reduction = [_primitives.is_reduction(n) for n in names]
     self.producer_of: dict = {}
     self.readers: dict = {}
     for pos, op in enumerate(self.ops):
       for key in op.outs:
         self.producer_of[key] = pos
-      for key in self.operands(pos):
+      for key in self._operands[pos]:
         self.readers.setdefault(key, []).append(pos)
     self.outputs = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
     self._decided: dict = {}
@@ -61,7 +67,7 @@ class Fusion:
     self._through: dict = {}
 
   def operands(self, pos: int) -> list:
-    return [k for k in self.ops[pos].ins if not isinstance(k, jex.Literal)]
+    return self._operands[pos]
 
   def scratch(self, pos: int) -> int:
     """Bytes op ``pos`` needs only while it runs: the transposed input
@@ -85,10 +91,9 @@ class Fusion:
 
   def fuses(self, reader: int, key) -> bool:
     """Whether XLA:CPU can fuse ``key``'s producer into op ``reader``."""
-    name = self.names[reader]
-    if _primitives.fuses_elementwise(name):
+    if self._elementwise[reader]:
       return True
-    if not _primitives.is_reduction(name):
+    if not self._reduction[reader]:
       return False
     # XLA:CPU fuses into a reduction only over the minor-most dimension.
     ndim = len(self.graph.values[key[0]].aval.shape)
@@ -110,8 +115,7 @@ class Fusion:
     any other cheap one that reads more elements than it writes only if it
     can be fused into every reader on all paths."""
     pos = self.producer_of.get(key)
-    if (pos is None or key in self.outputs
-        or not _primitives.fuses_elementwise(self.names[pos])):
+    if pos is None or key in self.outputs or not self._elementwise[pos]:
       return False
     if len(self.readers[key]) == 1:
       return True
@@ -167,7 +171,7 @@ class Fusion:
       if k == key:
         continue
       pos = self.producer_of.get(k)
-      if (pos is None or not _primitives.fuses_elementwise(self.names[pos])
+      if (pos is None or not self._elementwise[pos]
           or k in self.outputs or self.globally_unfusible(k)
           or not self.on_all_paths(key, pos, reach)):
         return False
