@@ -57,6 +57,15 @@ class Save(Decision):
 
 
 @dataclasses.dataclass(frozen=True)
+class Host(Decision):
+  """Not a residual's: a step input that only the optimizer update reads
+  (Adam's moments) lives in host memory between steps. The step takes it
+  there, copies it to the device right before its first reader, and
+  returns its update there (``graph._state``)."""
+  kind = "host"
+
+
+@dataclasses.dataclass(frozen=True)
 class Chunked(Decision):
   """A residual virtualized into vTensors (the vTensor seed's ``split``):
   right after it is made it is cut along ``axis`` into chunks, each its own
@@ -110,6 +119,7 @@ class Chunked(Decision):
     return [(stop - start) * row for start, stop in self.bounds]
 
 
+HOST = Host()
 KEEP = Keep()
 SAVE = Save()
 RECOMPUTE = Recompute()

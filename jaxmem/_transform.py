@@ -3,25 +3,24 @@ shaped like ``jax.jit``."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import time
-import warnings
 from typing import Callable
 
 import jax
 from jax.extend import core as jex
 
 from jaxmem.fit import _plan_cache
-
-from jaxmem.graph import _primitives
 from jaxmem.fit._arguments import Arguments, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.schedule._emit import emit
 from jaxmem.cost._evaluate import Candidate, evaluate
-from jaxmem.fit._fit import Fitter, budget_error, fit_plan, remember, remembered
+from jaxmem.fit._checks import no_backward, no_collectives
+from jaxmem.fit._fit import Fitter, budget_error, remember, remembered, search
 from jaxmem.fit._fitted import Fit
 from jaxmem.graph._graph import Graph, build_graph, trace
 from jaxmem.fit._inner import body_graph, embedded, inner_loop
@@ -30,6 +29,10 @@ from jaxmem.cost._xla_clock import program_time
 from jaxmem.fit._saved import fingerprint, loads
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes, xla_footprint
+from jaxmem.targets._host_args import device_aval
+from jaxmem.graph._state import apply_host_decisions
+from jaxmem.fit._host_state import (
+    compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state)
 
 _Tracer = jax.core.Tracer
 
@@ -39,7 +42,7 @@ def _signature(arguments: Arguments, args, kwargs):
   arguments), the dynamic arguments and their leaves."""
   statics, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
   leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-  return (statics, tree, tuple(jax.typeof(x) for x in leaves)), leaves
+  return (statics, tree, tuple(device_aval(x) for x in leaves)), leaves
 
 
 class Transformed:
@@ -53,10 +56,11 @@ class Transformed:
 
   def __init__(self, fun, budget, planner, static_argnums, static_argnames,
                jit_kwargs, max_rounds, reserve=None, target=None, plan=None,
-               plan_cache=None):
+               plan_cache=None, host_state=True):
     self.fun = fun
     self.saved = plan  # a Plan, or a path to a saved one
     self.plan_cache = plan_cache
+    self.host_state = host_state
     self.budget = Budget.parse(budget)
     self.target = target
     if target is not None:
@@ -85,6 +89,7 @@ class Transformed:
   def __call__(self, *args, **kwargs):
     fit = self.fit(*args, **kwargs)
     if not any(isinstance(leaf, _Tracer) for leaf in jax.tree_util.tree_leaves((args, kwargs))):
+      args, kwargs = place_state(self.arguments, fit.hosted, args, kwargs)
       return self._runner(fit, args, kwargs)(*args, **kwargs)
     # Under an outer transformation; under jax.vmap, planned again for the
     # batched shapes (_batching).
@@ -120,12 +125,18 @@ class Transformed:
       vmapped = functools.wraps(self.fun)(jax.vmap(step, in_axes=axes))
       self._batched[key] = Transformed(vmapped, self.budget, self._planner_spec, (), (),
                                        {}, self.max_rounds, self.reserve, self.target,
-                                       plan_cache=self.plan_cache)
+                                       plan_cache=self.plan_cache,
+                                       host_state=self.host_state)
     return self._batched[key]
 
   def lower(self, *args, **kwargs):
     """``jax.jit``'s ``lower`` for the transformed step."""
-    return self._runner(self.fit(*args, **kwargs), args, kwargs).lower(*args, **kwargs)
+    fit = self.fit(*args, **kwargs)
+    # Described in host memory, not copied there: lowering moves nothing.
+    args, kwargs = place_state(self.arguments, fit.hosted, args, kwargs,
+                               abstract=True)
+    return lower_placed(self._runner(fit, args, kwargs).lower(*args, **kwargs), fit.hosted,
+                        args, kwargs)
 
   def _runner(self, fit: Fit, args, kwargs):
     """The fit's ``jax.jit`` for the platform these arguments are on or
@@ -133,7 +144,8 @@ class Transformed:
     _, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
     where = resolve(None, jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
     if where.name not in fit.runners:
-      fit.runners[where.name] = self._jit(fit.run, fit.out_tree, where.options())
+      fit.runners[where.name] = self._jit(fit.run, fit.out_tree, where.options(), fit.graph,
+                                          jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
     return fit.runners[where.name]
 
   def report(self, *args, **kwargs) -> str:
@@ -190,6 +202,7 @@ class Transformed:
     target = resolve(self.target, leaves)
     key = (*key, target.name)  # arguments placed elsewhere: another target
     if key not in self._fits:
+      args, kwargs, leaves = on_device(self.arguments, args, kwargs)
       fit = self._build(args, kwargs, leaves, target, find_smallest)
       if fit is None:
         return None
@@ -209,17 +222,10 @@ class Transformed:
     step = fingerprint(closed)
     if self.saved is not None:
       planner = Fixed(*self._load(step))
-    memo = (step, planner.describe(), target.name, self.max_rounds)
+    memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state)
     if self._known_to_fail(memo, planner, target, find_smallest):
       return None
-    graph = build_graph(closed)
-    _no_collectives(graph, self.__name__)
-    loop = inner_loop(graph)
-    # The graph planned (the loop's body where the passes run in a loop) is
-    # the one the memory model learns the target's buffers for.
-    planned = _modelled(graph if loop is None else body_graph(graph, loop), target)
-    if loop is None:
-      graph = planned
+    graph, loop, planned, planner = self._graphs(closed, target, planner)
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
     as_written = jex.jaxpr_as_fun(closed)
     written = self._jit(as_written, out_tree, options)
@@ -234,48 +240,67 @@ class Transformed:
       unconstrained = base_memory.peak
 
     def emitter(candidate: Candidate) -> Callable:
-      if not len(candidate.plan):
+      if not candidate.changes_step:
         return as_written  # the step as written: never above it
       schedule = candidate.schedule
       return emit(schedule if loop is None else embedded(graph, loop, schedule))
 
-    _no_backward(planned)
+    no_backward(planned)
 
     def jit(candidate: Candidate):
-      if in_place and not len(candidate.plan):  # compiled as it runs, then run
+      if in_place and not candidate.changes_step:  # compiled as it runs, then run
         return baseline if one_program else written.lower(
             *placed_args, **placed_kwargs).compile()
-      measuring = self._jit(emitter(candidate), out_tree, target.options(measuring=True))
-      return measuring.lower(*placed_args, **placed_kwargs).compile()
+      measuring = self._jit(emitter(candidate), out_tree, target.options(measuring=True),
+                            candidate.schedule.graph, target.place(leaves))
+      return compile_placed(measuring, target, candidate.schedule.graph, self.arguments,
+                            placed_args, placed_kwargs)
 
     budget, reserve = self._budget_bytes(unconstrained, target)
     model = base_memory if loop is None else evaluate(planned, Plan())[1]
     fixed = workspace_bytes(baseline)
     clock = _clock(target)
-    fitter = functools.partial(Fitter, planned, budget=budget - reserve,
+    fitter = functools.partial(Fitter, budget=budget - reserve,
                                unconstrained=unconstrained,
                                model_scale=model.peak / max(unconstrained - fixed, 1), jit=jit,
                                max_rounds=self.max_rounds, reserve=reserve, where=target.name,
                                fixed=fixed, clock=clock)
     cached = self._cache_entry(step, leaves, target, budget, reserve, planner)
-    planner, found = self._search(fitter, planner, step, memo, cached, reserve,
-                                  unconstrained, find_smallest)
+    planned, planner, found = self._search(
+        fitter, planned, planner, step, memo, cached, reserve, unconstrained,
+        find_smallest, may_host=self.host_state and loop is None and target.may_host_state())
     if found is None:
       return None
     trial, attempts = found
     run_flat = emitter(trial.candidate)
-    jitted = (written if in_place and not len(trial.candidate.plan)
-              else self._jit(run_flat, out_tree, options))
+    jitted = (written if in_place and not trial.candidate.changes_step
+              else self._jit(run_flat, out_tree, options, planned, leaves))
     fit = Fit(planned, trial.candidate, planner, budget, target, unconstrained,
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
                reserve, None if loop is None else graph.nodes[loop].source, out_tree,
                run_flat, {here.name: jitted}, trial.seconds,
-               None if clock is None else clock(baseline), step)
-    if cached is not None and len(fit.plan) and not isinstance(planner, Fixed):
+               None if clock is None else clock(baseline), step,
+               leaf_names(self.arguments, args, kwargs))
+    if cached is not None and fit.result.changes_step and not isinstance(planner, Fixed):
       _plan_cache.put(*cached, fit.saved())  # planned here: kept for the next run
     return fit
+
+  def _graphs(self, closed, target: Target, planner) -> tuple[Graph, int | None, Graph, object]:
+    """``(graph, loop, planned, planner)``: the step's graph, the loop its
+    passes run in (or None), the graph planned (the loop's body there; the
+    memory model learns the target's buffers for it) and the planner."""
+    graph = build_graph(closed)
+    no_collectives(graph, self.__name__)
+    loop = inner_loop(graph)
+    planned = _modelled(graph if loop is None else body_graph(graph, loop), target)
+    if loop is None:
+      graph = planned
+      if isinstance(planner, Fixed):
+        planned, given = apply_host_decisions(planned, planner.plan_given)
+        planner = dataclasses.replace(planner, plan_given=given)
+    return graph, loop, planned, planner
 
   def _cache_entry(self, step: str, leaves, target: Target, budget: int, reserve: int,
                    planner) -> tuple[str, str] | None:
@@ -288,23 +313,17 @@ class Transformed:
         step, shardings=[str(getattr(x, "sharding", None)) for x in leaves], budget=budget,
         reserve=reserve, target=target.name, profile=target.profile,
         description=None if target.profile is None else target.profile.description,
-        planner=planner.describe(), max_rounds=self.max_rounds)
+        planner=planner.describe(), max_rounds=self.max_rounds, host_state=self.host_state)
 
-  def _search(self, fitter: Callable, planner, step: str, memo: tuple,
+  def _search(self, fitter: Callable, graph: Graph, planner, step: str, memo: tuple,
               cached: tuple[str, str] | None, reserve: int, unconstrained: int,
-              find_smallest: bool):
-    """``(planner, (trial, rounds))``: the plan in the plan cache's entry
-    ``cached`` where there is one and it fits (``Fixed`` its planner),
-    else the fit loop's with ``planner``; ``(planner, None)`` where
-    :meth:`can_fit`'s quick answer is no. A budget no plan meets is
-    remembered (``memo``) before its error is raised."""
+              find_smallest: bool, may_host: bool):
+    """:func:`~jaxmem.fit._fit.search`, from the plan cache's entry ``cached``;
+    a budget no plan meets is remembered (``memo``) before its error."""
     plan = None if cached is None else _plan_cache.get(*cached, step)
-    if plan is not None:
-      hit = fit_plan(fitter, plan, _plan_cache.path(*cached))
-      if hit is not None:
-        return hit
     try:
-      return planner, fitter(planner=planner).fit(find_smallest)
+      return search(fitter, graph, planner, find_smallest, may_host,
+                    None if plan is None else (plan, _plan_cache.path(*cached)))
     except BudgetError as err:
       remember(self.fun, memo, err.smallest - reserve, unconstrained)
       raise
@@ -369,10 +388,13 @@ class Transformed:
       return self.reserve
     return 0 if self.budget.fraction is not None else target.reserve()
 
-  def _jit(self, run_flat: Callable, out_tree, options: dict):
+  def _jit(self, run_flat: Callable, out_tree, options: dict, graph: Graph | None = None,
+           leaves=()):
     """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
     ``options`` (compiler options that keep recomputation,
-    :meth:`~jaxmem.targets.Target.options`) go under any the user passed."""
+    :meth:`~jaxmem.targets.Target.options`) go under any the user passed.
+    Where ``graph`` keeps optimizer state on the host, the outputs' memory
+    kinds are given (``_host_state.output_kinds``)."""
     arguments = self.arguments
 
     def run(*args, **kwargs):
@@ -382,6 +404,8 @@ class Transformed:
 
     kwargs = dict(self.jit_kwargs)
     kwargs["compiler_options"] = {**options, **(kwargs.get("compiler_options") or {})} or None
+    if graph is not None and graph.hosted and "out_shardings" not in kwargs:
+      kwargs["out_shardings"] = out_tree.unflatten(output_kinds(graph, leaves))
     return arguments.jit(run, self.fun, **kwargs)
 
 
@@ -400,33 +424,10 @@ def _clock(target: Target) -> Callable | None:
   return lambda compiled: program_time(compiled.as_text(), target.profile).seconds
 
 
-def _no_backward(graph: Graph) -> None:
-  """Warns where the step has no backward pass: nothing to plan."""
-  if not graph.has_backward:
-    warnings.warn(
-        "jaxmem: the step has no backward pass (no transposed equations in "
-        "its jaxpr), so there are no residuals to recompute or offload; it "
-        "is compiled unchanged.", stacklevel=5)
-
-
-def _no_collectives(graph: Graph, name: str) -> None:
-  """jaxmem compiles a step on its own to measure it, which a step reducing
-  over mesh axes (``psum`` inside ``shard_map``) cannot be."""
-  found = sorted({n.prim.name for n in graph.nodes
-                  if _primitives.classify(n.prim.name) == _primitives.COLLECTIVE})
-  if found:
-    raise NotImplementedError(
-        f"jaxmem: step {name} runs collectives over mesh axes ({', '.join(found)}); "
-        "jaxmem measures a step by compiling it on its own, outside the mesh, so it "
-        "cannot fit one yet. Fit the per-device part and reduce outside it, e.g. "
-        "shard_map(lambda w, x: jax.lax.pmean(fitted(w, x), 'd'), ...) with fitted = "
-        "jaxmem.transform(per_device_step, budget=...).")
-
-
 def transform(fun: Callable, budget, *, planner="auto", target=None,
               static_argnums=(), static_argnames=(), max_rounds: int = 4,
               reserve: int | None = None, plan=None, plan_cache=None,
-              **jit_kwargs) -> Transformed:
+              host_state: bool = True, **jit_kwargs) -> Transformed:
   """Fits a training step into a device-memory budget.
 
   The step (forward, backward and optimizer update in one function) is traced
@@ -464,6 +465,10 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
       shardings, the budget in bytes, the target, the planner and the
       versions of jaxmem and JAX; a hit is compiled once, without planning,
       and taken where it fits (else the step is planned again).
+    host_state: whether, on a GPU with a host link, the optimizer state
+      (arguments only its update reads: Adam's moments) may live in
+      ``pinned_host`` memory between steps where no plan fits with it on
+      the device; the step then takes and returns it there (``Fit.hosted``).
     **jit_kwargs: passed to ``jax.jit``. ``donate_argnums`` /
       ``donate_argnames`` donate as there; a step already wrapped in
       ``jax.jit`` with donated arguments keeps its donation.
@@ -490,4 +495,5 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
     True
   """
   return Transformed(fun, budget, planner, static_argnums, static_argnames,
-                     jit_kwargs, max_rounds, reserve, target, plan, plan_cache)
+                     jit_kwargs, max_rounds, reserve, target, plan, plan_cache,
+                     host_state)

@@ -12,14 +12,14 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 # Lowest first: a module imports only from layers below its own.
 LAYERS = [
     {"_flags", "_provenance", "_budget", "graph._primitives", "_decisions", "fit._arguments",
-     "fit._batching", "targets._description", "cost._hlo",
+     "fit._batching", "targets._description", "targets._host_args", "cost._hlo",
      "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code
     {"fit._saved", "targets._profiles"},
     {"fit._plan_cache"},
     {"targets._compile", "targets._calibrate"},
     {"targets"},
     {"graph._graph"},
-    {"graph._xla_cpu_fusion", "graph._loops"},
+    {"graph._xla_cpu_fusion", "graph._loops", "graph._state"},
     {"schedule._schedule"},
     {"schedule._scan_remat"},
     {"schedule._loop_segments"},
@@ -35,7 +35,7 @@ LAYERS = [
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},
     {"planners._ilp"},
     {"planners"},
-    {"fit._report", "fit._fit"},
+    {"fit._report", "fit._fit", "fit._host_state", "fit._checks"},
     {"fit._fitted"},
     {"_transform", "_analyze"},
     {""},  # the package itself: the public face

@@ -63,6 +63,17 @@ class Candidate:
   def peak(self) -> int:
     return self.memory.peak
 
+  @property
+  def uses_host(self) -> bool:
+    """Whether the step puts anything in host memory: the plan's offloads,
+    or optimizer state its graph keeps there (``graph._state``)."""
+    return self.plan.uses_host or bool(self.schedule.graph.hosted)
+
+  @property
+  def changes_step(self) -> bool:
+    """Whether the step differs from the step as written."""
+    return bool(len(self.plan)) or bool(self.schedule.graph.hosted)
+
   def aimed(self, aim: int) -> "Candidate":
     """This candidate judged against ``aim``."""
     return dataclasses.replace(self, aim=aim, fits=self.peak <= aim)

@@ -123,11 +123,13 @@ def simulate(schedule: Schedule) -> Liveness:
   producer_of, outputs = fusion.producer_of, fusion.outputs
 
   inputs = set(schedule.inputs) | {(v, 0) for v in graph.consts}
-  arguments = sum(nbytes(k) for k in inputs)
-  # Host copies (offloads), stacks a loop makes on the host, and their
-  # views live in host memory.
-  host = {k for op in ops if op.kind == "offload" for k in op.outs} | schedule.hosted
+  # Host copies (offloads), stacks a loop makes on the host, optimizer state
+  # kept there between steps, and their views live in host memory.
+  hosted_in = {(v, 0) for v in graph.hosted}
+  host = ({k for op in ops if op.kind == "offload" for k in op.outs} | schedule.hosted
+          | hosted_in)
   host |= {k for k in root if root[k] in host}
+  arguments = sum(nbytes(k) for k in inputs - hosted_in)
   free_at: dict[int, list] = {}
   owned_by: dict[int, list] = {}
   for key, buf in root.items():
@@ -144,18 +146,18 @@ def simulate(schedule: Schedule) -> Liveness:
     free_at[pos] = [k for k in free_at[pos] if k not in pinned]
   # XLA allocates output buffers before the program runs: count them from
   # the start, once per distinct buffer.
-  out_bytes = sum(nbytes(b) for b in {root.get(k, k) for k in outputs})
+  out_bytes = sum(nbytes(b) for b in {root.get(k, k) for k in outputs} - host)
   for pos in owned_by:
     owned_by[pos] = [k for k in owned_by[pos] if k not in pinned]
 
   in_outputs = _share_output_buffers(
       {b: producer_of.get(b, -1) for b in {root.get(k, k) for k in outputs}
-       if b not in inputs},
+       if b not in inputs and b not in host},
       {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys
        if k not in host},
       nbytes)
   walk = _walk(schedule, fusion, owned_by, free_at, host, in_outputs,
-               arguments + out_bytes)
+               arguments + out_bytes, sum(nbytes(k) for k in hosted_in))
   return Liveness(schedule, walk.peak, walk.peak_op, arguments, walk.timeline,
                   walk.live_at_peak, reads, root, fused_reads, fused,
                   frozenset(in_outputs), max(walk.host_timeline, default=0),
@@ -184,16 +186,16 @@ class _Walk:
 
 
 def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
-          in_outputs: set, start: int) -> _Walk:
+          in_outputs: set, start: int, on_host: int = 0) -> _Walk:
   """Walks the ops in order: each op's own buffers are allocated (host
   copies on the host; temporaries placed in output buffers add nothing),
   the timeline records the live bytes with the op's scratch, and buffers
-  whose last reader it is are freed."""
+  whose last reader it is are freed. ``start`` device bytes and ``on_host``
+  host bytes are held from the start."""
   ops, nbytes = schedule.ops, schedule.nbytes
   live = start
   live_set: set = set()
   walk = _Walk(live, 0, [], [], [])
-  on_host = 0
   for pos in range(len(ops)):
     for key in owned_by.get(pos, ()):
       if key in host:

@@ -97,6 +97,17 @@ class Arguments:
       args.insert(i, value)
     return tuple(args), {**dyn_kwargs, **dict(named)}
 
+  def donated_leaves(self, args: tuple, kwargs: dict) -> frozenset[int]:
+    """Positions, among the dynamic arguments' flat leaves, of the leaves
+    of donated arguments."""
+    static = self.static_positions(len(args))
+    donated = {i % len(args) if i < 0 else i for i in self.donate_argnums}
+    flags = (tuple(jax.tree_util.tree_map(lambda _, d=i in donated: d, a)
+                   for i, a in enumerate(args) if i not in static),
+             {k: jax.tree_util.tree_map(lambda _, d=k in self.donate_argnames: d, v)
+              for k, v in kwargs.items() if k not in self.static_argnames})
+    return frozenset(i for i, d in enumerate(jax.tree_util.tree_leaves(flags)) if d)
+
   def with_donations(self, nums: tuple, names: tuple) -> "Arguments":
     return dataclasses.replace(
         self, donate_argnums=tuple(sorted(set(self.donate_argnums) | set(nums))),

@@ -34,6 +34,7 @@ from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import Candidate, candidate, unplanned, unplanned_liveness
 from jaxmem.graph._graph import Graph
+from jaxmem.graph._state import apply_host_decisions, optimizer_state, with_hosted
 from jaxmem.schedule._scan_remat import loop_variants
 from jaxmem.planners import Fixed, Planner
 from jaxmem.targets import holds_host_memory, xla_footprint
@@ -166,7 +167,7 @@ class Fitter:
   def _compiled(self, candidate: Candidate) -> Trial:
     compiled = self.jit(candidate)
     seconds = None if self.clock is None else self.clock(compiled)
-    if candidate.plan.uses_host and not holds_host_memory(compiled):
+    if candidate.uses_host and not holds_host_memory(compiled):
       return Trial(candidate, int(candidate.peak / self.model_scale) + self.fixed, seconds)
     trial = Trial(candidate, xla_footprint(compiled), seconds)
     if trial.footprint is not None and len(candidate.plan):
@@ -330,6 +331,40 @@ def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
   fixed = Fixed(plan, source=source)
   found = fitter(planner=fixed).fit(find_smallest=False)
   return None if found is None else (fixed, found)
+
+
+def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
+           find_smallest: bool, may_host: bool, saved: tuple[Plan, str] | None = None):
+  """``(graph, planner, (trial, rounds))``: a saved plan (``(plan,
+  source)``, from the plan cache) where one is given and fits (``Fixed``
+  its planner), else the fit loop's (``fitter(graph, planner=...)``) with
+  ``planner``; where no plan fits and ``may_host``, the same with the
+  step's optimizer state kept in host memory (``graph._state``), the
+  graph then the one that keeps it there. ``(graph, planner, None)``
+  where :meth:`Fitter.fit`'s quick answer (``find_smallest=False``) is
+  no; else the :class:`BudgetError` naming the smallest footprint of
+  both."""
+  if saved is not None:
+    hosted, plan = apply_host_decisions(graph, saved[0])
+    hit = fit_plan(functools.partial(fitter, hosted), plan, saved[1])
+    if hit is not None:
+      return (hosted, *hit)
+  state = [leaf.value for leaf in optimizer_state(graph)] if may_host else []
+  error = None
+  for tried in [graph] + ([with_hosted(graph, state)] if state else []):
+    try:
+      found = fitter(tried, planner=planner).fit(find_smallest)
+    except BudgetError as err:
+      error = err if error is None or err.smallest < error.smallest else error
+      continue
+    if found is not None:
+      if tried.hosted:
+        _log.info("jaxmem: no plan fits with the optimizer state on the device; "
+                  "it is kept in host memory between steps")
+      return tried, planner, found
+  if error is not None:
+    raise error
+  return graph, planner, None
 
 
 def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,

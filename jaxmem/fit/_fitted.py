@@ -10,6 +10,7 @@ from jaxmem._budget import format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import Candidate
 from jaxmem.graph._graph import Graph
+from jaxmem.graph._state import hosted_leaves, optimizer_state, with_host_decisions
 from jaxmem.cost._memory import Liveness
 from jaxmem.fit._policies import block_policies
 from jaxmem.fit._report import decision_label, residual_table
@@ -56,6 +57,8 @@ class Fit:
     unconstrained_predicted: the same for the untransformed step.
     step: the fingerprint of the traced step a saved plan is checked
       against (``jaxmem.fit._saved.fingerprint``).
+    input_names: the path of each flat argument leaf
+      (``jax.tree_util.keystr``), for reports.
   """
   graph: Graph
   result: Candidate
@@ -79,6 +82,7 @@ class Fit:
   predicted: float | None = None
   unconstrained_predicted: float | None = None
   step: str = ""
+  input_names: tuple = ()
   _gap: Gap | None = dataclasses.field(default=None, init=False, repr=False)
 
   def __repr__(self) -> str:
@@ -98,7 +102,8 @@ class Fit:
   def saved(self) -> str:
     """The plan as JSON (:mod:`jaxmem.fit._saved`), with the budget, target,
     planner and footprint it was fitted for."""
-    return dumps(self.plan, self.step, budget=self.budget, target=self.target.name,
+    return dumps(with_host_decisions(self.graph, self.plan), self.step,
+                 budget=self.budget, target=self.target.name,
                  planner=self.planner.describe(), footprint=self.footprint)
 
   def gap(self) -> Gap:
@@ -132,6 +137,13 @@ class Fit:
     return self.result.plan
 
   @property
+  def hosted(self) -> tuple[int, ...]:
+    """Positions, among the step's flat argument leaves, of the optimizer
+    state kept in host memory between steps: the step takes them there and
+    returns their updates there (``jaxmem.graph._state``)."""
+    return hosted_leaves(self.graph)
+
+  @property
   def memory(self) -> Liveness:
     return self.result.memory
 
@@ -158,7 +170,9 @@ class Fit:
            "and backward pass (residuals, decisions and FLOPs below are one "
            "iteration's)"] if self.loop else []),
         f"peak at           {p.peak_name}",
-        ("decisions         none: the step as written fits the budget, nothing needed "
+        ("decisions         none on residuals: with the optimizer state in host memory "
+         "the step fits the budget" if not len(self.plan) and self.hosted else
+         "decisions         none: the step as written fits the budget, nothing needed "
          "planning" if not len(self.plan) else
          f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
         f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
@@ -167,6 +181,7 @@ class Fit:
         "a loop's stacks, or vTensors); "
         f"{format_bytes(p.host_peak)} on the host at most); {len(saved)} "
         f"block boundaries saved ({format_bytes(saved_bytes)})"),
+        *self._host_lines(),
         f"added FLOPs       {self.added_flops:.3g} "
         f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
         *([f"against optimum   {self.gap().text()}"] if len(self.plan) else []),
@@ -177,3 +192,17 @@ class Fit:
     if self.result.details is not None:
       lines += ["", self.result.details.table()]
     return "\n".join(lines)
+
+  def _host_lines(self, top: int = 4) -> list[str]:
+    """The report's lines on optimizer state kept in host memory: how
+    much, and its largest leaves (by argument path where known)."""
+    state = [leaf for leaf in optimizer_state(self.graph) if leaf.value in self.graph.hosted]
+    if not state:
+      return []
+    name = lambda leaf: (self.input_names[leaf.leaf] if leaf.leaf < len(self.input_names)
+                         else f"argument leaf {leaf.leaf}")
+    largest = sorted(state, key=lambda leaf: -leaf.nbytes)[:top]
+    return [f"optimizer state   {len(state)} leaves, {format_bytes(sum(l.nbytes for l in state))}, "
+            "in host memory between steps (copied in before each update, its result "
+            "copied back): " + ", ".join(f"{name(l)} {format_bytes(l.nbytes)}" for l in largest)
+            + (", ..." if len(state) > top else "")]

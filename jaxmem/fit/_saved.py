@@ -22,11 +22,11 @@ import json
 
 import numpy as np
 
-from jaxmem._decisions import Chunked, Decision, Keep, Offload, Plan, Recompute, Save
+from jaxmem._decisions import Chunked, Decision, Host, Keep, Offload, Plan, Recompute, Save
 
 FORMAT = "jaxmem-plan/1"
 
-_SIMPLE = {"keep": Keep, "recompute": Recompute, "save": Save}
+_SIMPLE = {"keep": Keep, "recompute": Recompute, "save": Save, "host": Host}
 
 
 def fingerprint(closed) -> str:

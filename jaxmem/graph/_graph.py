@@ -145,6 +145,10 @@ class Graph:
   # What the target's compiler gives a buffer in the step as written
   # (``_xla_buffers.Buffers``); None: the memory model emulates XLA:CPU.
   buffers: Any = None
+  # Optimizer-state inputs kept in host memory between steps
+  # (``_state.with_hosted``): schedules copy each to the device before its
+  # first reader and return its update in host memory.
+  hosted: frozenset = frozenset()
   _by_value: dict = dataclasses.field(init=False, repr=False)
   _analyses: dict = dataclasses.field(init=False, repr=False)
 

@@ -397,7 +397,7 @@ class LGM(Planner):
     made = {op.outs[0]: pos for pos, op in enumerate(schedule.ops) if op.kind == "prefetch"}
     for key in peak.memory.live_at_peak:
       unit = schedule.fetched.get(key)
-      if unit is None or left <= 0 or made[key] > peak.at or \
+      if unit is None or left <= 0 or unit in graph.hosted or made[key] > peak.at or \
           first_read.get(key, peak.at) <= peak.at:
         continue
       vid = unit if isinstance(unit, int) else unit[0]

@@ -38,6 +38,7 @@ from jax.extend import core as jex
 
 from jaxmem._decisions import Plan
 from jaxmem.graph._graph import Graph, analysis, forward_passes
+from jaxmem.graph._state import hosted_outputs
 from jaxmem.graph._xla_cpu_fusion import separated_reads
 
 Key = tuple  # (value id, version)
@@ -150,6 +151,10 @@ class _Builder:
     self.chunks: dict[int, list[Key]] = {}  # vTensor -> its chunks' keys
     self.sizes: dict[Key, int] = {}
     self.fetch_at: dict[int, list] = {}
+    # Optimizer state kept in host memory between steps comes in there: its
+    # input key is its host copy, fetched like an offloaded residual.
+    self.host.update((vid, self.key(vid)) for vid in graph.hosted)
+    self.state_out = {graph.outputs[pos] for pos in hosted_outputs(graph)}
     offloads = [(vid, d) for vid, d in self.offloaded.items()]
     offloads += [((vid, i), c.chunks[i]) for vid, c in self.chunked.items()
                  for i in c.offloaded]
@@ -183,8 +188,8 @@ class _Builder:
         self.enter(starts[node.index], node)
       if node.backward:
         self.prefetch(self.fetch_at.get(node.index, ()), node)
-        self.prefetch([a for a in node.ins if isinstance(a, int) and a in self.offloaded],
-                      node)
+        self.prefetch([a for a in node.ins if isinstance(a, int)
+                       and (a in self.offloaded or a in graph.hosted)], node)
         for a in node.ins:
           if isinstance(a, int) and a in self.chunked:
             self.merge(a, node)
@@ -210,13 +215,14 @@ class _Builder:
       self.ops.append(Op("node", node.index, ins, tuple(map(self.key, node.outs))))
       if node.backward:
         self.made.extend(node.outs)
-      else:
-        for vid in node.outs:
-          if vid in self.offloaded:
-            self.offload(vid, self.key(vid))
-          elif vid in self.chunked:
-            self.split(vid)
-    outputs = [o if isinstance(o, jex.Literal) else self.read(o, True)
+      for vid in node.outs:
+        # An offloaded residual, or an update of state kept on the host.
+        if vid in (self.state_out if node.backward else self.offloaded):
+          self.offload(vid, self.key(vid))
+        elif not node.backward and vid in self.chunked:
+          self.split(vid)
+    outputs = [o if isinstance(o, jex.Literal) else self.host[o] if o in self.state_out
+               else self.key(o) if o in graph.hosted else self.read(o, True)
                for o in graph.outputs]
     return Schedule(graph, self.plan, self.ops, [self.key(v) for v in graph.inputs],
                     outputs, self.recompute_flops, self.sizes,

@@ -180,6 +180,11 @@ class Target:
   def reserve(self) -> int:
     return runtime_reserve(self.platform)
 
+  def may_host_state(self) -> bool:
+    """Whether a fit may keep optimizer state in host memory here: on a GPU
+    with a host link (not one whose memory is the host's)."""
+    return self.platform == "gpu" and not (self.profile is not None and self.profile.unified)
+
 
 def resolve(target, leaves: Sequence) -> Target:
   """The :class:`Target` of a fit: ``target`` as given to ``transform``

@@ -1,0 +1,32 @@
+"""Checks of the step itself before a fit: a warning where there is nothing
+to plan, an error where jaxmem cannot measure it."""
+
+from __future__ import annotations
+
+import warnings
+
+from jaxmem.graph import _primitives
+from jaxmem.graph._graph import Graph
+
+
+def no_backward(graph: Graph) -> None:
+  """Warns where the step has no backward pass: nothing to plan."""
+  if not graph.has_backward:
+    warnings.warn(
+        "jaxmem: the step has no backward pass (no transposed equations in "
+        "its jaxpr), so there are no residuals to recompute or offload; it "
+        "is compiled unchanged.", stacklevel=5)
+
+
+def no_collectives(graph: Graph, name: str) -> None:
+  """jaxmem compiles a step on its own to measure it, which a step reducing
+  over mesh axes (``psum`` inside ``shard_map``) cannot be."""
+  found = sorted({n.prim.name for n in graph.nodes
+                  if _primitives.classify(n.prim.name) == _primitives.COLLECTIVE})
+  if found:
+    raise NotImplementedError(
+        f"jaxmem: step {name} runs collectives over mesh axes ({', '.join(found)}); "
+        "jaxmem measures a step by compiling it on its own, outside the mesh, so it "
+        "cannot fit one yet. Fit the per-device part and reduce outside it, e.g. "
+        "shard_map(lambda w, x: jax.lax.pmean(fitted(w, x), 'd'), ...) with fitted = "
+        "jaxmem.transform(per_device_step, budget=...).")

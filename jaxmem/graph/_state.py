@@ -1,0 +1,158 @@
+"""Optimizer state: step inputs only the optimizer update reads.
+
+Adam's moments, and any other leaf of a step's state that no forward or
+transposed equation reads, are needed on the device only while the update
+runs. Such a leaf may live in host memory between steps (ZeRO-Offload's
+placement): the step copies it to the device right before its first
+reader, and copies the output it becomes back to host memory as soon as
+that output is made. :func:`optimizer_state` finds those leaves and the
+output each one becomes; :func:`with_hosted` marks a graph whose schedules
+do so (``_schedule`` emits the copies, ``_memory`` counts them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmem._decisions import HOST, Plan
+from jaxmem.graph._graph import Graph, analysis
+
+# A leaf smaller than this stays on the device: its copies would cost a
+# transfer's latency each and save nothing (an Adam step count).
+MIN_BYTES = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class StateLeaf:
+  """A step input the optimizer update alone reads.
+
+  Attributes:
+    value: its value id (one of ``graph.inputs``).
+    leaf: its position among the step's flat input leaves.
+    nbytes: its size.
+    output: the position among the step's outputs of the value it becomes
+      (its update), or None where the step returns no update of it.
+    name: the module path of its first reader, for reports.
+  """
+  value: int
+  leaf: int
+  nbytes: int
+  output: int | None
+  name: str
+
+
+@analysis
+def optimizer_state(graph: Graph) -> tuple[StateLeaf, ...]:
+  """The step's inputs of at least :data:`MIN_BYTES` read only by optimizer
+  updates (``Node.update``), each paired with the output it becomes.
+
+  An output made by the update is paired with the nearest input of its own
+  shape and dtype among the values it is computed from (Adam's new first
+  moment with the old one, not with the parameters it also reads), each
+  input with one output at most.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax
+    >>> from jaxmem.graph._graph import build_graph
+    >>> opt = optax.adam(1e-3)
+    >>> def step(w, s, x):
+    ...   g = jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
+    ...   u, s = opt.update(g, s)
+    ...   return optax.apply_updates(w, u), s
+    >>> w = jnp.ones((64, 64))
+    >>> g = build_graph(jax.make_jaxpr(step)(w, opt.init(w), jnp.ones((2, 64))))
+    >>> [(leaf.leaf, leaf.output) for leaf in optimizer_state(g)]  # mu, nu
+    [(2, 2), (3, 3)]
+  """
+  candidates = {}
+  for position, vid in enumerate(graph.inputs):
+    uses = graph.values[vid].uses
+    if (vid in graph.consts or graph.values[vid].nbytes < MIN_BYTES or not uses
+        or not all(graph.nodes[u].update for u in uses)):
+      continue
+    candidates[vid] = position
+  paired: dict[int, int] = {}
+  for position, out in enumerate(graph.outputs):
+    if not isinstance(out, int):
+      continue
+    if out in candidates:  # returned as it came in
+      paired.setdefault(out, position)
+      continue
+    source = _nearest_input(graph, out)
+    if source in candidates and source not in paired:
+      paired[source] = position
+  return tuple(
+      StateLeaf(vid, leaf, graph.values[vid].nbytes, paired.get(vid),
+                graph.nodes[graph.values[vid].uses[0]].readable)
+      for vid, leaf in candidates.items())
+
+
+def _nearest_input(graph: Graph, out: int) -> int | None:
+  """The step input of ``out``'s shape and dtype nearest to it, walking
+  back through the optimizer update that makes it (breadth first)."""
+  aval = graph.values[out].aval
+  frontier, seen = [out], {out}
+  while frontier:
+    found, step = [], []
+    for vid in frontier:
+      producer = graph.values[vid].producer
+      if producer is None:
+        other = graph.values[vid].aval
+        if vid in graph.inputs and other.shape == aval.shape and other.dtype == aval.dtype:
+          found.append(vid)
+        continue
+      if not graph.nodes[producer].update:
+        continue
+      for a in graph.nodes[producer].ins:
+        if isinstance(a, int) and a not in seen:
+          seen.add(a)
+          step.append(a)
+    if found:
+      return min(found)
+    frontier = step
+  return None
+
+
+def with_hosted(graph: Graph, values) -> Graph:
+  """``graph`` with the optimizer-state inputs ``values`` kept in host
+  memory between steps (see the module docstring); analyses start afresh.
+  """
+  known = {leaf.value for leaf in optimizer_state(graph)}
+  values = frozenset(values)
+  if not values <= known:
+    raise ValueError(f"with_hosted: values {sorted(values - known)} are not optimizer "
+                     "state of this step (inputs read only by its optimizer update)")
+  return dataclasses.replace(graph, hosted=values)
+
+
+def hosted_leaves(graph: Graph) -> tuple[int, ...]:
+  """Positions, among the step's flat input leaves, of the optimizer state
+  ``graph`` keeps in host memory."""
+  return tuple(leaf.leaf for leaf in optimizer_state(graph) if leaf.value in graph.hosted)
+
+
+def hosted_outputs(graph: Graph) -> dict[int, int]:
+  """Output position -> the hosted input whose update it is: the outputs a
+  schedule of ``graph`` returns in host memory."""
+  return {leaf.output: leaf.value for leaf in optimizer_state(graph)
+          if leaf.value in graph.hosted and leaf.output is not None}
+
+
+def with_host_decisions(graph: Graph, plan: Plan) -> Plan:
+  """``plan`` with a :class:`~jaxmem._decisions.Host` decision for each
+  input ``graph`` keeps in host memory: the whole of a fit's decisions, as
+  a saved plan records them."""
+  decisions = plan.as_dict()
+  decisions.update((vid, HOST) for vid in graph.hosted)
+  return Plan.of(decisions)
+
+
+def apply_host_decisions(graph: Graph, plan: Plan) -> tuple[Graph, Plan]:
+  """A saved plan's :class:`~jaxmem._decisions.Host` decisions taken out
+  of it and applied to ``graph`` (:func:`with_hosted`), with the rest of
+  the plan; ``(graph, plan)`` as given where it has none."""
+  hosted = plan.values_with("host")
+  if not hosted:
+    return graph, plan
+  rest = Plan.of({vid: d for vid, d in plan if d.kind != "host"})
+  return with_hosted(graph, hosted), rest
