@@ -80,12 +80,12 @@ def main(argv=None) -> None:
   opts = parser.parse_args(argv)
   sizes = models().CPU_SIZES
   rows = []
-  for name in opts.models:
+  for name in opts.models:  # written after each model: a long run keeps what it has
     rows.append(row(name, sizes.get(name, {}), opts.target))
     print(table(rows[-1:]).splitlines()[-1], flush=True)
-  _results.write(opts.out, "benchmarks/floor.py", sys.argv[1:] if argv is None else argv,
-                 "The smallest footprint, optimizer state on the device or in host memory",
-                 f"XLA:GPU for a {opts.target} target, compiled here", table(rows), rows)
+    _results.write(opts.out, "benchmarks/floor.py", sys.argv[1:] if argv is None else argv,
+                   "The smallest footprint, optimizer state on the device or in host memory",
+                   f"XLA:GPU for a {opts.target} target, compiled here", table(rows), rows)
 
 
 if __name__ == "__main__":

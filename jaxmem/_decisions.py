@@ -61,8 +61,14 @@ class Host(Decision):
   """Not a residual's: a step input that only the optimizer update reads
   (Adam's moments) lives in host memory between steps. The step takes it
   there, copies it to the device right before its first reader, and
-  returns its update there (``graph._state``)."""
+  returns its update there (``graph._state``).
+
+  Attributes:
+    at: the backward equation before which its copy to the device is
+      issued; None issues it right before its first reader.
+  """
   kind = "host"
+  at: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

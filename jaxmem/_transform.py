@@ -268,7 +268,8 @@ class Transformed:
     cached = self._cache_entry(step, leaves, target, budget, reserve, planner)
     planned, planner, found = self._search(
         fitter, planned, planner, step, memo, cached, reserve, unconstrained,
-        find_smallest, may_host=self.host_state and loop is None and target.may_host_state())
+        find_smallest, self.host_state and loop is None and target.may_host_state(),
+        target.profile)
     if found is None:
       return None
     trial, attempts = found
@@ -317,13 +318,13 @@ class Transformed:
 
   def _search(self, fitter: Callable, graph: Graph, planner, step: str, memo: tuple,
               cached: tuple[str, str] | None, reserve: int, unconstrained: int,
-              find_smallest: bool, may_host: bool):
+              find_smallest: bool, may_host: bool, profile=None):
     """:func:`~jaxmem.fit._fit.search`, from the plan cache's entry ``cached``;
     a budget no plan meets is remembered (``memo``) before its error."""
     plan = None if cached is None else _plan_cache.get(*cached, step)
     try:
       return search(fitter, graph, planner, find_smallest, may_host,
-                    None if plan is None else (plan, _plan_cache.path(*cached)))
+                    None if plan is None else (plan, _plan_cache.path(*cached)), profile)
     except BudgetError as err:
       remember(self.fun, memo, err.smallest - reserve, unconstrained)
       raise

@@ -23,6 +23,7 @@ from jaxmem.cost._evaluate import evaluate
 from jaxmem.graph._graph import build_graph
 from jaxmem.graph._state import optimizer_state, with_hosted
 from jaxmem.schedule._emit import emit
+from jaxmem.schedule._schedule import emission_position
 from jaxmem.targets import placed
 
 pytest.importorskip("jax_plugins.xla_cuda13", reason="compiles for a T4 target")
@@ -125,6 +126,18 @@ def test_fit_keeps_state_on_the_host_where_recomputation_does_not_reach(fitted):
   assert "[1][0].mu[0]" in fit.report()
 
 
+def test_state_is_fetched_early_enough_for_the_link(fitted):
+  # On the T4's profile each copy in is issued at a backward equation at or
+  # before the update reading it, so the compute in between can hide it.
+  _, fit = fitted
+  points, position = dict(fit.graph.hosted_at), emission_position(fit.graph)
+  assert set(points) == set(fit.graph.hosted)
+  for leaf in optimizer_state(fit.graph):
+    first = min(fit.graph.values[leaf.value].uses, key=position.get)
+    assert fit.graph.nodes[points[leaf.value]].backward
+    assert position[points[leaf.value]] <= position[first]
+
+
 def test_t4_program_holds_state_in_host_memory(fitted):
   transformed, fit = fitted
   compiled = transformed.lower(*placed(_args(), "t4")).compile()
@@ -170,6 +183,7 @@ def test_saved_plan_keeps_the_state_on_the_host(fitted, tmp_path):
   assert kinds.count("host") == len(fit.hosted)
   again = jaxmem.transform(step, budget="60%", target="t4", plan=path).fit(*_args())
   assert again.hosted == fit.hosted and again.plan == fit.plan
+  assert again.graph.hosted_at == fit.graph.hosted_at
 
 
 def test_cpu_never_moves_state():

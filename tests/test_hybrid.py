@@ -100,7 +100,7 @@ def test_copy_back_is_ready_for_the_recomputation_that_reads_it(mlp):
     for profile in (t4, slow):
       # The copy back is issued at the start of node ``at``'s turn: no
       # backward node may run between the recomputation and that turn.
-      at = prefetch_point(schedule, r, profile, late=True)
+      at = prefetch_point(schedule, r.value, r.nbytes, profile, late=True)
       assert not any(op.kind == "node"
                      for op in schedule.ops[rebuilt_from[r.value]:position[at]])
 

@@ -17,6 +17,7 @@ import gc
 from jaxmem._decisions import Keep, Plan
 from jaxmem.targets._profiles import DeviceProfile
 from jaxmem.graph._graph import Graph, Residual, analysis
+from jaxmem.graph._state import optimizer_state
 from jaxmem.cost._memory import Liveness, simulate
 from jaxmem.cost._perf import schedule_costs
 from jaxmem.schedule._loop_schedule import apply_in_loops, split_plan
@@ -172,15 +173,16 @@ def chain_flops(graph: Graph, vid: int, dropped) -> float:
   return total
 
 
-def prefetch_point(schedule: Schedule, residual: Residual, profile: DeviceProfile,
-                   nbytes: int | None = None, costs: list | None = None,
-                   after: int = -1, late: bool = False, queue: bool = False) -> int | None:
-  """The latest backward node before ``residual`` is first needed in the
-  backward pass (:func:`first_backward_need`: its reader, or a
-  recomputation that reads it) such that the compute in between, as
-  ``profile`` times it, covers the copy back of ``nbytes`` (the residual's by default; a
-  vTensor's chunks queue on one link, so a later chunk passes the bytes of
-  those before it too): the copy is then ready when needed.
+def prefetch_point(schedule: Schedule, value: int, nbytes: int, profile: DeviceProfile,
+                   costs: list | None = None, after: int = -1, late: bool = False,
+                   queue: bool = False) -> int | None:
+  """The latest backward node before ``value`` (an offloaded residual, or
+  optimizer state kept on the host) is first needed in the backward pass
+  (:func:`first_backward_need`: its reader, or a recomputation that reads
+  it) such that the compute in between, as ``profile`` times it, covers
+  the copy back of ``nbytes`` (a vTensor's chunks queue on one link, so a
+  later chunk passes the bytes of those before it too): the copy is then
+  ready when needed.
 
   With ``queue``, copies back already issued in between are ahead of it on
   the link, so the compute must cover theirs too (an earlier point: the
@@ -191,10 +193,10 @@ def prefetch_point(schedule: Schedule, residual: Residual, profile: DeviceProfil
   copy that frees memory at a peak must not come back before it.
   """
   graph = schedule.graph
-  need = profile.transfer_seconds(residual.nbytes if nbytes is None else nbytes, "h2d")
+  need = profile.transfer_seconds(nbytes, "h2d")
   costs = schedule_costs(schedule) if costs is None else costs
   ops = schedule.ops
-  first = first_backward_need(schedule, residual.value)
+  first = first_backward_need(schedule, value)
   if first is None:
     return None
   # The backward node whose turn emits the op at ``first``.
@@ -212,6 +214,22 @@ def prefetch_point(schedule: Schedule, residual: Residual, profile: DeviceProfil
       if covered >= need:
         return at
   return reader if late else at
+
+
+def state_fetch_points(graph: Graph, profile: DeviceProfile) -> dict[int, int]:
+  """Optimizer state ``graph`` keeps on the host -> the backward node before
+  which its copy to the device is issued, so that the compute before its
+  update covers the copy (:func:`prefetch_point`, copies queued on the
+  link, over the step with every residual kept)."""
+  schedule = evaluate(graph, Plan())[0]
+  costs = schedule_costs(schedule)
+  points = {}
+  for leaf in optimizer_state(graph):
+    if leaf.value in graph.hosted:
+      at = prefetch_point(schedule, leaf.value, leaf.nbytes, profile, costs, queue=True)
+      if at is not None:
+        points[leaf.value] = at
+  return points
 
 
 def first_backward_need(schedule: Schedule, vid: int) -> int | None:

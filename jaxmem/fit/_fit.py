@@ -32,12 +32,13 @@ from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._decisions import Plan
-from jaxmem.cost._evaluate import Candidate, candidate, unplanned, unplanned_liveness
+from jaxmem.cost._evaluate import (
+    Candidate, candidate, state_fetch_points, unplanned, unplanned_liveness)
 from jaxmem.graph._graph import Graph
 from jaxmem.graph._state import apply_host_decisions, optimizer_state, with_hosted
 from jaxmem.schedule._scan_remat import loop_variants
 from jaxmem.planners import Fixed, Planner
-from jaxmem.targets import holds_host_memory, xla_footprint
+from jaxmem.targets import DeviceProfile, holds_host_memory, xla_footprint
 
 # How many plans shaped like the per-block policies a fit compiles on a
 # target with a clock, to rank them by predicted time (each is one
@@ -334,13 +335,16 @@ def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
 
 
 def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
-           find_smallest: bool, may_host: bool, saved: tuple[Plan, str] | None = None):
+           find_smallest: bool, may_host: bool, saved: tuple[Plan, str] | None = None,
+           profile: DeviceProfile | None = None):
   """``(graph, planner, (trial, rounds))``: a saved plan (``(plan,
   source)``, from the plan cache) where one is given and fits (``Fixed``
   its planner), else the fit loop's (``fitter(graph, planner=...)``) with
   ``planner``; where no plan fits and ``may_host``, the same with the
   step's optimizer state kept in host memory (``graph._state``), the
-  graph then the one that keeps it there. ``(graph, planner, None)``
+  graph then the one that keeps it there (with a ``profile``, each leaf's
+  copy to the device issued early enough for the compute before its update
+  to cover it). ``(graph, planner, None)``
   where :meth:`Fitter.fit`'s quick answer (``find_smallest=False``) is
   no; else the :class:`BudgetError` naming the smallest footprint of
   both."""
@@ -351,7 +355,7 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
       return (hosted, *hit)
   state = [leaf.value for leaf in optimizer_state(graph)] if may_host else []
   error = None
-  for tried in [graph] + ([with_hosted(graph, state)] if state else []):
+  for tried in [graph] + ([_hosted(graph, state, profile)] if state else []):
     try:
       found = fitter(tried, planner=planner).fit(find_smallest)
     except BudgetError as err:
@@ -365,6 +369,13 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
   if error is not None:
     raise error
   return graph, planner, None
+
+
+def _hosted(graph: Graph, state: list, profile: DeviceProfile | None) -> Graph:
+  """``graph`` with ``state`` kept on the host, fetched in time on ``profile``."""
+  hosted = with_hosted(graph, state)
+  return hosted if profile is None else with_hosted(graph, state,
+                                                    state_fetch_points(hosted, profile))
 
 
 def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,

@@ -26,7 +26,7 @@ from jaxmem._decisions import Chunked, Decision, Host, Keep, Offload, Plan, Reco
 
 FORMAT = "jaxmem-plan/1"
 
-_SIMPLE = {"keep": Keep, "recompute": Recompute, "save": Save, "host": Host}
+_SIMPLE = {"keep": Keep, "recompute": Recompute, "save": Save}
 
 
 def fingerprint(closed) -> str:
@@ -59,8 +59,8 @@ def _param(value):
 
 
 def _encode(decision: Decision) -> dict:
-  if isinstance(decision, Offload):
-    return {"kind": "offload", "at": decision.at}
+  if isinstance(decision, (Offload, Host)):
+    return {"kind": decision.kind, "at": decision.at}
   if isinstance(decision, Chunked):
     return {"kind": "chunked", "axis": decision.axis,
             "bounds": [list(b) for b in decision.bounds],
@@ -74,11 +74,13 @@ def _decode(record: dict) -> Decision:
     return _SIMPLE[kind]()
   if kind == "offload":
     return Offload(at=record.get("at"))
+  if kind == "host":
+    return Host(at=record.get("at"))
   if kind == "chunked":
     return Chunked(record["axis"], tuple(tuple(b) for b in record["bounds"]),
                    tuple(_decode(d) for d in record["chunks"]))
   raise ValueError(f"jaxmem: unknown decision {record!r} in a saved plan; expected one of "
-                   f"{sorted([*_SIMPLE, 'offload', 'chunked'])}")
+                   f"{sorted([*_SIMPLE, 'offload', 'host', 'chunked'])}")
 
 
 def dumps(plan: Plan, step: str, **about) -> str:

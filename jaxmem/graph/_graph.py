@@ -149,6 +149,9 @@ class Graph:
   # (``_state.with_hosted``): schedules copy each to the device before its
   # first reader and return its update in host memory.
   hosted: frozenset = frozenset()
+  # Hosted input -> the backward node its copy to the device is issued
+  # before, as (value id, node) pairs; its first reader where absent.
+  hosted_at: tuple = ()
   _by_value: dict = dataclasses.field(init=False, repr=False)
   _analyses: dict = dataclasses.field(init=False, repr=False)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem._decisions import HOST, Plan
+from jaxmem._decisions import Host, Plan
 from jaxmem.graph._graph import Graph, analysis
 
 # A leaf smaller than this stays on the device: its copies would cost a
@@ -113,16 +113,19 @@ def _nearest_input(graph: Graph, out: int) -> int | None:
   return None
 
 
-def with_hosted(graph: Graph, values) -> Graph:
+def with_hosted(graph: Graph, values, at: dict | None = None) -> Graph:
   """``graph`` with the optimizer-state inputs ``values`` kept in host
-  memory between steps (see the module docstring); analyses start afresh.
+  memory between steps (see the module docstring), each copied to the
+  device before the backward node ``at`` gives it (else before its first
+  reader); analyses start afresh.
   """
   known = {leaf.value for leaf in optimizer_state(graph)}
   values = frozenset(values)
   if not values <= known:
     raise ValueError(f"with_hosted: values {sorted(values - known)} are not optimizer "
                      "state of this step (inputs read only by its optimizer update)")
-  return dataclasses.replace(graph, hosted=values)
+  points = tuple(sorted((v, n) for v, n in (at or {}).items() if v in values))
+  return dataclasses.replace(graph, hosted=values, hosted_at=points)
 
 
 def hosted_leaves(graph: Graph) -> tuple[int, ...]:
@@ -143,7 +146,8 @@ def with_host_decisions(graph: Graph, plan: Plan) -> Plan:
   input ``graph`` keeps in host memory: the whole of a fit's decisions, as
   a saved plan records them."""
   decisions = plan.as_dict()
-  decisions.update((vid, HOST) for vid in graph.hosted)
+  at = dict(graph.hosted_at)
+  decisions.update((vid, Host(at=at.get(vid))) for vid in graph.hosted)
   return Plan.of(decisions)
 
 
@@ -151,8 +155,9 @@ def apply_host_decisions(graph: Graph, plan: Plan) -> tuple[Graph, Plan]:
   """A saved plan's :class:`~jaxmem._decisions.Host` decisions taken out
   of it and applied to ``graph`` (:func:`with_hosted`), with the rest of
   the plan; ``(graph, plan)`` as given where it has none."""
-  hosted = plan.values_with("host")
+  hosted = plan.with_kind("host")
   if not hosted:
     return graph, plan
   rest = Plan.of({vid: d for vid, d in plan if d.kind != "host"})
-  return with_hosted(graph, hosted), rest
+  at = {vid: d.at for vid, d in hosted.items() if d.at is not None}
+  return with_hosted(graph, hosted, at), rest

@@ -374,7 +374,8 @@ class Greedy(Planner):
       profile = self.target_profile
       if not profile.unified:
         r = group[0]
-        moves.append([(r.value, Offload(at=prefetch_point(schedule, r, profile)))])
+        at = prefetch_point(schedule, r.value, r.nbytes, profile)
+        moves.append([(r.value, Offload(at=at))])
         loop = _loop_stacks(graph, r.value) - schedule.plan.values_with("offload")
         if len(loop) > 1:
           moves.append([(v, OFFLOAD) for v in sorted(loop)])

@@ -93,7 +93,7 @@ class Hybrid(Planner):
     chosen = sorted((graph.residual(v) for v in plan.values_with("recompute")
                      if v not in fused), key=lambda r: -r.nbytes)[:self.swaps]
     for r in chosen:
-      at = prefetch_point(schedule, r, profile, queue=True)
+      at = prefetch_point(schedule, r.value, r.nbytes, profile, queue=True)
       trial = plan.with_decision(r.value, Offload(at=at))
       t_schedule, t_memory = evaluate(graph, trial)
       if t_memory.peak > limit or (self.host_budget is not None

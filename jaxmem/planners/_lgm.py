@@ -209,7 +209,8 @@ class _Peak:
   def copy_back(self, r, nbytes: int | None = None) -> int | None:
     """Where a copy back of ``r`` (``nbytes`` of it queued) is issued: after
     this peak, as late as the compute before its reader hides it."""
-    return prefetch_point(self.schedule, r, self.profile, nbytes, self.costs, self.at)
+    return prefetch_point(self.schedule, r.value, r.nbytes if nbytes is None else nbytes,
+                          self.profile, self.costs, self.at)
 
 
 @dataclasses.dataclass

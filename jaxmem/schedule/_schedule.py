@@ -151,9 +151,10 @@ class _Builder:
     self.chunks: dict[int, list[Key]] = {}  # vTensor -> its chunks' keys
     self.sizes: dict[Key, int] = {}
     self.fetch_at: dict[int, list] = {}
-    # Optimizer state kept in host memory between steps comes in there: its
-    # input key is its host copy, fetched like an offloaded residual.
+    # Optimizer state kept on the host comes in there, fetched like a residual.
     self.host.update((vid, self.key(vid)) for vid in graph.hosted)
+    for vid, at in graph.hosted_at:
+      self.fetch_at.setdefault(at, []).append(vid)
     self.state_out = {graph.outputs[pos] for pos in hosted_outputs(graph)}
     offloads = [(vid, d) for vid, d in self.offloaded.items()]
     offloads += [((vid, i), c.chunks[i]) for vid, c in self.chunked.items()
