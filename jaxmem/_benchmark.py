@@ -20,6 +20,7 @@ from jaxmem import _zoo
 from jaxmem._budget import BudgetError
 from jaxmem.targets import get_profile
 from jaxmem.cost._evaluate import unplanned
+from jaxmem.cost._memory import stacked
 from jaxmem.targets import holds_host_memory, xla_footprint
 from jaxmem.cost._perf import predict_schedule
 from jaxmem._transform import transform
@@ -95,6 +96,10 @@ class Row:
   recompute_ops: list | None = dataclasses.field(default=None, repr=False)
   copy_ops: dict | None = dataclasses.field(default=None, repr=False)
   host_timeline: list | None = dataclasses.field(default=None, repr=False)
+  # The timeline by what holds the bytes (``_memory.stacked``), and the
+  # step as written's timeline.
+  stacked: dict | None = dataclasses.field(default=None, repr=False)
+  written: list | None = dataclasses.field(default=None, repr=False)
   vtensors: list | None = None  # the LGM planner's swaps (SwapRecord fields)
   # ``xla_bytes`` is the model's device peak: an offload plan on a backend
   # that ignores host memory (XLA's footprint would count the copies).
@@ -102,7 +107,7 @@ class Row:
 
 
 # Row fields too long for the JSON file (per-op series, for plots).
-SERIES = ("timeline", "recompute_ops", "copy_ops", "host_timeline")
+SERIES = ("timeline", "recompute_ops", "copy_ops", "host_timeline", "stacked", "written")
 
 
 def median_seconds(fn: Callable, args, repeats: int) -> float:
@@ -216,12 +221,11 @@ class Bench:
   def _describe(self, row: Row, fit) -> None:
     """Fills ``row`` with what the model says of a jaxmem fit: its peak,
     timelines, copies and, with a target, the predicted step time."""
-    memory = fit.memory
+    memory, written = fit.memory, unplanned(fit.graph, 0)
     row.model_bytes, row.planning_s = memory.peak, fit.seconds
     if self.target is not None:
       predicted = predict_schedule(memory.schedule, self.target).seconds
-      unplanned_seconds = predict_schedule(unplanned(fit.graph, 0).schedule,
-                                           self.target).seconds
+      unplanned_seconds = predict_schedule(written.schedule, self.target).seconds
       row.predicted_ms = predicted * 1e3
       row.predicted_ratio = predicted / unplanned_seconds
     row.timeline = list(memory.timeline)
@@ -230,6 +234,7 @@ class Bench:
     row.copy_ops = {kind: [i for i, op in enumerate(ops) if op.kind == kind]
                     for kind in ("offload", "prefetch", "split", "merge")}
     row.host_timeline = list(memory.host_timeline)
+    row.stacked, row.written = stacked(memory.schedule), list(written.memory.timeline)
     if fit.result.details is not None:
       row.vtensors = fit.result.details.rows()
 

@@ -29,12 +29,18 @@ def _pyplot():
 def timeline(row, path: str, title: str) -> str:
   """Writes the memory timeline of a jaxmem row (one with a timeline)."""
   plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(9, 3.6))
-  ax.plot([t / MIB for t in row.timeline], lw=1, label="predicted live bytes")
+  fig, ax = plt.subplots(figsize=(11, 3.8))
+  if row.stacked:  # what holds the bytes, stacked: they add up to the timeline
+    ax.stackplot(range(len(row.timeline)), *[[b / MIB for b in v] for v in row.stacked.values()],
+                 labels=list(row.stacked), alpha=0.6, lw=0)
+  if row.written:
+    ax.plot([t / MIB for t in row.written], lw=0.8, color="0.5",
+            label="step as written (model)")
+  ax.plot([t / MIB for t in row.timeline], lw=1, color="k", label="planned step (model)")
   ax.axhline(row.budget_bytes / MIB, color="r", ls="--", lw=1,
              label=f"budget ({row.budget})")
   if row.xla_bytes is not None:
-    ax.axhline(row.xla_bytes / MIB, color="k", ls=":", lw=1, label="XLA footprint")
+    ax.axhline(row.xla_bytes / MIB, color="k", ls=":", lw=1, label="XLA footprint (plan)")
   low = min(row.timeline) / MIB
   if row.recompute_ops:
     ax.plot(row.recompute_ops, [low] * len(row.recompute_ops), "|", color="g",
@@ -54,7 +60,7 @@ def timeline(row, path: str, title: str) -> str:
   ax.set_xlabel("op of the rewritten step")
   ax.set_ylabel("MiB")
   ax.set_title(title)
-  ax.legend(loc="upper right", fontsize=8)
+  ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=120)
   plt.close(fig)
@@ -62,19 +68,21 @@ def timeline(row, path: str, title: str) -> str:
 
 
 def overhead(rows, unconstrained: int, path: str, title: str) -> str:
-  """Writes step time / unconstrained step time against the budget (as a
-  fraction of the unconstrained footprint), one line per method; budgets a
-  method does not fit are left out."""
+  """Writes step time against footprint, both over the unconstrained
+  step's, one line per method: a jaxmem planner's plans that fit their
+  budgets, a per-block policy's one program."""
   plt = _pyplot()
-  fig, ax = plt.subplots(figsize=(6, 4))
+  fig, ax = plt.subplots(figsize=(6.5, 4))
   for method in dict.fromkeys(r.method for r in rows):
-    points = sorted((r.budget_bytes / unconstrained, r.time_ratio) for r in rows
-                    if r.method == method and r.fits and r.time_ratio is not None)
+    points = sorted({(r.xla_bytes / unconstrained, r.time_ratio) for r in rows
+                     if r.method == method and r.time_ratio is not None
+                     and r.xla_bytes is not None
+                     and (r.fits or not method.startswith("jaxmem"))})
     if points:
       ax.plot(*zip(*points), "o-", label=method)
   ax.axhline(1.0, color="k", lw=0.5)
   ax.invert_xaxis()
-  ax.set_xlabel("budget / unconstrained footprint")
+  ax.set_xlabel("footprint / unconstrained footprint (XLA)")
   ax.set_ylabel("step time / unconstrained step")
   ax.set_title(title)
   if ax.lines[1:]:
@@ -124,7 +132,7 @@ def write_all(result: dict, rows, directory: str) -> list[str]:
   model = result["model"]
   paths = [overhead(rows, result["unconstrained_bytes"],
                     os.path.join(directory, f"{model}-overhead.png"),
-                    f"{model}: step-time overhead vs budget")]
+                    f"{model}: step time against footprint")]
   for row in rows:
     name = f"{model}-{row.method.replace(':', '-')}-{row.budget.replace('%', 'pct')}"
     if row.timeline:

@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import importlib.metadata
 import dataclasses
+import importlib.util
 import json
 import logging
 import platform
@@ -38,6 +39,9 @@ from jaxmem._budget import Budget, format_bytes
 from jaxmem._provenance import provenance
 from jaxmem.targets import PROFILES
 from jaxmem.planners import DEFAULT_TARGET
+
+# Where the main job writes its plots unless told otherwise.
+_PLOTS = "jaxmem-bench-plots"
 
 
 def _parse_config(items) -> dict:
@@ -116,7 +120,10 @@ def _parser(models) -> argparse.ArgumentParser:
                       help="also run every jaxmem planner at each remat baseline's own "
                            "footprint (step times compared at equal memory)")
   parser.add_argument("--json", metavar="PATH", help="write the results here")
-  parser.add_argument("--plot", metavar="DIR", help="write plots (matplotlib) here")
+  parser.add_argument("--plot", metavar="DIR", default=_PLOTS,
+                      help="write plots here: each plan's memory timeline and step time "
+                           f"against footprint (default {_PLOTS}/ where matplotlib is "
+                           "installed; --plot '' writes none)")
   parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
   return parser
 
@@ -205,7 +212,7 @@ def _fit_progress(shown: bool):
 def save(result: dict, opts) -> None:
   """Writes ``--plot`` plots and the ``--json`` file of a run, if asked."""
   rows = result["rows"]
-  if opts.plot:
+  if opts.plot and importlib.util.find_spec("matplotlib") is not None:
     from jaxmem import _plots
     for path in _plots.write_all(result, rows, opts.plot):
       print(f"plot: {path}")

@@ -11,6 +11,31 @@ from jaxmem.planners import ABLATIONS, PLANNERS
 TINY = ["--model", "mlp", "--config", "depth=4", "width=16", "batch=32", "features=8"]
 
 
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path, monkeypatch):
+  """Runs each test in its own folder: the CLI writes plots there by default."""
+  monkeypatch.chdir(tmp_path)
+
+
+def test_main_job_writes_plots_by_default(tmp_path):
+  pytest.importorskip("matplotlib")
+  bench.main(TINY + ["--budgets", "100%", "--repeats", "1", "--quiet",
+                     "--methods", "unconstrained", "jaxmem:recompute"])
+  plots = tmp_path / "jaxmem-bench-plots"
+  assert (plots / "mlp-overhead.png").stat().st_size > 0
+  assert (plots / "mlp-jaxmem-recompute-100pct-timeline.png").stat().st_size > 0
+
+
+def test_stacked_timeline_adds_up_to_the_model_timeline():
+  b = bench.Bench("mlp", dict(depth=6, width=32, batch=256, features=16), repeats=1)
+  row = b.measure(Method.parse("jaxmem:recompute"), "70%", int(b.unconstrained * 0.7))
+  assert row.fits
+  assert row.stacked["recomputed"] and max(row.stacked["recomputed"]) > 0
+  assert [sum(kind[i] for kind in row.stacked.values())
+          for i in range(len(row.timeline))] == row.timeline
+  assert row.written and max(row.written) > max(row.timeline)
+
+
 def test_cli_writes_table_json_and_plots(tmp_path, capsys):
   out = tmp_path / "run.json"
   bench.main(TINY + ["--budgets", "100%", "30%", "--repeats", "1", "--quiet",

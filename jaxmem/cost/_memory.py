@@ -109,6 +109,51 @@ def simulate(schedule: Schedule) -> Liveness:
     >>> simulate(build_schedule(g, Plan())).peak >= 4 * (16 + 8 + 16)
     True
   """
+  prepared = _prepare(schedule)
+  walk = _walk(schedule, *prepared.walk)
+  return Liveness(schedule, walk.peak, walk.peak_op, prepared.arguments, walk.timeline,
+                  walk.live_at_peak, prepared.reads, prepared.root, prepared.fused_reads,
+                  prepared.fused, frozenset(prepared.walk[4]),
+                  max(walk.host_timeline, default=0), walk.host_timeline)
+
+
+def stacked(schedule: Schedule) -> dict[str, list[int]]:
+  """The model's live device bytes after each op of ``schedule``, by what
+  holds them: ``arguments and outputs`` (the step's inputs, constants and
+  output buffers, from the start), ``residuals`` (forward values the
+  backward pass reads, kept), ``recomputed`` (values rebuilt in the
+  backward pass), ``copied back`` (copies back from host memory) and
+  ``temporaries`` (the rest, and what an op holds only while it runs).
+  They add up to :func:`simulate`'s timeline."""
+  graph = schedule.graph
+  made = {k: op.kind for op in schedule.ops for k in op.outs}
+
+  def kind(key) -> str:
+    if made.get(key) == "recompute":
+      return "recomputed"
+    if made.get(key) == "prefetch":
+      return "copied back"
+    return "residuals" if key[1] == 0 and graph.is_residual(key[0]) else "temporaries"
+
+  prepared = _prepare(schedule)
+  walk = _walk(schedule, *prepared.walk, classify=kind)
+  return {"arguments and outputs": [prepared.walk[5]] * len(walk.timeline), **walk.kinds}
+
+
+@dataclasses.dataclass
+class _Prepared:
+  """What the liveness walk needs of a schedule (see :func:`_prepare`)."""
+  arguments: int
+  reads: dict
+  root: dict
+  fused_reads: dict
+  fused: frozenset
+  walk: tuple  # _walk's arguments after the schedule
+
+
+def _prepare(schedule: Schedule) -> _Prepared:
+  """Each buffer's owner and last reader, the host's and the output
+  buffers' share, under the target's fusion: :func:`_walk`'s arguments."""
   graph = schedule.graph
   ops = schedule.ops
   nbytes = schedule.nbytes
@@ -156,12 +201,11 @@ def simulate(schedule: Schedule) -> Liveness:
       {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys
        if k not in host},
       nbytes)
-  walk = _walk(schedule, fusion, owned_by, free_at, host, in_outputs,
-               arguments + out_bytes, sum(nbytes(k) for k in hosted_in))
-  return Liveness(schedule, walk.peak, walk.peak_op, arguments, walk.timeline,
-                  walk.live_at_peak, reads, root, fused_reads, fused,
-                  frozenset(in_outputs), max(walk.host_timeline, default=0),
-                  walk.host_timeline)
+  return _Prepared(arguments, reads, root, fused_reads, fused,
+                   (fusion, owned_by, free_at, host, in_outputs, arguments + out_bytes,
+                    sum(nbytes(k) for k in hosted_in)))
+
+
 
 
 def _buffer_roots(ops, names) -> dict:
@@ -183,19 +227,26 @@ class _Walk:
   live_at_peak: list
   timeline: list
   host_timeline: list
+  kinds: dict = dataclasses.field(default_factory=dict)  # kind -> its timeline
+
+
+KINDS = ("residuals", "recomputed", "copied back", "temporaries")
 
 
 def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
-          in_outputs: set, start: int, on_host: int = 0) -> _Walk:
+          in_outputs: set, start: int, on_host: int = 0, classify=None) -> _Walk:
   """Walks the ops in order: each op's own buffers are allocated (host
   copies on the host; temporaries placed in output buffers add nothing),
   the timeline records the live bytes with the op's scratch, and buffers
   whose last reader it is are freed. ``start`` device bytes and ``on_host``
-  host bytes are held from the start."""
+  host bytes are held from the start. With ``classify`` (key -> one of
+  :data:`KINDS`), ``kinds`` splits the timeline less ``start`` by kind (an
+  op's scratch among the temporaries)."""
   ops, nbytes = schedule.ops, schedule.nbytes
   live = start
   live_set: set = set()
-  walk = _Walk(live, 0, [], [], [])
+  walk = _Walk(live, 0, [], [], [], {k: [] for k in KINDS} if classify else {})
+  held = dict.fromkeys(KINDS, 0)
   for pos in range(len(ops)):
     for key in owned_by.get(pos, ()):
       if key in host:
@@ -205,8 +256,12 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
         continue
       live += nbytes(key) + fusion.beside(key)
       live_set.add(key)
+      if classify:
+        held[classify(key)] += nbytes(key) + fusion.beside(key)
     walk.timeline.append(live + fusion.scratch(pos))
     walk.host_timeline.append(on_host)
+    for kind, series in walk.kinds.items():
+      series.append(held[kind] + (fusion.scratch(pos) if kind == "temporaries" else 0))
     if walk.timeline[-1] > walk.peak:
       walk.peak, walk.peak_op, walk.live_at_peak = walk.timeline[-1], pos, list(live_set)
     for key in free_at.get(pos, ()):
@@ -215,6 +270,8 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       elif key in live_set:
         live -= nbytes(key) + fusion.beside(key)
         live_set.discard(key)
+        if classify:
+          held[classify(key)] -= nbytes(key) + fusion.beside(key)
   return walk
 
 
