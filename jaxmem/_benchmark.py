@@ -24,7 +24,7 @@ from jaxmem.cost._memory import stacked
 from jaxmem.targets import holds_host_memory, xla_footprint
 from jaxmem.cost._perf import predict_schedule
 from jaxmem._transform import transform
-from jaxmem.planners import ABLATIONS, PLANNERS
+from jaxmem.planners import ABLATIONS, PLANNERS, LayerReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -235,7 +235,7 @@ class Bench:
                     for kind in ("offload", "prefetch", "split", "merge")}
     row.host_timeline = list(memory.host_timeline)
     row.stacked, row.written = stacked(memory.schedule), list(written.memory.timeline)
-    if fit.result.details is not None:
+    if isinstance(fit.result.details, LayerReport):  # the LGM planner's swaps
       row.vtensors = fit.result.details.rows()
 
   def planner(self, method: Method):
