@@ -19,11 +19,12 @@ def _in_tmp(tmp_path, monkeypatch):
 
 def test_main_job_writes_plots_by_default(tmp_path):
   pytest.importorskip("matplotlib")
-  bench.main(TINY + ["--budgets", "100%", "--repeats", "1", "--quiet",
-                     "--methods", "unconstrained", "jaxmem:recompute"])
+  bench.main(["--model", "mlp", "--config", "depth=6", "width=32", "batch=256", "features=16",
+              "--budgets", "70%", "--repeats", "1", "--quiet",
+              "--methods", "unconstrained", "jaxmem:auto"])  # the default planner
   plots = tmp_path / "jaxmem-bench-plots"
   assert (plots / "mlp-overhead.png").stat().st_size > 0
-  assert (plots / "mlp-jaxmem-recompute-100pct-timeline.png").stat().st_size > 0
+  assert (plots / "mlp-jaxmem-auto-70pct-timeline.png").stat().st_size > 0
 
 
 def test_stacked_timeline_adds_up_to_the_model_timeline():
