@@ -110,10 +110,10 @@ def simulate(schedule: Schedule) -> Liveness:
     True
   """
   prepared = _prepare(schedule)
-  walk = _walk(schedule, *prepared.walk)
+  walk = _walk(schedule, *prepared.walk_args)
   return Liveness(schedule, walk.peak, walk.peak_op, prepared.arguments, walk.timeline,
                   walk.live_at_peak, prepared.reads, prepared.root, prepared.fused_reads,
-                  prepared.fused, frozenset(prepared.walk[4]),
+                  prepared.fused, frozenset(prepared.in_outputs),
                   max(walk.host_timeline, default=0), walk.host_timeline)
 
 
@@ -136,8 +136,8 @@ def stacked(schedule: Schedule) -> dict[str, list[int]]:
     return "residuals" if key[1] == 0 and graph.is_residual(key[0]) else "temporaries"
 
   prepared = _prepare(schedule)
-  walk = _walk(schedule, *prepared.walk, classify=kind)
-  return {"arguments and outputs": [prepared.walk[5]] * len(walk.timeline), **walk.kinds}
+  walk = _walk(schedule, *prepared.walk_args, classify=kind)
+  return {"arguments and outputs": [prepared.start] * len(walk.timeline), **walk.kinds}
 
 
 @dataclasses.dataclass
@@ -148,7 +148,19 @@ class _Prepared:
   root: dict
   fused_reads: dict
   fused: frozenset
-  walk: tuple  # _walk's arguments after the schedule
+  fusion: Fusion
+  owned_by: dict  # op position -> the buffers it allocates
+  free_at: dict  # op position -> the buffers it reads last
+  host: set  # keys in host memory
+  in_outputs: set  # temporaries placed in output buffers
+  start: int  # device bytes held from the start
+  on_host: int  # host bytes held from the start
+
+  @property
+  def walk_args(self) -> tuple:
+    """:func:`_walk`'s arguments after the schedule."""
+    return (self.fusion, self.owned_by, self.free_at, self.host, self.in_outputs,
+            self.start, self.on_host)
 
 
 def _prepare(schedule: Schedule) -> _Prepared:
@@ -201,9 +213,9 @@ def _prepare(schedule: Schedule) -> _Prepared:
       {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys
        if k not in host},
       nbytes)
-  return _Prepared(arguments, reads, root, fused_reads, fused,
-                   (fusion, owned_by, free_at, host, in_outputs, arguments + out_bytes,
-                    sum(nbytes(k) for k in hosted_in)))
+  return _Prepared(arguments, reads, root, fused_reads, fused, fusion, owned_by, free_at,
+                   host, in_outputs, arguments + out_bytes,
+                   sum(nbytes(k) for k in hosted_in))
 
 
 
