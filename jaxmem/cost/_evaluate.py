@@ -17,7 +17,7 @@ import gc
 from jaxmem._decisions import Keep, Plan
 from jaxmem.targets._profiles import DeviceProfile
 from jaxmem.graph._graph import Graph, Residual, analysis
-from jaxmem.graph._state import optimizer_state
+from jaxmem.graph._state import hosted_state
 from jaxmem.cost._memory import Liveness, simulate
 from jaxmem.cost._perf import schedule_costs
 from jaxmem.schedule._loop_schedule import apply_in_loops, split_plan
@@ -224,11 +224,10 @@ def state_fetch_points(graph: Graph, profile: DeviceProfile) -> dict[int, int]:
   schedule = evaluate(graph, Plan())[0]
   costs = schedule_costs(schedule)
   points = {}
-  for leaf in optimizer_state(graph):
-    if leaf.value in graph.hosted:
-      at = prefetch_point(schedule, leaf.value, leaf.nbytes, profile, costs, queue=True)
-      if at is not None:
-        points[leaf.value] = at
+  for leaf in hosted_state(graph):
+    at = prefetch_point(schedule, leaf.value, leaf.nbytes, profile, costs, queue=True)
+    if at is not None:
+      points[leaf.value] = at
   return points
 
 

@@ -10,7 +10,7 @@ from jaxmem._budget import format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import Candidate
 from jaxmem.graph._graph import Graph
-from jaxmem.graph._state import hosted_leaves, optimizer_state, with_host_decisions
+from jaxmem.graph._state import hosted_leaves, hosted_state, with_host_decisions
 from jaxmem.cost._memory import Liveness
 from jaxmem.fit._policies import block_policies
 from jaxmem.fit._report import decision_label, residual_table
@@ -196,7 +196,7 @@ class Fit:
   def _host_lines(self, top: int = 4) -> list[str]:
     """The report's lines on optimizer state kept in host memory: how
     much, and its largest leaves (by argument path where known)."""
-    state = [leaf for leaf in optimizer_state(self.graph) if leaf.value in self.graph.hosted]
+    state = hosted_state(self.graph)
     if not state:
       return []
     name = lambda leaf: (self.input_names[leaf.leaf] if leaf.leaf < len(self.input_names)

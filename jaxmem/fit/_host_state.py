@@ -16,10 +16,10 @@ import jax
 
 from jaxmem.fit._arguments import Arguments
 from jaxmem.graph._graph import Graph
-from jaxmem.graph._state import hosted_leaves, hosted_outputs, optimizer_state
+from jaxmem.graph._state import hosted_leaves, hosted_outputs, hosted_state
 from jaxmem.targets import Target, resolve
 from jaxmem.targets._host_args import (
-    HOST, as_device, compile_with_host_args, mark_host_args, on_host, to_host)
+    HOST, as_device, compile_with_host_args, device_of, mark_host_args, on_host, to_host)
 
 
 def place_state(arguments: Arguments, positions: tuple, args, kwargs,
@@ -61,7 +61,7 @@ def compile_placed(jitted, target: Target, graph: Graph, arguments: Arguments, a
   lowered = jitted.lower(*args, **kwargs)
   if not target.compile_only:
     return lowered.compile()
-  nbytes = sum(leaf.nbytes for leaf in optimizer_state(graph) if leaf.value in graph.hosted)
+  nbytes = sum(leaf.nbytes for leaf in hosted_state(graph))
   return compile_with_host_args(lowered, positions, nbytes)
 
 
@@ -80,8 +80,7 @@ def output_kinds(graph: Graph, leaves) -> list:
   """Each output's sharding on the device of the arguments ``leaves``: in
   host memory for the optimizer state ``graph`` returns there, else in
   device memory."""
-  device = next(iter(next(x.sharding for x in leaves
-                          if getattr(x, "sharding", None) is not None).device_set))
+  device = device_of(leaves)
   host = hosted_outputs(graph)
   return [jax.sharding.SingleDeviceSharding(device, memory_kind=HOST if i in host else "device")
           for i in range(len(graph.outputs))]

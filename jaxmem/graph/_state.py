@@ -128,17 +128,21 @@ def with_hosted(graph: Graph, values, at: dict | None = None) -> Graph:
   return dataclasses.replace(graph, hosted=values, hosted_at=points)
 
 
+def hosted_state(graph: Graph) -> tuple[StateLeaf, ...]:
+  """The optimizer state ``graph`` keeps in host memory."""
+  return tuple(leaf for leaf in optimizer_state(graph) if leaf.value in graph.hosted)
+
+
 def hosted_leaves(graph: Graph) -> tuple[int, ...]:
   """Positions, among the step's flat input leaves, of the optimizer state
   ``graph`` keeps in host memory."""
-  return tuple(leaf.leaf for leaf in optimizer_state(graph) if leaf.value in graph.hosted)
+  return tuple(leaf.leaf for leaf in hosted_state(graph))
 
 
 def hosted_outputs(graph: Graph) -> dict[int, int]:
   """Output position -> the hosted input whose update it is: the outputs a
   schedule of ``graph`` returns in host memory."""
-  return {leaf.output: leaf.value for leaf in optimizer_state(graph)
-          if leaf.value in graph.hosted and leaf.output is not None}
+  return {leaf.output: leaf.value for leaf in hosted_state(graph) if leaf.output is not None}
 
 
 def with_host_decisions(graph: Graph, plan: Plan) -> Plan:

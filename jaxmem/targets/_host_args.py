@@ -37,7 +37,7 @@ def to_host(leaves: Sequence, positions, donated=frozenset(), abstract: bool = F
   deletes what it is donated); with ``abstract``, every leaf is described
   (``jax.ShapeDtypeStruct``) in its memory instead, to compile.
   """
-  device = _device(leaves)
+  device = device_of(leaves)
   out = list(leaves)
   for i, leaf in enumerate(out):
     kind = HOST if i in positions else "device"
@@ -55,7 +55,7 @@ def to_host(leaves: Sequence, positions, donated=frozenset(), abstract: bool = F
   return out
 
 
-def _device(leaves):
+def device_of(leaves):
   """The device the step's array arguments are on."""
   for leaf in leaves:
     sharding = getattr(leaf, "sharding", None)
