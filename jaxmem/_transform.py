@@ -3,7 +3,6 @@ shaped like ``jax.jit``."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -17,20 +16,18 @@ from jaxmem.fit._arguments import Arguments, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
-from jaxmem.schedule._emit import emit
 from jaxmem.cost._evaluate import Candidate, evaluate
 from jaxmem.fit._checks import no_backward, no_collectives
 from jaxmem.fit._fit import Fitter, budget_error, remember, remembered, search
 from jaxmem.fit._fitted import Fit
 from jaxmem.graph._graph import Graph, build_graph, trace
-from jaxmem.fit._inner import body_graph, embedded, inner_loop
-from jaxmem.cost._xla_buffers import learn, with_buffers
-from jaxmem.cost._xla_clock import program_time
-from jaxmem.fit._saved import fingerprint, loads
+from jaxmem.fit._traced import Written, as_written, emitted, graphs, target_clock
+from jaxmem.fit._micro import (
+    AUTO, MicroBatches, argument_groups, checked_count, fit_micro_batches)
+from jaxmem.fit._saved import fingerprint, loads, micro_batches_of
 from jaxmem.planners import Fixed, get_planner
-from jaxmem.targets import Target, resolve, workspace_bytes, xla_footprint
+from jaxmem.targets import Target, resolve, workspace_bytes
 from jaxmem.targets._host_args import device_aval
-from jaxmem.graph._state import apply_host_decisions
 from jaxmem.fit._host_state import (
     compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state)
 
@@ -56,8 +53,9 @@ class Transformed:
 
   def __init__(self, fun, budget, planner, static_argnums, static_argnames,
                jit_kwargs, max_rounds, reserve=None, target=None, plan=None,
-               plan_cache=None, host_state=True):
+               plan_cache=None, host_state=True, micro_batches=AUTO):
     self.fun = fun
+    self.micro_batches = checked_count(micro_batches)
     self.saved = plan  # a Plan, or a path to a saved one
     self.plan_cache = plan_cache
     self.host_state = host_state
@@ -126,7 +124,8 @@ class Transformed:
       self._batched[key] = Transformed(vmapped, self.budget, self._planner_spec, (), (),
                                        {}, self.max_rounds, self.reserve, self.target,
                                        plan_cache=self.plan_cache,
-                                       host_state=self.host_state)
+                                       host_state=self.host_state,
+                                       micro_batches=self.micro_batches)
     return self._batched[key]
 
   def lower(self, *args, **kwargs):
@@ -211,45 +210,82 @@ class Transformed:
 
   def _build(self, args, kwargs, leaves, target: Target,
              find_smallest: bool = True) -> Fit | None:
-    """Traces, analyzes and runs the fit loop (:class:`~jaxmem.fit._fit.Fitter`)."""
+    """Traces the step and fits it (:meth:`_fit_traced`); where no plan
+    fits, fits it in micro-batches (``fit._micro``)."""
     start = time.perf_counter()
     self.arguments = self.arguments.with_donations(
         *inherited_donations(self.fun, args, kwargs, self.arguments))
     planner = get_planner(self._planner_spec, target.profile)
-    here = resolve(None, leaves)  # where the step runs, which the target may not be
-    options = here.options()
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
     step = fingerprint(closed)
+    count = self.micro_batches
     if self.saved is not None:
-      planner = Fixed(*self._load(step))
-    memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state)
+      plan, source, count = self._load(step)
+      planner = Fixed(plan, source=source)
+    memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count)
     if self._known_to_fail(memo, planner, target, find_smallest):
       return None
-    graph, loop, planned, planner = self._graphs(closed, target, planner)
+    graph = build_graph(closed)
+    no_collectives(graph, self.__name__)
+    fitting = functools.partial(self._fit_traced, out_tree=out_tree, step=step,
+                                target=target, args=args, kwargs=kwargs, leaves=leaves,
+                                start=start, find_smallest=find_smallest, graph=graph)
+    written = self._written(closed, out_tree, target, leaves, args, kwargs)
+    if count not in (AUTO, 1):
+      return self._micro_batched(fitting, closed, planner, written, args, kwargs, memo,
+                                 counts=[count])
+    try:
+      found = fitting(closed, planner, written)
+    except BudgetError as err:
+      if count != AUTO:
+        remember(self.fun, memo, err.smallest - self._reserve(target), written.footprint)
+        raise
+      return self._micro_batched(fitting, closed, planner, written, args, kwargs, memo,
+                                 error=err)
+    if found is None and count == AUTO:
+      return self._micro_batched(fitting, closed, planner, written, args, kwargs, memo)
+    return found
+
+  def _micro_batched(self, fitting: Callable, closed, planner, written: Written, args,
+                     kwargs, memo: tuple, error: BudgetError | None = None,
+                     counts=None) -> Fit | None:
+    """``fit._micro.fit_micro_batches`` by ``fitting``; an unmet budget is remembered."""
+    where = fitting.keywords
+    budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
+    measure = functools.partial(self._written, out_tree=where["out_tree"], args=args,
+                                target=where["target"], leaves=where["leaves"], kwargs=kwargs)
+    try:
+      return fit_micro_batches(
+          lambda traced, micro, smallest, own: fitting(
+              traced, planner, written, micro=micro, find_smallest=smallest, own=own,
+              graph=None), measure, where["graph"], closed,
+          *argument_groups(self.fun, self.arguments, args, kwargs),
+          written.footprint and budget - reserve, error, counts, where["find_smallest"])
+    except BudgetError as err:
+      remember(self.fun, memo, err.smallest - reserve, written.footprint)
+      raise
+
+  def _fit_traced(self, closed, planner, written: Written, *, out_tree, step: str,
+                  target: Target, args, kwargs, leaves, start: float, find_smallest: bool,
+                  micro: MicroBatches | None = None, own: Written | None = None,
+                  graph=None) -> Fit | None:
+    """Analyzes the traced step ``closed`` (the step as written, or run in
+    ``micro`` batches) and runs the fit loop
+    (:class:`~jaxmem.fit._fit.Fitter`) against the budget of the step as
+    ``written``."""
+    here = resolve(None, leaves)  # where the step runs, which the target may not be
+    options = here.options()
+    graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph)
+    own = own or written
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
-    as_written = jex.jaxpr_as_fun(closed)
-    written = self._jit(as_written, out_tree, options)
-    in_place = target.name == here.name
-    one_program = in_place and not (self.arguments.donate_argnums
-                                    or self.arguments.donate_argnames)
-    baseline = self._baseline(written if one_program else None, as_written, target,
-                              leaves, placed_args, placed_kwargs)
     base_memory = evaluate(graph, Plan())[1]
-    unconstrained = xla_footprint(baseline)
-    if unconstrained is None:
-      unconstrained = base_memory.peak
-
-    def emitter(candidate: Candidate) -> Callable:
-      if not candidate.changes_step:
-        return as_written  # the step as written: never above it
-      schedule = candidate.schedule
-      return emit(schedule if loop is None else embedded(graph, loop, schedule))
-
+    unconstrained = written.footprint or base_memory.peak
+    emitter = functools.partial(emitted, own, graph, loop)
     no_backward(planned)
 
     def jit(candidate: Candidate):
-      if in_place and not candidate.changes_step:  # compiled as it runs, then run
-        return baseline if one_program else written.lower(
+      if own.in_place and not candidate.changes_step:  # compiled as it runs, then run
+        return own.baseline if own.one_program else own.jitted.lower(
             *placed_args, **placed_kwargs).compile()
       measuring = self._jit(emitter(candidate), out_tree, target.options(measuring=True),
                             candidate.schedule.graph, target.place(leaves))
@@ -258,50 +294,45 @@ class Transformed:
 
     budget, reserve = self._budget_bytes(unconstrained, target)
     model = base_memory if loop is None else evaluate(planned, Plan())[1]
-    fixed = workspace_bytes(baseline)
-    clock = _clock(target)
+    fixed = workspace_bytes(own.baseline)
+    clock = target_clock(target)
     fitter = functools.partial(Fitter, budget=budget - reserve,
                                unconstrained=unconstrained,
-                               model_scale=model.peak / max(unconstrained - fixed, 1), jit=jit,
+                               model_scale=model.peak / max((own.footprint or model.peak)
+                                                            - fixed, 1), jit=jit,
                                max_rounds=self.max_rounds, reserve=reserve, where=target.name,
                                fixed=fixed, clock=clock)
-    cached = self._cache_entry(step, leaves, target, budget, reserve, planner)
-    planned, planner, found = self._search(
-        fitter, planned, planner, step, memo, cached, reserve, unconstrained,
-        find_smallest, self.host_state and loop is None and target.may_host_state(),
-        target.profile)
+    cached = None if micro else self._cache_entry(step, leaves, target, budget, reserve, planner)
+    saved = None if cached is None else _plan_cache.get(*cached, step)
+    planned, planner, found = search(
+        fitter, planned, planner, find_smallest,
+        self.host_state and loop is None and target.may_host_state(),
+        None if saved is None else (saved, _plan_cache.path(*cached)), target.profile)
     if found is None:
       return None
     trial, attempts = found
     run_flat = emitter(trial.candidate)
-    jitted = (written if in_place and not trial.candidate.changes_step
+    jitted = (own.jitted if own.in_place and not trial.candidate.changes_step
               else self._jit(run_flat, out_tree, options, planned, leaves))
     fit = Fit(planned, trial.candidate, planner, budget, target, unconstrained,
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
-               reserve, None if loop is None else graph.nodes[loop].source, out_tree,
+               reserve, None if loop is None or micro else graph.nodes[loop].source, out_tree,
                run_flat, {here.name: jitted}, trial.seconds,
-               None if clock is None else clock(baseline), step,
-               leaf_names(self.arguments, args, kwargs))
+               None if clock is None else clock(written.baseline), step,
+               leaf_names(self.arguments, args, kwargs), micro)
     if cached is not None and fit.result.changes_step and not isinstance(planner, Fixed):
       _plan_cache.put(*cached, fit.saved())  # planned here: kept for the next run
     return fit
 
-  def _graphs(self, closed, target: Target, planner) -> tuple[Graph, int | None, Graph, object]:
-    """``(graph, loop, planned, planner)``: the step's graph, the loop its
-    passes run in (or None), the graph planned (the loop's body there; the
-    memory model learns the target's buffers for it) and the planner."""
-    graph = build_graph(closed)
-    no_collectives(graph, self.__name__)
-    loop = inner_loop(graph)
-    planned = _modelled(graph if loop is None else body_graph(graph, loop), target)
-    if loop is None:
-      graph = planned
-      if isinstance(planner, Fixed):
-        planned, given = apply_host_decisions(planned, planner.plan_given)
-        planner = dataclasses.replace(planner, plan_given=given)
-    return graph, loop, planned, planner
+  def _written(self, closed, out_tree, target: Target, leaves, args, kwargs) -> Written:
+    """The traced step as written (:func:`~jaxmem.fit._traced.as_written`)."""
+    here = resolve(None, leaves)
+    run = jex.jaxpr_as_fun(closed)
+    donates = bool(self.arguments.donate_argnums or self.arguments.donate_argnames)
+    return as_written(run, self._jit(run, out_tree, here.options()), target, here, leaves,
+                      self._placed(target, args, kwargs), donates)
 
   def _cache_entry(self, step: str, leaves, target: Target, budget: int, reserve: int,
                    planner) -> tuple[str, str] | None:
@@ -316,41 +347,16 @@ class Transformed:
         description=None if target.profile is None else target.profile.description,
         planner=planner.describe(), max_rounds=self.max_rounds, host_state=self.host_state)
 
-  def _search(self, fitter: Callable, graph: Graph, planner, step: str, memo: tuple,
-              cached: tuple[str, str] | None, reserve: int, unconstrained: int,
-              find_smallest: bool, may_host: bool, profile=None):
-    """:func:`~jaxmem.fit._fit.search`, from the plan cache's entry ``cached``;
-    a budget no plan meets is remembered (``memo``) before its error."""
-    plan = None if cached is None else _plan_cache.get(*cached, step)
-    try:
-      return search(fitter, graph, planner, find_smallest, may_host,
-                    None if plan is None else (plan, _plan_cache.path(*cached)), profile)
-    except BudgetError as err:
-      remember(self.fun, memo, err.smallest - reserve, unconstrained)
-      raise
-
-  @staticmethod
-  def _baseline(written, as_written: Callable, target: Target, leaves, args, kwargs):
-    """The step as written, compiled for ``target``: the footprint a
-    fraction budget is of. Where the step runs where it is planned for and
-    donates nothing, ``written`` (its jit as it runs) is compiled: one
-    compilation then measures it, stands for the plan that keeps
-    everything, and serves the calls when the budget needs no plan
-    (jax.jit's call reuses an ahead-of-time compilation of the same jit)."""
-    if written is not None:
-      return written.lower(*args, **kwargs).compile()
-    return jax.jit(as_written, compiler_options=target.options() or None
-                   ).lower(*target.place(leaves)).compile()
-
-  def _load(self, step: str) -> tuple[Plan, str]:
+  def _load(self, step: str) -> tuple[Plan, str, int | str]:
     """The plan given as ``plan=`` (a :class:`Plan`, or a path to one
     saved by :meth:`Fit.save_plan`, checked to be for this step), with
-    where it came from."""
+    where it came from and the micro-batches it runs the step in."""
     if isinstance(self.saved, Plan):
-      return self.saved, "given"
+      return self.saved, "given", self.micro_batches
     path = os.fspath(self.saved)
     with open(path) as f:
-      return loads(f.read(), step, source=path), path
+      text = f.read()
+    return loads(text, step, source=path), path, micro_batches_of(text)
 
   def _known_to_fail(self, memo: tuple, planner, target: Target,
                      find_smallest: bool) -> bool:
@@ -410,25 +416,10 @@ class Transformed:
     return arguments.jit(run, self.fun, **kwargs)
 
 
-def _modelled(graph: Graph, target: Target) -> Graph:
-  """``graph`` with the buffers its target's compiler gives it (one
-  compilation, ``_xla_buffers.learn``) where the target is a GPU; on
-  XLA:CPU the memory model emulates its fusion."""
-  return graph if target.platform == "cpu" else with_buffers(graph, learn(graph, target))
-
-
-def _clock(target: Target) -> Callable | None:
-  """The predicted seconds of a compiled program on a GPU target's profile
-  (``_xla_clock``); None on XLA:CPU, where plans keep the planner's cost."""
-  if target.platform == "cpu" or target.profile is None:
-    return None
-  return lambda compiled: program_time(compiled.as_text(), target.profile).seconds
-
-
 def transform(fun: Callable, budget, *, planner="auto", target=None,
               static_argnums=(), static_argnames=(), max_rounds: int = 4,
               reserve: int | None = None, plan=None, plan_cache=None,
-              host_state: bool = True, **jit_kwargs) -> Transformed:
+              host_state: bool = True, micro_batches="auto", **jit_kwargs) -> Transformed:
   """Fits a training step into a device-memory budget.
 
   The step (forward, backward and optimizer update in one function) is traced
@@ -470,6 +461,11 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
       (arguments only its update reads: Adam's moments) may live in
       ``pinned_host`` memory between steps where no plan fits with it on
       the device; the step then takes and returns it there (``Fit.hosted``).
+    micro_batches: ``"auto"``: where no plan fits, the step runs over
+      micro-batches of its batch with accumulated gradients, as few as fit
+      (``Fit.micro``); the batch is the arguments whose leaves share one
+      leading dimension. A number: always that many micro-batches (1:
+      never).
     **jit_kwargs: passed to ``jax.jit``. ``donate_argnums`` /
       ``donate_argnames`` donate as there; a step already wrapped in
       ``jax.jit`` with donated arguments keeps its donation.
@@ -497,4 +493,4 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
   """
   return Transformed(fun, budget, planner, static_argnums, static_argnames,
                      jit_kwargs, max_rounds, reserve, target, plan, plan_cache,
-                     host_state)
+                     host_state, micro_batches)

@@ -187,6 +187,7 @@ def test_fits_tries_the_block_shaped_plans_before_answering_no(gpt2):
   plan = fitted.fit(*args)
   assert plan.footprint <= xla_budget(task.step, args, "70%") and len(plan.plan) > 0
   assert_trees_close(fitted(*args), jax.jit(task.step)(*args))
-  # With nothing to fall back on, the probe answers no at once.
+  # With nothing to fall back on (micro-batches aside), the probe answers no at once.
   del KeepsEverything.structured
-  assert not jaxmem.transform(task.step, budget="70%", planner=KeepsEverything()).can_fit(*args)
+  assert not jaxmem.transform(task.step, budget="70%", planner=KeepsEverything(),
+                              micro_batches=1).can_fit(*args)

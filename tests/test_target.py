@@ -107,7 +107,7 @@ def test_fits_the_t4_budget_and_runs_here_with_the_same_numbers(task, fraction):
   if fraction == 1.0:
     assert not len(fit.plan) and lowered == budget
   else:
-    assert len(fit.plan)
+    assert len(fit.plan) or fit.micro  # planned, or run in micro-batches
   state, batch = args
   want, got = jax.jit(task.step)(state, batch), fitted(state, batch)
   assert_updates_close(got[0], want[0], state)

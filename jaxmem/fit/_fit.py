@@ -402,9 +402,12 @@ def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
 _SMALLEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def remember(fun, key: tuple, smallest: int, unconstrained: int) -> None:
+def remember(fun, key: tuple, smallest: int, unconstrained: int | None) -> None:
   """Records that fitting ``fun`` as ``key`` says reaches ``smallest`` bytes
-  at least (XLA's footprint, reserve excluded), of ``unconstrained``."""
+  at least (XLA's footprint, reserve excluded), of ``unconstrained`` (None
+  where the backend gives no footprint: nothing is recorded)."""
+  if unconstrained is None:
+    return
   try:
     _SMALLEST.setdefault(fun, {})[key] = (smallest, unconstrained)
   except TypeError:  # a callable that cannot be referenced weakly

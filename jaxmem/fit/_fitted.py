@@ -12,6 +12,7 @@ from jaxmem.cost._evaluate import Candidate
 from jaxmem.graph._graph import Graph
 from jaxmem.graph._state import hosted_leaves, hosted_state, with_host_decisions
 from jaxmem.cost._memory import Liveness
+from jaxmem.fit._micro import MicroBatches
 from jaxmem.fit._policies import block_policies
 from jaxmem.fit._report import decision_label, residual_table
 from jaxmem.fit._saved import dumps
@@ -59,6 +60,9 @@ class Fit:
       against (``jaxmem.fit._saved.fingerprint``).
     input_names: the path of each flat argument leaf
       (``jax.tree_util.keystr``), for reports.
+    micro: where the step runs in micro-batches, how
+      (:class:`~jaxmem.fit._micro.MicroBatches`); ``graph`` and the plan are
+      then one micro-batch's. None: the step runs whole.
   """
   graph: Graph
   result: Candidate
@@ -83,6 +87,7 @@ class Fit:
   unconstrained_predicted: float | None = None
   step: str = ""
   input_names: tuple = ()
+  micro: MicroBatches | None = None
   _gap: Gap | None = dataclasses.field(default=None, init=False, repr=False)
 
   def __repr__(self) -> str:
@@ -104,7 +109,8 @@ class Fit:
     planner and footprint it was fitted for."""
     return dumps(with_host_decisions(self.graph, self.plan), self.step,
                  budget=self.budget, target=self.target.name,
-                 planner=self.planner.describe(), footprint=self.footprint)
+                 planner=self.planner.describe(), footprint=self.footprint,
+                 micro_batches=1 if self.micro is None else self.micro.count)
 
   def gap(self) -> Gap:
     """The plan's cost against the exact planner's bound at the plan's own
@@ -169,9 +175,14 @@ class Fit:
         *([f"planned per pass  inside the loop at {self.loop}: one iteration's forward "
            "and backward pass (residuals, decisions and FLOPs below are one "
            "iteration's)"] if self.loop else []),
+        *([f"micro-batches     {self.micro.describe()}: no plan of the whole batch fits "
+           "(residuals, decisions and FLOPs below are one micro-batch's)"]
+          if self.micro else []),
         f"peak at           {p.peak_name}",
         ("decisions         none on residuals: with the optimizer state in host memory "
          "the step fits the budget" if not len(self.plan) and self.hosted else
+         "decisions         none on residuals: in micro-batches the step fits the budget"
+         if not len(self.plan) and self.micro else
          "decisions         none: the step as written fits the budget, nothing needed "
          "planning" if not len(self.plan) else
          f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "

@@ -90,6 +90,11 @@ def dumps(plan: Plan, step: str, **about) -> str:
                      "decisions": [[vid, _encode(d)] for vid, d in plan]}, indent=1)
 
 
+def micro_batches_of(text: str) -> int:
+  """The micro-batches a saved plan runs its step in (1: the step whole)."""
+  return int(json.loads(text).get("micro_batches", 1))
+
+
 def loads(text: str, step: str, source: str = "the saved plan") -> Plan:
   """The plan in ``text``, checked to be for the step of fingerprint
   ``step``."""

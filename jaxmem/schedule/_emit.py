@@ -19,14 +19,19 @@ _SPACES = {"offload": lambda: jax.memory.Space.Host,
            "prefetch": lambda: jax.memory.Space.Device}
 
 
-def _bind(node, args, tag: str | None = None):
+def bind_node(node, args, tag: str | None = None, params: dict | None = None,
+              name_stack: str | None = None) -> list:
+  """``node``'s equation applied to ``args`` (with ``params`` in place of its
+  own where given) under its original name stack (or ``name_stack``, a
+  path such as ``node.name_stack``); its outputs as a list."""
   from jax._src import source_info_util
-  params = node.prim.get_bind_params(node.params)
+  params = node.prim.get_bind_params(node.params if params is None else params)
   subfuns, bind_params = params if isinstance(params, tuple) else ((), params)
-  name_stack = node.source_info.name_stack
+  stack = (node.source_info.name_stack if name_stack is None
+           else source_info_util.new_name_stack(name_stack))
   if tag is not None:
-    name_stack = name_stack.extend(f"{tag}{node.index}")
-  with source_info_util.user_context(node.source_info.traceback, name_stack=name_stack):
+    stack = stack.extend(f"{tag}{node.index}")
+  with source_info_util.user_context(node.source_info.traceback, name_stack=stack):
     with node.ctx.manager:
       out = node.prim.bind(*subfuns, *args, **bind_params)
   return out if node.prim.multiple_results else [out]
@@ -76,7 +81,7 @@ def emit(schedule: Schedule, tag: str | None = None):
       elif op.params:  # an equation re-emitted (a scan, _loop_schedule)
         outs = op.params[0](*args)
       else:
-        outs = _bind(graph.nodes[op.node], args, tag)
+        outs = bind_node(graph.nodes[op.node], args, tag)
       env.update(zip(op.outs, outs))
       for key in op.ins:
         if (not isinstance(key, jex.Literal) and last_read.get(key) == pos

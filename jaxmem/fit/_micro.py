@@ -1,0 +1,157 @@
+"""Micro-batching, a fit's last resort: the step run over chunks of its batch.
+
+Where no plan of the step fits (nor one with its optimizer state in host
+memory), the fit splits the batch its arguments hold
+(:func:`~jaxmem.graph._batch_axes.split_batch`) and fits the step run in
+``k`` micro-batches with accumulated gradients
+(:func:`~jaxmem.schedule._microbatch.micro_batched`): of 2, then about
+twice as many each time, up to chunks of two examples, the fewest whose
+step as written fits (one compilation each, no planning; a micro-batch
+costs no FLOPs where recomputation would); where none does, the one
+smallest as written, with its residuals planned. The budget is still the step's: a fraction is of the
+step as written.
+
+Example:
+  >>> sizes_to_try((2, 3, 4, 6, 8, 12, 24), batch=24)
+  [2, 4, 8, 12]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+from typing import Callable, Sequence
+
+import jax
+
+from jaxmem._budget import BudgetError
+from jaxmem.fit._arguments import Arguments
+from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch
+from jaxmem.schedule._microbatch import micro_batched
+
+_log = logging.getLogger("jaxmem")
+
+# ``transform(..., micro_batches=AUTO)``: split the batch only where nothing
+# else fits.
+AUTO = "auto"
+
+
+def checked_count(count):
+  """``transform(..., micro_batches=count)`` checked: ``AUTO`` or a count >= 1."""
+  if count != AUTO and (not isinstance(count, int) or isinstance(count, bool) or count < 1):
+    raise ValueError(f"jaxmem: micro_batches must be 'auto' or a number of micro-batches "
+                     f">= 1, got {count!r}")
+  return count
+
+
+@dataclasses.dataclass(frozen=True)
+class MicroBatches:
+  """How a fit splits the step's batch.
+
+  Attributes:
+    count: micro-batches per step.
+    batch: examples in the step's batch.
+    arguments: the arguments split (their names in the call).
+  """
+  count: int
+  batch: int
+  arguments: tuple[str, ...]
+
+  def describe(self) -> str:
+    """One line for reports."""
+    return (f"{self.count} micro-batches of {self.batch // self.count} examples "
+            f"(the batch of {self.batch} in {', '.join(self.arguments) or 'the arguments'}), "
+            "gradients accumulated")
+
+
+def argument_groups(fun, arguments: Arguments, args, kwargs) -> tuple[tuple, tuple[str, ...]]:
+  """Each dynamic argument's leaf positions among the step's flat inputs,
+  with the argument's name in ``fun``'s signature (``argument 1`` where it
+  gives none)."""
+  _, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
+  static = arguments.static_positions(len(args))
+  positions = [i for i in range(len(args)) if i not in static]
+  try:
+    params = [p.name for p in inspect.signature(fun).parameters.values()
+              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+  except (TypeError, ValueError):
+    params = []
+  groups: dict = {}
+  for position, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(
+      (dyn_args, dyn_kwargs))[0]):
+    groups.setdefault(path[:2], []).append(position)
+
+  def name(key) -> str:
+    where, which = key
+    if where.idx == 1:
+      return str(which.key)
+    original = positions[which.idx]
+    return params[original] if original < len(params) else f"argument {original}"
+
+  return tuple(tuple(g) for g in groups.values()), tuple(name(key) for key in groups)
+
+
+def sizes_to_try(sizes: Sequence[int], batch: int) -> list[int]:
+  """Of the numbers of micro-batches that divide the ``batch`` (``sizes``),
+  those tried in turn: the smallest, then the smallest at least twice the
+  last, and the largest that leaves two examples or more in each (XLA
+  compiles one-example chunks, whose arrays have a dimension of 1, to
+  programs that are no smaller)."""
+  sizes = [k for k in sizes if 2 * k <= batch] or list(sizes[:1])
+  chosen: list[int] = []
+  for k in sizes:
+    if not chosen or k >= 2 * chosen[-1] or k == sizes[-1]:
+      chosen.append(k)
+  return chosen
+
+
+def micro_step(split: Split, k: int, closed):
+  """The step of ``split`` in ``k`` micro-batches, traced like ``closed``."""
+  return jax.make_jaxpr(micro_batched(split, k))(*closed.in_avals)
+
+
+def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, names,
+                      limit: int | None, error: BudgetError | None = None,
+                      counts: Sequence[int] | None = None, find_smallest: bool = True):
+  """The traced step ``closed`` (of ``graph``) fitted in micro-batches.
+
+  Each of ``counts`` (by default those :func:`sizes_to_try` gives) is
+  measured as written (``measure(traced)``: its ``footprint``); the fewest
+  whose footprint is within ``limit`` bytes are fitted (``fit(traced, micro,
+  find_smallest, measured) -> Fit or None``), a quick answer. Where none
+  is, the count with the smallest footprint as written is planned, searched
+  for the smallest footprint where ``find_smallest``: the error then names
+  the smallest of all (``error``, the step's own, included); None where
+  there is none. A batch that cannot be split adds why to ``error`` (or
+  answers None); with ``counts`` given, it is a ValueError."""
+  try:
+    split = split_batch(graph, groups, names)
+  except NotSplittable as why:
+    if counts is not None:
+      raise ValueError(f"jaxmem: micro_batches={counts[0]} asks to split the batch, but "
+                       f"{why}. Pass micro_batches=1 to run the step whole.") from None
+    if error is None:
+      return None
+    raise BudgetError(f"{error} Micro-batching cannot help either: {why}.",
+                      smallest=error.smallest) from None
+  tried = []
+  for k in counts or sizes_to_try(split.sizes(), split.batch):
+    traced = micro_step(split, k, closed)
+    measured = measure(traced)
+    micro = MicroBatches(k, split.batch, split.names)
+    _log.info("jaxmem: the step in %d micro-batches, as written: %s", k, measured.footprint)
+    if limit is not None and measured.footprint is not None and measured.footprint <= limit:
+      found = fit(traced, micro, False, measured)
+      if found is not None:
+        return found
+    tried.append((measured.footprint or 0, k, traced, micro, measured))
+  _, k, traced, micro, measured = min(tried, key=lambda t: (t[0], t[1]))
+  _log.info("jaxmem: no number of micro-batches fits as written; planning %d", k)
+  try:
+    found = fit(traced, micro, find_smallest, measured)
+  except BudgetError as err:
+    raise err if error is None or err.smallest < error.smallest else error
+  if found is None and error is not None:
+    raise error
+  return found

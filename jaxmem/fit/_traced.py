@@ -1,0 +1,113 @@
+"""A traced step made ready for the fit loop on a target: its graphs, the
+step as written, and the target's clock.
+
+The graph planned is the step's, or where its passes run inside a loop
+(gradient accumulation, or the micro-batches of ``fit._micro``) the loop's
+body (``fit._inner``); on a GPU target the memory model learns the buffers
+the target's compiler gives it (one compilation, ``_xla_buffers.learn``),
+on XLA:CPU it emulates that compiler's fusion.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from jaxmem.cost._xla_buffers import learn, with_buffers
+from jaxmem.cost._xla_clock import program_time
+from jaxmem.fit._checks import no_collectives
+from jaxmem.cost._evaluate import Candidate
+from jaxmem.fit._inner import body_graph, embedded, inner_loop
+from jaxmem.schedule._emit import emit
+from jaxmem.graph._graph import Graph, build_graph
+from jaxmem.graph._state import apply_host_decisions
+from jaxmem.planners import Fixed
+from jaxmem.targets import Target, xla_footprint
+
+
+@dataclasses.dataclass(frozen=True)
+class Written:
+  """A traced step as written.
+
+  Attributes:
+    run: the step over flat leaves.
+    jitted: its ``jax.jit`` as it runs.
+    baseline: it compiled for the target: the footprint a fraction budget
+      is of.
+    footprint: XLA's footprint of ``baseline`` (None where the backend
+      gives no analysis).
+    in_place: the target is where the step runs.
+    one_program: ``baseline`` is ``jitted``'s own compilation, which serves
+      the calls where the budget needs no plan.
+  """
+  run: Callable
+  jitted: object
+  baseline: object
+  footprint: int | None
+  in_place: bool
+  one_program: bool
+
+
+def as_written(run: Callable, jitted, target: Target, here: Target, leaves, placed: tuple,
+               donates: bool) -> Written:
+  """The step ``run`` as written (``jitted`` its jit as it runs ``here``),
+  compiled for ``target`` with the arguments ``placed`` there
+  (``(args, kwargs)``). Where the step runs where it is planned for and
+  donates nothing, ``jitted`` itself is compiled: one compilation then
+  measures it, stands for the plan that keeps everything, and serves the
+  calls when the budget needs no plan (``jax.jit``'s call reuses an
+  ahead-of-time compilation of the same jit)."""
+  in_place = target.name == here.name
+  one_program = in_place and not donates
+  if one_program:
+    baseline = jitted.lower(*placed[0], **placed[1]).compile()
+  else:
+    baseline = jax.jit(run, compiler_options=target.options() or None
+                       ).lower(*target.place(leaves)).compile()
+  return Written(run, jitted, baseline, xla_footprint(baseline), in_place, one_program)
+
+
+def graphs(closed, target: Target, planner, name: str,
+           graph: Graph | None = None) -> tuple[Graph, int | None, Graph, object]:
+  """``(graph, loop, planned, planner)`` for the traced step ``closed`` (of
+  the user's function ``name``; ``graph`` its graph where built already):
+  the step's graph, the loop its passes run in (or None), the graph planned
+  (the loop's body there; modelled for the target) and the planner (a given
+  plan's host placements moved onto the graph)."""
+  graph = build_graph(closed) if graph is None else graph
+  no_collectives(graph, name)
+  loop = inner_loop(graph)
+  planned = modelled(graph if loop is None else body_graph(graph, loop), target)
+  if loop is None:
+    graph = planned
+    if isinstance(planner, Fixed):
+      planned, given = apply_host_decisions(planned, planner.plan_given)
+      planner = dataclasses.replace(planner, plan_given=given)
+  return graph, loop, planned, planner
+
+
+def emitted(written: Written, graph: Graph, loop: int | None, candidate: Candidate) -> Callable:
+  """The step over flat leaves that runs ``candidate`` (a plan of ``graph``,
+  or of the body of its ``loop``): the step as ``written`` where the plan
+  changes nothing, which is never above the budget the step as written
+  meets."""
+  if not candidate.changes_step:
+    return written.run
+  schedule = candidate.schedule
+  return emit(schedule if loop is None else embedded(graph, loop, schedule))
+
+
+def modelled(graph: Graph, target: Target) -> Graph:
+  """``graph`` with the buffers its target's compiler gives it where the
+  target is a GPU; on XLA:CPU the memory model emulates its fusion."""
+  return graph if target.platform == "cpu" else with_buffers(graph, learn(graph, target))
+
+
+def target_clock(target: Target) -> Callable | None:
+  """The predicted seconds of a compiled program on a GPU target's profile
+  (``_xla_clock``); None on XLA:CPU, where plans keep the planner's cost."""
+  if target.platform == "cpu" or target.profile is None:
+    return None
+  return lambda compiled: program_time(compiled.as_text(), target.profile).seconds

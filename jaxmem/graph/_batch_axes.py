@@ -1,0 +1,260 @@
+"""Where a step's examples go: the axis each value carries them on, and
+how a step splits into micro-batches.
+
+A step whose arguments hold a batch computes, for most of its values, one
+slice per example along some axis: the activations, their cotangents, the
+per-example losses. Those values split along that axis into ``k`` chunks,
+and the equations that make them run once per chunk. What reduces over the
+examples (the loss sum, each weight gradient, a ``scatter-add`` into an
+embedding's gradient) is *combined*: each chunk's partial result is added
+(or maxed) into an accumulator. Everything else runs once, before the
+chunks (parameters, constants, random bits) or after them (the optimizer
+update reads the combined gradients).
+
+:func:`split_batch` finds this from the joint graph by following the example
+axis through each equation (a rule per primitive, :data:`RULES`); it
+refuses a step where a value reduced over the examples is read again per
+example (BatchNorm in training mode normalizes each example by the batch's
+statistics: micro-batches would each see their own). A value that has no
+example axis of its own but meets one elementwise (the loss's cotangent
+broadcast to the batch, an ``iota`` for a one-hot, a dropout mask) is
+*demanded* along it: broadcasts, ``iota`` and elementwise equations over
+them are made again at the chunk's size, anything else is made once at full
+size and sliced per chunk, so the numbers stay the step's own.
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxmem.graph._graph import build_graph
+  >>> def step(w, x):
+  ...   return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w)))(w)
+  >>> g = build_graph(jax.make_jaxpr(step)(jnp.eye(4), jnp.ones((8, 4))))
+  >>> split = split_batch(g, [(1,)])
+  >>> split.batch, split.sizes()
+  (8, (2, 4, 8))
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Sequence
+
+import jax
+from jax.extend import core as jex
+
+from jaxmem.graph._axis_rules import ELEMENTWISE, RULES, Refuse, Rule
+from jaxmem.graph._graph import Graph
+
+
+class NotSplittable(ValueError):
+  """The step cannot run in micro-batches; the message says why and where."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """A step split into micro-batches (see the module docstring).
+
+  Attributes:
+    graph: the step's joint graph.
+    inputs: the step inputs holding examples, each along axis 0.
+    axes: every value with an example axis -> that axis.
+    rules: each equation that runs per chunk -> its :class:`Rule`.
+    before, region, after: equations run once before the chunks, once per
+      chunk, and once after them, each in step order.
+    demanded: ``(value, axis)`` pairs taken per chunk though the value has no
+      example axis, each with the equation that makes it again at the
+      chunk's size, or None where it is made once and sliced.
+    names: the inputs' argument paths, for reports.
+  """
+  graph: Graph
+  inputs: tuple[int, ...]
+  axes: Mapping[int, int]
+  rules: Mapping[int, Rule]
+  before: tuple[int, ...]
+  region: tuple[int, ...]
+  after: tuple[int, ...]
+  demanded: Mapping[tuple[int, int], int | None]
+  names: tuple[str, ...] = ()
+
+  @property
+  def batch(self) -> int:
+    """Examples in the step's batch."""
+    return self.graph.values[self.inputs[0]].aval.shape[0]
+
+  def sizes(self) -> tuple[int, ...]:
+    """The numbers of micro-batches every split value divides into."""
+    extents = [self.graph.values[v].aval.shape[a] for v, a in self.axes.items()]
+    extents += [self.graph.values[v].aval.shape[a] for v, a in self.demanded]
+    common = math.gcd(*extents)
+    return tuple(k for k in range(2, common + 1) if common % k == 0)
+
+  def combined(self) -> tuple[int, ...]:
+    """The equations whose results are combined across chunks."""
+    return tuple(i for i in self.region if self.rules[i].combine is not None)
+
+
+def _shape(graph: Graph, atom) -> tuple:
+  return tuple(getattr(atom.aval if isinstance(atom, jex.Literal) else
+                       graph.values[atom].aval, "shape", ()))
+
+
+def _rule(graph: Graph, node, axes: list) -> Rule:
+  rule = RULES.get(node.prim.name)
+  if rule is None:
+    raise Refuse(f"jaxmem does not know how {node.prim.name} treats examples")
+  if node.effects:
+    raise Refuse("it has side effects, which would run once per micro-batch")
+  shapes = [_shape(graph, a) for a in node.ins]
+  return rule(node, axes, shapes, [graph.values[o].aval.shape for o in node.outs])
+
+
+def _where(node) -> str:
+  return f"{node.label}" + (f" at {node.source}" if node.source else "")
+
+
+def _follow(graph: Graph, inputs: Sequence[int]) -> tuple[dict, dict]:
+  """Every value's example axis and every equation's rule, from ``inputs``
+  (examples along axis 0)."""
+  axes = {v: 0 for v in inputs}
+  rules = {}
+  for node in graph.nodes:
+    in_axes = [None if isinstance(a, jex.Literal) else axes.get(a) for a in node.ins]
+    if all(a is None for a in in_axes):
+      continue
+    try:
+      rule = rules[node.index] = _rule(graph, node, in_axes)
+    except Refuse as why:
+      raise NotSplittable(f"{_where(node)} reads a batch value, and {why}") from None
+    axes.update((o, a) for o, a in zip(node.outs, rule.outs) if a is not None)
+  return axes, rules
+
+
+def _remade(graph: Graph, vid: int, axis: int, memo: dict):
+  """How a demanded value is taken per chunk: ``(equation, demands)`` where
+  that equation makes it again at the chunk's size (a broadcast, an
+  ``iota``, or elementwise over such), None where it is sliced."""
+  key = (vid, axis)
+  if key in memo:
+    return memo[key]
+  memo[key] = None
+  producer = graph.values[vid].producer
+  node = None if producer is None else graph.nodes[producer]
+  if node is None or node.effects:
+    return None
+  name, ins = node.prim.name, node.ins
+  if name == "iota":
+    found = (producer, ()) if node.params["dimension"] != axis else None
+  elif name == "broadcast_in_dim":
+    dims = tuple(node.params["broadcast_dimensions"])
+    operand = ins[0]
+    if axis not in dims or _shape(graph, operand)[dims.index(axis)] == 1:
+      found = (producer, ())
+    elif isinstance(operand, int) and _remade(graph, operand, dims.index(axis), memo):
+      found = (producer, ((0, dims.index(axis)),))
+    else:
+      found = None
+  elif name in ELEMENTWISE and len(node.outs) == 1:
+    demand = tuple((i, axis) for i, a in enumerate(ins)
+                   if len(_shape(graph, a)) > axis and _shape(graph, a)[axis] != 1)
+    found = (producer, demand) if all(
+        _remade(graph, ins[i], axis, memo) for i, _ in demand) else None
+  else:
+    found = None
+  memo[key] = found
+  return found
+
+
+def _cross_example(combiner, reader) -> NotSplittable:
+  return NotSplittable(
+      f"the examples are reduced by {_where(combiner)}, and the result is read "
+      f"again per example by {_where(reader)}: each micro-batch would see its own "
+      "reduction instead of the batch's (BatchNorm in training mode normalizes by "
+      "the batch's statistics so). Micro-batching needs a step whose examples meet "
+      "only in what it returns: the loss, the metrics and the gradients")
+
+
+def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names) -> Split:
+  """The equations before, per chunk and after, with the demanded values."""
+  origin = {o: i for i, r in rules.items() if r.combine for o in graph.nodes[i].outs}
+  after = []
+  for node in graph.nodes:
+    read = [origin[a] for a in node.ins if isinstance(a, int) and a in origin]
+    if node.index in rules:
+      if read:
+        raise _cross_example(graph.nodes[read[0]], node)
+      continue
+    if read:
+      after.append(node.index)
+      origin.update((o, read[0]) for o in node.outs)
+  demanded: dict = {}
+  memo: dict = {}
+  for i, rule in rules.items():
+    for position, axis in rule.demand:
+      vid = graph.nodes[i].ins[position]
+      if isinstance(vid, jex.Literal):
+        continue
+      if vid in origin:
+        raise _cross_example(graph.nodes[origin[vid]], graph.nodes[i])
+      stack = [(vid, axis)]
+      while stack:
+        key = stack.pop()
+        if key not in demanded:
+          demanded[key] = _remade(graph, *key, memo)
+          if demanded[key] is not None:
+            ins = graph.nodes[demanded[key][0]].ins
+            stack += [(ins[p], a) for p, a in demanded[key][1]]
+  region = tuple(sorted(rules))
+  if not any(graph.nodes[i].backward for i in region):
+    raise NotSplittable("no part of the backward pass runs per example")
+  done = set(region) | set(after)
+  return Split(graph, tuple(inputs), axes, rules,
+               tuple(i for i in range(len(graph.nodes)) if i not in done), region,
+               tuple(after), demanded, tuple(names))
+
+
+def _candidates(graph: Graph, groups: Sequence[Sequence[int]]) -> dict[int, list[int]]:
+  """Arguments that may hold a batch, by its size: every leaf an array with
+  the same leading dimension, none read by the optimizer update or returned
+  as it came."""
+  found: dict[int, list[int]] = {}
+  for g, positions in enumerate(groups):
+    vids = [graph.inputs[p] for p in positions]
+    shapes = [graph.values[v].aval.shape for v in vids]
+    if not vids or any(not s or s[0] < 2 or s[0] != shapes[0][0] for s in shapes):
+      continue
+    if any(jax.dtypes.issubdtype(graph.values[v].aval.dtype, jax.dtypes.extended)
+           or v in graph.output_ids or any(graph.nodes[u].update for u in graph.values[v].uses)
+           for v in vids):
+      continue
+    found.setdefault(shapes[0][0], []).append(g)
+  return found
+
+
+def split_batch(graph: Graph, groups: Sequence[Sequence[int]],
+                names: Sequence[str] = ()) -> Split:
+  """The step split into micro-batches along the batch its arguments hold.
+
+  ``groups`` holds each argument's leaf positions among the step's inputs
+  (``names`` its name, for reports). The batch is the arguments whose
+  leaves all share one leading dimension, where following that axis through
+  the step works (several sizes are each tried, the largest arguments
+  first); :class:`NotSplittable` says why none does.
+  """
+  found = _candidates(graph, groups)
+  if not found:
+    raise NotSplittable("no argument holds a batch: micro-batching splits the "
+                        "arguments whose every leaf has the same leading dimension")
+  order = sorted(found, key=lambda n: -sum(graph.values[graph.inputs[p]].nbytes
+                                           for g in found[n] for p in groups[g]))
+  reasons = []
+  for size in order:
+    chosen = found[size]
+    inputs = tuple(graph.inputs[p] for g in chosen for p in groups[g])
+    try:
+      axes, rules = _follow(graph, inputs)
+      return _place(graph, axes, rules, inputs, [names[g] for g in chosen if g < len(names)])
+    except NotSplittable as why:
+      reasons.append(str(why))
+  raise NotSplittable(reasons[0])
+
+

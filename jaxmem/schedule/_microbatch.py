@@ -1,0 +1,162 @@
+"""A step run in micro-batches: what a :class:`~jaxmem.graph._batch_axes.Split`
+puts per chunk runs in a ``lax.scan`` over ``k`` chunks of the batch.
+
+The equations before the chunks run once; the per-example inputs (and the
+demanded values made once at full size) are cut into ``k`` chunks along
+their example axis and scanned; the equations per chunk run at the chunk's
+size, each reduction over the examples adding (or maxing) its chunk's part
+into a carry (in float32 for 16-bit floats); the equations after the chunks
+run once on the combined results. The step's numbers are its own up to the
+order of the sums.
+
+The emitted step is again a step whose passes run inside a loop, which the
+fit plans like a user's gradient accumulation (``fit._inner``).
+
+Example:
+  >>> import jax, jax.numpy as jnp
+  >>> from jaxmem.graph._graph import build_graph
+  >>> from jaxmem.graph._batch_axes import split_batch
+  >>> def step(w, x):
+  ...   return w - 0.1 * jax.grad(lambda w: jnp.mean(jnp.tanh(x @ w)))(w)
+  >>> w, x = jnp.eye(4), jnp.arange(32.0).reshape(8, 4) / 32
+  >>> run = micro_batched(split_batch(build_graph(jax.make_jaxpr(step)(w, x)), [(1,)]), 4)
+  >>> bool(jnp.allclose(run(w, x)[0], step(w, x), atol=1e-6))
+  True
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex
+
+from jaxmem.graph._axis_rules import ADD, AND, MAX, MIN, OR, SCATTER_ADD, chunk_params
+from jaxmem.graph._batch_axes import Split
+from jaxmem.schedule._emit import bind_node
+
+
+def _chunks(x, axis: int, k: int):
+  """``x`` cut into ``k`` chunks along ``axis``, stacked on a new axis 0."""
+  shape = x.shape
+  x = x.reshape(shape[:axis] + (k, shape[axis] // k) + shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _unchunk(y, axis: int):
+  """The inverse of :func:`_chunks` for ``y`` stacked on axis 0."""
+  y = jnp.moveaxis(y, 0, axis)
+  return y.reshape(y.shape[:axis] + (-1,) + y.shape[axis + 2:])
+
+
+def _accumulates_in(dtype) -> np.dtype:
+  dtype = np.dtype(dtype)
+  return np.dtype(np.float32) if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4 else dtype
+
+
+def _extreme(dtype, low: bool):
+  if jnp.issubdtype(dtype, jnp.floating):
+    return -np.inf if low else np.inf
+  info = jnp.iinfo(dtype)
+  return info.min if low else info.max
+
+
+def _initial(how: str, aval, operand):
+  """A carry's value before the first chunk."""
+  if how == SCATTER_ADD:
+    return jnp.asarray(operand, dtype=aval.dtype)
+  dtype = _accumulates_in(aval.dtype)
+  fill = {ADD: 0, OR: False, AND: True}.get(how)
+  if fill is None:
+    fill = _extreme(dtype, low=how == MAX)
+  return jnp.full(aval.shape, fill, dtype)
+
+
+_COMBINE = {ADD: jnp.add, MAX: jnp.maximum, MIN: jnp.minimum, OR: jnp.logical_or,
+            AND: jnp.logical_and, SCATTER_ADD: lambda carry, part: part}
+
+
+def micro_batched(split: Split, k: int) -> Callable:
+  """``run(*flat_inputs) -> flat outputs``: the step of ``split`` over ``k``
+  micro-batches (``k`` one of ``split.sizes()``)."""
+  if k not in split.sizes():
+    raise ValueError(f"jaxmem: {k} micro-batches do not divide the batch of "
+                     f"{split.batch}; pass one of {split.sizes()}")
+  graph, nodes = split.graph, split.graph.nodes
+  combined = split.combined()
+  scanned = [(v, 0) for v in split.inputs] + [key for key, how in split.demanded.items()
+                                               if how is None]
+  returned = list(dict.fromkeys(o for o in graph.outputs
+                                if isinstance(o, int) and o in split.axes))
+  shape = lambda v: graph.values[v].aval.shape
+
+  def run(*flat):
+    env = dict(graph.consts)
+    env.update(zip(graph.inputs, flat))
+    read = lambda a: a.val if isinstance(a, jex.Literal) else env[a]
+    once = lambda i: env.update(zip(nodes[i].outs, bind_node(
+        nodes[i], [read(a) for a in nodes[i].ins], name_stack=_plain(nodes[i]))))
+    for i in split.before:
+      once(i)
+    xs = [_chunks(env[v], axis, k) for v, axis in scanned]
+    init = [_initial(split.rules[i].combine, graph.values[nodes[i].outs[0]].aval,
+                     read(nodes[i].ins[0]) if split.rules[i].combine == SCATTER_ADD else None)
+            for i in combined]
+
+    def body(carry, chunk):
+      local = {v: x for (v, _), x in zip(scanned, chunk) if v in split.axes}
+      taken = {key: x for key, x in zip(scanned, chunk) if key[0] not in split.axes}
+      get = lambda a: a.val if isinstance(a, jex.Literal) else local.get(a, env.get(a))
+
+      def apply(i, demand, out_axis, first=None):
+        node = nodes[i]
+        args = [get(a) for a in node.ins]
+        in_axes = [split.axes.get(a) if isinstance(a, int) else None for a in node.ins]
+        for position, axis in demand:
+          if isinstance(node.ins[position], int):
+            args[position], in_axes[position] = take(node.ins[position], axis), axis
+        if first is not None:
+          args[0] = first
+        params = chunk_params(node, in_axes, [_shape_of(graph, a) for a in node.ins],
+                              out_axis, shape(node.outs[0]), k)
+        return bind_node(node, args, params=params, name_stack=node.name_stack)
+
+      def take(vid, axis):
+        if (vid, axis) not in taken:
+          i, demand = split.demanded[(vid, axis)]
+          taken[(vid, axis)] = apply(i, demand, axis)[0]
+        return taken[(vid, axis)]
+
+      acc = dict(zip(combined, carry))
+      for i in split.region:
+        rule = split.rules[i]
+        outs = apply(i, rule.demand, rule.outs[0],
+                     acc[i] if rule.combine == SCATTER_ADD else None)
+        if rule.combine is None:
+          local.update(zip(nodes[i].outs, outs))
+        else:
+          acc[i] = _COMBINE[rule.combine](acc[i], outs[0]).astype(acc[i].dtype)
+      return [acc[i] for i in combined], [local[v] for v in returned]
+
+    carry, ys = jax.lax.scan(body, init, xs)
+    for i, total in zip(combined, carry):
+      env[nodes[i].outs[0]] = total.astype(graph.values[nodes[i].outs[0]].aval.dtype)
+    env.update((v, _unchunk(y, split.axes[v])) for v, y in zip(returned, ys))
+    for i in split.after:
+      once(i)
+    return [read(o) for o in graph.outputs]
+
+  return run
+
+
+def _plain(node) -> str:
+  """``node``'s module path without AD wrappers: what runs once outside the
+  chunks is no part of a backward pass, which all runs per chunk."""
+  return "" if node.readable == "<top>" else node.readable
+
+
+def _shape_of(graph, atom) -> tuple:
+  return tuple(getattr(atom.aval if isinstance(atom, jex.Literal) else
+                       graph.values[atom].aval, "shape", ()))

@@ -1,0 +1,177 @@
+"""Micro-batching: a step run over chunks of its batch with accumulated
+gradients (``graph._batch_axes``, ``schedule._microbatch``, ``fit._micro``).
+
+Checked here: the split follows the examples through the zoo's models and
+gives the untransformed step's updates (gradients, through SGD) for every
+number of micro-batches; BatchNorm in training mode refuses, with the
+documented message; a transform whose budget only micro-batches meet runs
+in as few as fit, within the budget by XLA's footprint, with the step's
+numbers over three steps; and the switches (``micro_batches=1`` and a
+given count), saved plans and errors.
+"""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxmem
+from jaxmem._zoo import models
+from jaxmem.graph._batch_axes import NotSplittable, split_batch
+from jaxmem.graph._graph import build_graph
+from jaxmem.schedule._microbatch import micro_batched
+from jaxmem.targets import xla_footprint
+from tests.helpers import assert_trees_close, assert_updates_close
+
+M = models()
+
+# The zoo's models at test sizes, each with an SGD step: its update is the
+# gradient itself, so comparing updates compares gradients.
+ZOO = {
+    "gpt2": dict(dim=32, depth=2, heads=2, seq=16, vocab=64, batch=4),
+    "vit": dict(dim=32, depth=2, heads=2, patch=4, size=16, batch=4),
+    "transformer": dict(depth=2, dim=32, heads=2, seq=16, batch=4, vocab=64),
+    "vgg": dict(size=32, batch=4),
+    "unet": dict(width=8, size=16, batch=4),
+}
+
+
+def _flat(task):
+  """The task's step over flat leaves, its leaves, and the argument groups
+  (state, batch) as leaf positions."""
+  state, batch = task.init()
+  leaves, tree = jax.tree_util.tree_flatten((state, batch))
+  n_state = len(jax.tree_util.tree_leaves(state))
+
+  def step(*flat):
+    return jax.tree_util.tree_leaves(task.step(*jax.tree_util.tree_unflatten(tree, flat)))
+
+  return step, leaves, [tuple(range(n_state)), tuple(range(n_state, len(leaves)))]
+
+
+def _split(step, leaves, groups):
+  return split_batch(build_graph(jax.make_jaxpr(step)(*leaves)), groups, ["state", "batch"])
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_zoo_updates_match_the_step(name):
+  task = M.get(name, optimizer=optax.sgd(0.5), **ZOO[name])
+  step, leaves, groups = _flat(task)
+  split = _split(step, leaves, groups)
+  assert split.batch == ZOO[name]["batch"] and 2 in split.sizes()
+  want = jax.jit(step)(*leaves)
+  for k in (2, split.batch):
+    got = jax.jit(micro_batched(split, k))(*leaves)
+    # The outputs: the new state's leaves (each against its old value), the loss.
+    assert_updates_close(got, want, leaves[:len(groups[0])] + [0.0], rtol=1e-4)
+
+
+@pytest.mark.parametrize("name,config", [
+    ("resnet18", dict(width=8, stages=(1, 1), size=16, batch=4)),
+    ("cnn", dict(batch=4)),
+])
+def test_batchnorm_refuses(name, config):
+  step, leaves, groups = _flat(M.get(name, **config))
+  with pytest.raises(NotSplittable, match=r"BatchNorm in training mode") as err:
+    _split(step, leaves, groups)
+  assert "reduce_sum" in str(err.value) and ".py:" in str(err.value)  # where, in the model
+
+
+def _mlp_step(params, batch):
+  """An SGD step of a residual tanh MLP on ``batch = (x, y)``; its
+  activations, not its parameters, make its footprint."""
+  def loss(params):
+    h = batch["x"]
+    for w in params:
+      h = h + jnp.tanh(h @ w)
+    return jnp.mean((h - batch["y"]) ** 2)
+  loss_value, grads = jax.value_and_grad(loss)(params)
+  return [w - 0.1 * g for w, g in zip(params, grads)], loss_value
+
+
+def _mlp_args(batch=512, width=64, depth=8):
+  keys = jax.random.split(jax.random.key(0), depth + 2)
+  params = [jax.random.normal(k, (width, width)) / width for k in keys[:depth]]
+  return params, {"x": jax.random.normal(keys[-2], (batch, width)),
+                  "y": jax.random.normal(keys[-1], (batch, width))}
+
+
+def _footprint(fitted, *args) -> int:
+  return xla_footprint(fitted.lower(*args).compile())
+
+
+def test_transform_micro_batches_where_nothing_else_fits():
+  params, batch = _mlp_args()
+  with pytest.raises(jaxmem.BudgetError) as whole:
+    jaxmem.transform(_mlp_step, budget="20%", micro_batches=1).fit(params, batch)
+  fitted = jaxmem.transform(_mlp_step, budget="20%")
+  fit = fitted.fit(params, batch)
+  assert fit.micro is not None and fit.micro.count > 1
+  assert fit.micro.arguments == ("batch",) and fit.micro.batch == 512
+  budget = int(0.2 * xla_footprint(jax.jit(_mlp_step).lower(params, batch).compile()))
+  assert budget < whole.value.smallest
+  assert _footprint(fitted, params, batch) <= budget
+  report = fit.report()
+  assert f"{fit.micro.count} micro-batches of {512 // fit.micro.count} examples" in report
+  assert len(repr(fit)) < 2000
+  got, want = (params, batch), (params, batch)
+  for _ in range(3):
+    got_params, got_loss = fitted(*got)
+    want_params, want_loss = jax.jit(_mlp_step)(*want)
+    assert_trees_close((got_params, got_loss), (want_params, want_loss), rtol=1e-4)
+    got, want = (got_params, batch), (want_params, batch)
+
+
+def test_fewest_micro_batches_that_fit():
+  params, batch = _mlp_args()
+  fit = jaxmem.transform(_mlp_step, budget="20%").fit(params, batch)
+  fewer = fit.micro.count // 2
+  if fewer >= 2:
+    with pytest.raises(jaxmem.BudgetError):
+      jaxmem.transform(_mlp_step, budget="20%", micro_batches=fewer,
+                       planner="recompute").fit(params, batch)
+
+
+def test_given_micro_batches_and_bad_counts():
+  params, batch = _mlp_args(batch=64)
+  fitted = jaxmem.transform(_mlp_step, budget="100%", micro_batches=4)
+  fit = fitted.fit(params, batch)
+  assert fit.micro.count == 4
+  assert_trees_close(fitted(params, batch), jax.jit(_mlp_step)(params, batch), rtol=1e-4)
+  with pytest.raises(ValueError, match=r"3 micro-batches do not divide the batch of 64"):
+    jaxmem.transform(_mlp_step, budget="100%", micro_batches=3).fit(params, batch)
+  with pytest.raises(ValueError, match=r"micro_batches must be 'auto' or a number"):
+    jaxmem.transform(_mlp_step, budget="100%", micro_batches=0)
+
+
+def test_unmeetable_budget_names_smallest_with_micro_batches():
+  params, batch = _mlp_args()
+  fitted = jaxmem.transform(_mlp_step, budget="2%")
+  with pytest.raises(jaxmem.BudgetError) as err:
+    fitted.fit(params, batch)
+  assert err.value.smallest is not None
+  # The smallest named is met.
+  fit = jaxmem.transform(_mlp_step, budget=err.value.smallest).fit(params, batch)
+  assert fit.footprint <= err.value.smallest
+
+
+def test_batchnorm_budget_error_says_why():
+  task = M.get("cnn", batch=8)
+  state, batch = task.init()
+  with pytest.raises(jaxmem.BudgetError, match=r"Micro-batching cannot help either: .*"
+                     r"BatchNorm in training mode"):
+    jaxmem.transform(task.step, budget="5%").fit(state, batch)
+
+
+def test_saved_micro_batched_plan_reloads(tmp_path):
+  params, batch = _mlp_args()
+  fitted = jaxmem.transform(_mlp_step, budget="20%")
+  fit = fitted.fit(params, batch)
+  path = tmp_path / "plan.json"
+  fitted.save_plan(path, params, batch)
+  assert json.loads(path.read_text())["micro_batches"] == fit.micro.count
+  again = jaxmem.transform(_mlp_step, budget="20%", plan=path).fit(params, batch)
+  assert again.micro.count == fit.micro.count and again.plan == fit.plan
+  assert again.footprint == fit.footprint
