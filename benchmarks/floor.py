@@ -12,6 +12,7 @@ smallest. On XLA:CPU the state never moves (its host memory is its device
 memory).
 
     python benchmarks/floor.py --models gpt2 resnet18 --target t4 --out DIR
+    python benchmarks/floor.py --models gpt2 resnet18 --target cpu --out DIR
 """
 
 from __future__ import annotations
@@ -47,17 +48,20 @@ def smallest(step, args, target: str, **options) -> tuple[int, int, float]:
     return err.smallest, 0, time.perf_counter() - start
 
 
-def row(name: str, config: dict, target: str) -> dict:
+def row(name: str, config: dict, where: str) -> dict:
+  """One model's smallest footprints on ``where`` (a GPU preset's name, or
+  ``cpu``: this machine's XLA:CPU)."""
+  target = None if where == "cpu" else where
   t = task(name, config)
   args = jax.eval_shape(t.init)
   compiled, _, _ = compile_for(t.step, args, target)
   unconstrained = xla_footprint(compiled)
   state = optimizer_state(build_graph(jax.make_jaxpr(t.step)(*args)))
   plans, _, plans_s = smallest(t.step, args, target, host_state=False, micro_batches=1)
-  hosted, _, hosted_s = (smallest(t.step, args, target, micro_batches=1) if target != "cpu"
+  hosted, _, hosted_s = (smallest(t.step, args, target, micro_batches=1) if target
                          else (plans, 1, 0.0))
   micro, _, micro_s = smallest(t.step, args, target)
-  return dict(model=name, target=target, unconstrained=unconstrained,
+  return dict(model=name, target=where, unconstrained=unconstrained,
               state_bytes=sum(leaf.nbytes for leaf in state), state_leaves=len(state),
               smallest_plans=plans, smallest_hosted=hosted, smallest=micro,
               plans=plans / unconstrained, hosted=hosted / unconstrained,
@@ -82,7 +86,7 @@ def main(argv=None) -> None:
   from jaxmem._zoo import models
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=["gpt2", "resnet18", "vit", "mobilenetv2"])
-  parser.add_argument("--target", default="t4")
+  parser.add_argument("--target", default="t4", help="a GPU preset, or cpu (XLA:CPU here)")
   parser.add_argument("--out", required=True)
   opts = parser.parse_args(argv)
   sizes = models().CPU_SIZES
