@@ -55,7 +55,9 @@ def _split(step, leaves, groups):
   return split_batch(build_graph(jax.make_jaxpr(step)(*leaves)), groups, ["state", "batch"])
 
 
-@pytest.mark.parametrize("name", sorted(ZOO))
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.slow) if name in ("vgg", "unet") else name
+    for name in sorted(ZOO)])
 def test_zoo_updates_match_the_step(name):
   task = M.get(name, optimizer=optax.sgd(0.5), **ZOO[name])
   step, leaves, groups = _flat(task)

@@ -90,7 +90,6 @@ def micro_batched(split: Split, k: int) -> Callable:
                                                if how is None]
   returned = list(dict.fromkeys(o for o in graph.outputs
                                 if isinstance(o, int) and o in split.axes))
-  shape = lambda v: graph.values[v].aval.shape
 
   def run(*flat):
     env = dict(graph.consts)
@@ -106,39 +105,19 @@ def micro_batched(split: Split, k: int) -> Callable:
             for i in combined]
 
     def body(carry, chunk):
-      local = {v: x for (v, _), x in zip(scanned, chunk) if v in split.axes}
-      taken = {key: x for key, x in zip(scanned, chunk) if key[0] not in split.axes}
-      get = lambda a: a.val if isinstance(a, jex.Literal) else local.get(a, env.get(a))
-
-      def apply(i, demand, out_axis, first=None):
-        node = nodes[i]
-        args = [get(a) for a in node.ins]
-        in_axes = [split.axes.get(a) if isinstance(a, int) else None for a in node.ins]
-        for position, axis in demand:
-          if isinstance(node.ins[position], int):
-            args[position], in_axes[position] = take(node.ins[position], axis), axis
-        if first is not None:
-          args[0] = first
-        params = chunk_params(node, in_axes, [_shape_of(graph, a) for a in node.ins],
-                              out_axis, shape(node.outs[0]), k)
-        return bind_node(node, args, params=params, name_stack=node.name_stack)
-
-      def take(vid, axis):
-        if (vid, axis) not in taken:
-          i, demand = split.demanded[(vid, axis)]
-          taken[(vid, axis)] = apply(i, demand, axis)[0]
-        return taken[(vid, axis)]
-
+      one = _Chunk(split, k, env,
+                   {v: x for (v, _), x in zip(scanned, chunk) if v in split.axes},
+                   {key: x for key, x in zip(scanned, chunk) if key[0] not in split.axes})
       acc = dict(zip(combined, carry))
       for i in split.region:
         rule = split.rules[i]
-        outs = apply(i, rule.demand, rule.outs[0],
-                     acc[i] if rule.combine == SCATTER_ADD else None)
+        outs = one.apply(i, rule.demand, rule.outs[0],
+                         acc[i] if rule.combine == SCATTER_ADD else None)
         if rule.combine is None:
-          local.update(zip(nodes[i].outs, outs))
+          one.local.update(zip(nodes[i].outs, outs))
         else:
           acc[i] = _COMBINE[rule.combine](acc[i], outs[0]).astype(acc[i].dtype)
-      return [acc[i] for i in combined], [local[v] for v in returned]
+      return [acc[i] for i in combined], [one.local[v] for v in returned]
 
     carry, ys = jax.lax.scan(body, init, xs)
     for i, total in zip(combined, carry):
@@ -149,6 +128,55 @@ def micro_batched(split: Split, k: int) -> Callable:
     return [read(o) for o in graph.outputs]
 
   return run
+
+
+class _Chunk:
+  """The equations of one chunk, traced inside the scan's body.
+
+  Attributes:
+    split, k: the split and its number of chunks.
+    env: the values made once before the chunks (read as they are).
+    local: this chunk's values with an example axis.
+    taken: demanded values, this chunk's part, by ``(value, axis)`` (those
+      made once and scanned, and those made again here as they are read).
+  """
+
+  def __init__(self, split: Split, k: int, env: dict, local: dict, taken: dict):
+    self.split, self.k, self.env = split, k, env
+    self.local, self.taken = local, taken
+
+  def get(self, atom):
+    if isinstance(atom, jex.Literal):
+      return atom.val
+    return self.local[atom] if atom in self.local else self.env[atom]
+
+  def apply(self, i: int, demand, out_axis, first=None) -> list:
+    """Equation ``i`` on this chunk (``first`` in place of its first operand:
+    a carry); its demanded inputs taken (:meth:`take`)."""
+    graph = self.split.graph
+    node = graph.nodes[i]
+    in_axes = [self.split.axes.get(a) if isinstance(a, int) else None for a in node.ins]
+    args = [None if any(p == position for p, _ in demand) else self.get(a)
+            for position, a in enumerate(node.ins)]
+    for position, axis in demand:
+      if isinstance(node.ins[position], int):
+        args[position], in_axes[position] = self.take(node.ins[position], axis), axis
+      else:
+        args[position] = node.ins[position].val
+    if first is not None:
+      args[0] = first
+    params = chunk_params(node, in_axes, [_shape_of(graph, a) for a in node.ins], out_axis,
+                          graph.values[node.outs[0]].aval.shape, self.k)
+    return bind_node(node, args, params=params, name_stack=node.name_stack)
+
+  def take(self, vid: int, axis: int):
+    """This chunk's part of demanded value ``vid`` along ``axis``: made at the
+    chunk's size where it can be (``Split.demanded``), else scanned."""
+    key = (vid, axis)
+    if key not in self.taken:
+      i, demand = self.split.demanded[key]
+      self.taken[key] = self.apply(i, demand, axis)[0]
+    return self.taken[key]
 
 
 def _plain(node) -> str:
