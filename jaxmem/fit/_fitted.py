@@ -95,6 +95,7 @@ class Fit:
     return (f"Fit(budget={format_bytes(self.budget)}, footprint={fp}, "
             f"unconstrained={format_bytes(self.unconstrained)}, "
             f"decisions={len(self.plan)}, planner={self.planner.name!r}, "
+            + (f"micro_batches={self.micro.count}, " if self.micro else "") +
             f"target={self.target.name!r}); .report() for the whole")
 
   def save_plan(self, path) -> None:
