@@ -177,3 +177,14 @@ def test_saved_micro_batched_plan_reloads(tmp_path):
   again = jaxmem.transform(_mlp_step, budget="20%", plan=path).fit(params, batch)
   assert again.micro.count == fit.micro.count and again.plan == fit.plan
   assert again.footprint == fit.footprint
+
+
+def test_a_step_with_its_own_remat_runs_in_micro_batches():
+  """``nn.remat`` blocks are inlined where the step runs in micro-batches:
+  the chunks' residuals are planned as the step's are."""
+  task = M.get("gpt2", optimizer=optax.sgd(0.5), remat="nothing_saveable", **ZOO["gpt2"])
+  state, batch = task.init()
+  fitted = jaxmem.transform(task.step, budget="100%", micro_batches=2)
+  assert fitted.fit(state, batch).micro.count == 2
+  assert_updates_close(fitted(state, batch), jax.jit(task.step)(state, batch), (state, 0.0),
+                       rtol=1e-4)

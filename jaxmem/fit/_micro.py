@@ -28,9 +28,14 @@ import jax
 from jaxmem._budget import BudgetError
 from jaxmem.fit._arguments import Arguments
 from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch
+from jaxmem.graph._graph import build_graph
 from jaxmem.schedule._microbatch import micro_batched
 
 _log = logging.getLogger("jaxmem")
+
+# ``jax.checkpoint`` (``nn.remat``) in a step: in micro-batches its body is
+# inlined, and the chunks' residuals are planned as the step's are.
+REMAT = frozenset({"remat2", "checkpoint"})
 
 # ``transform(..., micro_batches=AUTO)``: split the batch only where nothing
 # else fits.
@@ -125,6 +130,8 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   the smallest of all (``error``, the step's own, included); None where
   there is none. A batch that cannot be split adds why to ``error`` (or
   answers None); with ``counts`` given, it is a ValueError."""
+  if any(node.prim.name in REMAT for node in graph.nodes):
+    graph = build_graph(closed, inline=REMAT)  # the plan of the chunks replaces the step's
   try:
     split = split_batch(graph, groups, names)
   except NotSplittable as why:

@@ -272,7 +272,8 @@ def _join(outer: str, inner: str) -> str:
 class _Builder:
   """One pass over the equations, inlining calls, with an env of value ids."""
 
-  def __init__(self):
+  def __init__(self, inline: frozenset = frozenset()):
+    self.inline_also = inline
     self.nodes: list[Node] = []
     self.avals: dict[int, Any] = {}
     self.producers: dict[int, int] = {}
@@ -291,7 +292,8 @@ class _Builder:
 
     for eqn in jaxpr.eqns:
       stack = _join(outer_stack, str(eqn.source_info.name_stack))
-      body_key = _primitives.inlined_body(eqn.primitive.name)
+      body_key = _primitives.inlined_body(eqn.primitive.name) or (
+          "jaxpr" if eqn.primitive.name in self.inline_also else None)
       body = eqn.params.get(body_key) if body_key else None
       if body is not None and not eqn.effects:
         self.inline(body, eqn, env, stack, outer_source or _source(eqn.source_info))
@@ -346,8 +348,10 @@ class _Builder:
             for vid, aval in self.avals.items()}
 
 
-def build_graph(closed_jaxpr) -> Graph:
-  """Flattens a step's closed jaxpr and finds its residuals.
+def build_graph(closed_jaxpr, inline: frozenset = frozenset()) -> Graph:
+  """Flattens a step's closed jaxpr and finds its residuals; the bodies of
+  the primitives named in ``inline`` (whose body is their ``jaxpr``
+  param, as ``jax.checkpoint``'s ``remat2``) are inlined too.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -357,7 +361,7 @@ def build_graph(closed_jaxpr) -> Graph:
     >>> [r.primitive for r in g.residuals]  # tanh(y) and 1 - tanh(y)**2
     ['tanh', 'sub']
   """
-  builder = _Builder()
+  builder = _Builder(frozenset(inline))
   jaxpr = closed_jaxpr.jaxpr
   env = {}
   for var, const in zip(jaxpr.constvars, closed_jaxpr.consts):
