@@ -188,3 +188,25 @@ def test_a_step_with_its_own_remat_runs_in_micro_batches():
   assert fitted.fit(state, batch).micro.count == 2
   assert_updates_close(fitted(state, batch), jax.jit(task.step)(state, batch), (state, 0.0),
                        rtol=1e-4)
+
+
+def test_per_example_outputs_and_a_batch_passed_by_name():
+  """Outputs that hold examples come back whole, in order; a batch passed
+  as a keyword argument is found and named."""
+  def step(params, *, batch):
+    def loss(params):
+      h = batch["x"]
+      for w in params:
+        h = jnp.tanh(h @ w)
+      per_example = jnp.sum((h - batch["y"]) ** 2, axis=1)
+      return jnp.mean(per_example), per_example
+    (_, per_example), grads = jax.value_and_grad(loss, has_aux=True)(params)
+    return [w - 0.1 * g for w, g in zip(params, grads)], per_example
+
+  params, batch = _mlp_args(batch=32, depth=2)
+  # A step this small is no smaller in micro-batches: the budget is ample.
+  fitted = jaxmem.transform(step, budget="1GiB", micro_batches=4)
+  fit = fitted.fit(params, batch=batch)
+  assert fit.micro.count == 4 and fit.micro.arguments == ("batch",)
+  assert_trees_close(fitted(params, batch=batch), jax.jit(step)(params, batch=batch),
+                     rtol=1e-5)
