@@ -2,8 +2,8 @@
 gradients (``graph._batch_axes``, ``schedule._microbatch``, ``fit._micro``).
 
 Checked here: the split follows the examples through the zoo's models and
-gives the untransformed step's updates (gradients, through SGD) for every
-number of micro-batches; BatchNorm in training mode refuses, with the
+gives the untransformed step's updates (gradients, through SGD) in two
+micro-batches and one example at a time; BatchNorm in training mode refuses, with the
 documented message; a transform whose budget only micro-batches meet runs
 in as few as fit, within the budget by XLA's footprint, with the step's
 numbers over three steps; and the switches (``micro_batches=1`` and a

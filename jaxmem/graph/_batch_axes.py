@@ -62,8 +62,9 @@ class Split:
     before, region, after: equations run once before the chunks, once per
       chunk, and once after them, each in step order.
     demanded: ``(value, axis)`` pairs taken per chunk though the value has no
-      example axis, each with the equation that makes it again at the
-      chunk's size, or None where it is made once and sliced.
+      example axis, each with ``(equation, demands)``: the equation that
+      makes it again at the chunk's size and its own demanded inputs; or
+      None where it is made once and sliced.
     names: the inputs' argument paths, for reports.
   """
   graph: Graph
@@ -73,7 +74,7 @@ class Split:
   before: tuple[int, ...]
   region: tuple[int, ...]
   after: tuple[int, ...]
-  demanded: Mapping[tuple[int, int], int | None]
+  demanded: Mapping[tuple[int, int], tuple[int, tuple] | None]
   names: tuple[str, ...] = ()
 
   @property
@@ -93,7 +94,8 @@ class Split:
     return tuple(i for i in self.region if self.rules[i].combine is not None)
 
 
-def _shape(graph: Graph, atom) -> tuple:
+def shape_of(graph: Graph, atom) -> tuple:
+  """The shape of ``atom``: a value id of ``graph``, or a literal."""
   return tuple(getattr(atom.aval if isinstance(atom, jex.Literal) else
                        graph.values[atom].aval, "shape", ()))
 
@@ -104,7 +106,7 @@ def _rule(graph: Graph, node, axes: list) -> Rule:
     raise Refuse(f"jaxmem does not know how {node.prim.name} treats examples")
   if node.effects:
     raise Refuse("it has side effects, which would run once per micro-batch")
-  shapes = [_shape(graph, a) for a in node.ins]
+  shapes = [shape_of(graph, a) for a in node.ins]
   return rule(node, axes, shapes, [graph.values[o].aval.shape for o in node.outs])
 
 
@@ -147,7 +149,7 @@ def _remade(graph: Graph, vid: int, axis: int, memo: dict):
   elif name == "broadcast_in_dim":
     dims = tuple(node.params["broadcast_dimensions"])
     operand = ins[0]
-    if axis not in dims or _shape(graph, operand)[dims.index(axis)] == 1:
+    if axis not in dims or shape_of(graph, operand)[dims.index(axis)] == 1:
       found = (producer, ())
     elif isinstance(operand, int) and _remade(graph, operand, dims.index(axis), memo):
       found = (producer, ((0, dims.index(axis)),))
@@ -155,7 +157,7 @@ def _remade(graph: Graph, vid: int, axis: int, memo: dict):
       found = None
   elif name in ELEMENTWISE and len(node.outs) == 1:
     demand = tuple((i, axis) for i, a in enumerate(ins)
-                   if len(_shape(graph, a)) > axis and _shape(graph, a)[axis] != 1)
+                   if len(shape_of(graph, a)) > axis and shape_of(graph, a)[axis] != 1)
     found = (producer, demand) if all(
         _remade(graph, ins[i], axis, memo) for i, _ in demand) else None
   else:

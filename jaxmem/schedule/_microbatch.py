@@ -34,7 +34,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from jaxmem.graph._axis_rules import ADD, AND, MAX, MIN, OR, SCATTER_ADD, chunk_params
-from jaxmem.graph._batch_axes import Split
+from jaxmem.graph._batch_axes import Split, shape_of
 from jaxmem.schedule._emit import bind_node
 
 
@@ -165,7 +165,7 @@ class _Chunk:
         args[position] = node.ins[position].val
     if first is not None:
       args[0] = first
-    params = chunk_params(node, in_axes, [_shape_of(graph, a) for a in node.ins], out_axis,
+    params = chunk_params(node, in_axes, [shape_of(graph, a) for a in node.ins], out_axis,
                           graph.values[node.outs[0]].aval.shape, self.k)
     return bind_node(node, args, params=params, name_stack=node.name_stack)
 
@@ -183,8 +183,3 @@ def _plain(node) -> str:
   """``node``'s module path without AD wrappers: what runs once outside the
   chunks is no part of a backward pass, which all runs per chunk."""
   return "" if node.readable == "<top>" else node.readable
-
-
-def _shape_of(graph, atom) -> tuple:
-  return tuple(getattr(atom.aval if isinstance(atom, jex.Literal) else
-                       graph.values[atom].aval, "shape", ()))
