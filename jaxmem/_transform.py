@@ -23,7 +23,7 @@ from jaxmem.fit._fitted import Fit
 from jaxmem.graph._graph import Graph, build_graph, trace
 from jaxmem.fit._traced import Written, as_written, emitted, graphs, target_clock
 from jaxmem.fit._micro import (
-    AUTO, MicroBatches, argument_groups, checked_count, fit_micro_batches)
+    AUTO, MicroBatches, argument_groups, checked_count, fit_chunked, fit_micro_batches)
 from jaxmem.fit._saved import fingerprint, loads, micro_batches_of
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes
@@ -218,11 +218,12 @@ class Transformed:
     planner = get_planner(self._planner_spec, target.profile)
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
     step = fingerprint(closed)
-    count = self.micro_batches
+    count, region = self.micro_batches, False
     if self.saved is not None:
-      plan, source, count = self._load(step)
+      plan, source, count, region = self._load(step)
       planner = Fixed(plan, source=source)
-    memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count)
+    memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count,
+            region)
     if self._known_to_fail(memo, planner, target, find_smallest):
       return None
     graph = build_graph(closed)
@@ -233,7 +234,7 @@ class Transformed:
     written = self._written(closed, out_tree, target, leaves, args, kwargs)
     if count not in (AUTO, 1):
       return self._micro_batched(fitting, closed, planner, written, args, kwargs, memo,
-                                 counts=[count])
+                                 counts=[count], region=region)
     try:
       found = fitting(closed, planner, written)
     except BudgetError as err:
@@ -248,19 +249,21 @@ class Transformed:
 
   def _micro_batched(self, fitting: Callable, closed, planner, written: Written, args,
                      kwargs, memo: tuple, error: BudgetError | None = None,
-                     counts=None) -> Fit | None:
-    """``fit._micro.fit_micro_batches`` by ``fitting``; an unmet budget is remembered."""
+                     counts=None, region: bool | None = None) -> Fit | None:
+    """``fit._micro.fit_chunked`` by ``fitting``; an unmet budget is remembered."""
     where = fitting.keywords
     budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
     measure = functools.partial(self._written, out_tree=where["out_tree"], args=args,
                                 target=where["target"], leaves=where["leaves"], kwargs=kwargs)
+    split = functools.partial(
+        fit_micro_batches,
+        lambda traced, micro, smallest, own: fitting(
+            traced, planner, written, micro=micro, find_smallest=smallest, own=own,
+            graph=None), measure, where["graph"], closed,
+        *argument_groups(self.fun, self.arguments, args, kwargs),
+        written.footprint and budget - reserve, find_smallest=where["find_smallest"])
     try:
-      return fit_micro_batches(
-          lambda traced, micro, smallest, own: fitting(
-              traced, planner, written, micro=micro, find_smallest=smallest, own=own,
-              graph=None), measure, where["graph"], closed,
-          *argument_groups(self.fun, self.arguments, args, kwargs),
-          written.footprint and budget - reserve, error, counts, where["find_smallest"])
+      return fit_chunked(split, error, counts, region)
     except BudgetError as err:
       remember(self.fun, memo, err.smallest - reserve, written.footprint)
       raise
@@ -347,16 +350,17 @@ class Transformed:
         description=None if target.profile is None else target.profile.description,
         planner=planner.describe(), max_rounds=self.max_rounds, host_state=self.host_state)
 
-  def _load(self, step: str) -> tuple[Plan, str, int | str]:
+  def _load(self, step: str) -> tuple[Plan, str, int | str, bool]:
     """The plan given as ``plan=`` (a :class:`Plan`, or a path to one
     saved by :meth:`Fit.save_plan`, checked to be for this step), with
-    where it came from and the micro-batches it runs the step in."""
+    where it came from, the chunks it runs the step in and whether they
+    are a region's (``fit._micro``)."""
     if isinstance(self.saved, Plan):
-      return self.saved, "given", self.micro_batches
+      return self.saved, "given", self.micro_batches, False
     path = os.fspath(self.saved)
     with open(path) as f:
       text = f.read()
-    return loads(text, step, source=path), path, micro_batches_of(text)
+    return (loads(text, step, source=path), path, *micro_batches_of(text))
 
   def _known_to_fail(self, memo: tuple, planner, target: Target,
                      find_smallest: bool) -> bool:
@@ -461,11 +465,11 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
       (arguments only its update reads: Adam's moments) may live in
       ``pinned_host`` memory between steps where no plan fits with it on
       the device; the step then takes and returns it there (``Fit.hosted``).
-    micro_batches: ``"auto"``: where no plan fits, the step runs over
-      micro-batches of its batch with accumulated gradients, as few as fit
+    micro_batches: ``"auto"``: where no plan fits, the region around the
+      step's peak (a loss head) runs over chunks of the batch, else the whole
+      step over micro-batches with gradients accumulated, as few as fit
       (``Fit.micro``); the batch is the arguments whose leaves share one
-      leading dimension. A number: always that many micro-batches (1:
-      never).
+      leading dimension. A number: that many micro-batches (1: no chunks).
     **jit_kwargs: passed to ``jax.jit``. ``donate_argnums`` /
       ``donate_argnames`` donate as there; a step already wrapped in
       ``jax.jit`` with donated arguments keeps its donation.

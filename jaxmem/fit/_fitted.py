@@ -95,7 +95,8 @@ class Fit:
     return (f"Fit(budget={format_bytes(self.budget)}, footprint={fp}, "
             f"unconstrained={format_bytes(self.unconstrained)}, "
             f"decisions={len(self.plan)}, planner={self.planner.name!r}, "
-            + (f"micro_batches={self.micro.count}, " if self.micro else "") +
+            + (f"{'region_chunks' if self.micro.region else 'micro_batches'}="
+               f"{self.micro.count}, " if self.micro else "") +
             f"target={self.target.name!r}); .report() for the whole")
 
   def save_plan(self, path) -> None:
@@ -111,7 +112,8 @@ class Fit:
     return dumps(with_host_decisions(self.graph, self.plan), self.step,
                  budget=self.budget, target=self.target.name,
                  planner=self.planner.describe(), footprint=self.footprint,
-                 micro_batches=1 if self.micro is None else self.micro.count)
+                 micro_batches=1 if self.micro is None else self.micro.count,
+                 region=bool(self.micro and self.micro.region))
 
   def gap(self) -> Gap:
     """The plan's cost against the exact planner's bound at the plan's own
@@ -178,11 +180,13 @@ class Fit:
            "iteration's)"] if self.loop else []),
         *([f"micro-batches     {self.micro.describe()}: no plan of the whole batch fits "
            "(residuals, decisions and FLOPs below are one micro-batch's)"]
-          if self.micro else []),
+          if self.micro and not self.micro.region else []),
+        *([f"chunked region    {self.micro.describe()}: no plan of the step as it is "
+           "fits"] if self.micro and self.micro.region else []),
         f"peak at           {p.peak_name}",
         ("decisions         none on residuals: with the optimizer state in host memory "
          "the step fits the budget" if not len(self.plan) and self.hosted else
-         "decisions         none on residuals: in micro-batches the step fits the budget"
+         "decisions         none on residuals: in chunks the step fits the budget"
          if not len(self.plan) and self.micro else
          "decisions         none: the step as written fits the budget, nothing needed "
          "planning" if not len(self.plan) else

@@ -27,7 +27,8 @@ import jax
 
 from jaxmem._budget import BudgetError
 from jaxmem.fit._arguments import Arguments
-from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch
+from jaxmem.cost._evaluate import unplanned
+from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch, split_region
 from jaxmem.graph._graph import build_graph
 from jaxmem.schedule._microbatch import micro_batched
 
@@ -58,13 +59,19 @@ class MicroBatches:
     count: micro-batches per step.
     batch: examples in the step's batch.
     arguments: the arguments split (their names in the call).
+    region: where only a region of the step runs in chunks, which (for
+      reports); empty where the whole step runs in micro-batches.
   """
   count: int
   batch: int
   arguments: tuple[str, ...]
+  region: str = ""
 
   def describe(self) -> str:
     """One line for reports."""
+    if self.region:
+      return (f"{self.region} in {self.count} chunks of {self.batch // self.count} "
+              f"examples (the batch of {self.batch}); the rest of the step whole")
     return (f"{self.count} micro-batches of {self.batch // self.count} examples "
             f"(the batch of {self.batch} in {', '.join(self.arguments) or 'the arguments'}), "
             "gradients accumulated")
@@ -116,10 +123,24 @@ def micro_step(split: Split, k: int, closed):
   return jax.make_jaxpr(micro_batched(split, k))(*closed.in_avals)
 
 
+def _split(graph, closed, groups, names, region: bool) -> tuple[Split, object]:
+  """The split of the traced step ``closed`` (of ``graph``): its batch, or
+  (``region``) the region around the largest value at its peak as
+  written; with the graph it splits."""
+  if any(node.prim.name in REMAT for node in graph.nodes):
+    graph = build_graph(closed, inline=REMAT)  # the plan of the chunks replaces the step's
+  if not region:
+    return split_batch(graph, groups, names), graph
+  near = [key[0] for key in unplanned(graph, 0).memory.live_at_peak]
+  return split_region(graph, groups, near, names), graph
+
+
 def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, names,
                       limit: int | None, error: BudgetError | None = None,
-                      counts: Sequence[int] | None = None, find_smallest: bool = True):
-  """The traced step ``closed`` (of ``graph``) fitted in micro-batches.
+                      counts: Sequence[int] | None = None, find_smallest: bool = True,
+                      region: bool = False):
+  """The traced step ``closed`` (of ``graph``) fitted in micro-batches, or
+  with only the region around its peak in chunks (``region``).
 
   Each of ``counts`` (by default those :func:`sizes_to_try` gives) is
   measured as written (``measure(traced)``: its ``footprint``); the fewest
@@ -130,15 +151,13 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   the smallest of all (``error``, the step's own, included); None where
   there is none. A batch that cannot be split adds why to ``error`` (or
   answers None); with ``counts`` given, it is a ValueError."""
-  if any(node.prim.name in REMAT for node in graph.nodes):
-    graph = build_graph(closed, inline=REMAT)  # the plan of the chunks replaces the step's
   try:
-    split = split_batch(graph, groups, names)
+    split, graph = _split(graph, closed, groups, names, region)
   except NotSplittable as why:
     if counts is not None:
       raise ValueError(f"jaxmem: micro_batches={counts[0]} asks to split the batch, but "
                        f"{why}. Pass micro_batches=1 to run the step whole.") from None
-    if error is None:
+    if error is None or region:
       return None
     raise BudgetError(f"{error} Micro-batching cannot help either: {why}.",
                       smallest=error.smallest) from None
@@ -146,15 +165,15 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   for k in counts or sizes_to_try(split.sizes(), split.batch):
     traced = micro_step(split, k, closed)
     measured = measure(traced)
-    micro = MicroBatches(k, split.batch, split.names)
-    _log.info("jaxmem: the step in %d micro-batches, as written: %s", k, measured.footprint)
+    micro = MicroBatches(k, split.batch, split.names, "" if split.whole else _region(split))
+    _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)
     if limit is not None and measured.footprint is not None and measured.footprint <= limit:
       found = fit(traced, micro, False, measured)
       if found is not None:
         return found
     tried.append((measured.footprint or 0, k, traced, micro, measured))
   _, k, traced, micro, measured = min(tried, key=lambda t: (t[0], t[1]))
-  _log.info("jaxmem: no number of micro-batches fits as written; planning %d", k)
+  _log.info("jaxmem: no number of chunks fits as written; planning %d", k)
   try:
     found = fit(traced, micro, find_smallest, measured)
   except BudgetError as err:
@@ -162,3 +181,27 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   if found is None and error is not None:
     raise error
   return found
+
+
+def fit_chunked(fit_split: Callable, error: BudgetError | None, counts, region: bool | None):
+  """Where no plan of the step fits: the region around its peak in chunks,
+  then the whole step in micro-batches, each by ``fit_split(error, counts,
+  region=...)`` (:func:`fit_micro_batches` with the rest bound); ``region``
+  True or False takes only the one. The error names the smallest of all."""
+  if region is not False:
+    try:
+      found = fit_split(error if region else None, counts, region=True)
+    except BudgetError as err:
+      if region:
+        raise
+      found, error = None, err if error is None or err.smallest < error.smallest else error
+    if found is not None or region:
+      return found
+  return fit_split(error, counts, region=False)
+
+
+def _region(split: Split) -> str:
+  """The region of ``split``, for reports: its size and where it starts."""
+  first = split.graph.nodes[split.region[0]]
+  return (f"{len(split.region)} equations from {first.label}"
+          + (f" at {first.source}" if first.source else ""))

@@ -90,9 +90,11 @@ def dumps(plan: Plan, step: str, **about) -> str:
                      "decisions": [[vid, _encode(d)] for vid, d in plan]}, indent=1)
 
 
-def micro_batches_of(text: str) -> int:
-  """The micro-batches a saved plan runs its step in (1: the step whole)."""
-  return int(json.loads(text).get("micro_batches", 1))
+def micro_batches_of(text: str) -> tuple[int, bool]:
+  """The chunks a saved plan runs its step in (1: the step whole), and
+  whether only the region around the step's peak runs in them."""
+  record = json.loads(text)
+  return int(record.get("micro_batches", 1)), bool(record.get("region", False))
 
 
 def loads(text: str, step: str, source: str = "the saved plan") -> Plan:

@@ -36,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Mapping, Sequence
 
@@ -56,7 +57,8 @@ class Split:
 
   Attributes:
     graph: the step's joint graph.
-    inputs: the step inputs holding examples, each along axis 0.
+    inputs: the values holding examples that the chunks read and do not
+      make (the step's batch inputs, each along axis 0, where it is whole).
     axes: every value with an example axis -> that axis.
     rules: each equation that runs per chunk -> its :class:`Rule`.
     before, region, after: equations run once before the chunks, once per
@@ -65,7 +67,9 @@ class Split:
       example axis, each with ``(equation, demands)``: the equation that
       makes it again at the chunk's size and its own demanded inputs; or
       None where it is made once and sliced.
-    names: the inputs' argument paths, for reports.
+    names: the batch arguments' names, for reports.
+    whole: whether every equation reading examples runs per chunk (the step
+      in micro-batches), or only a region of them (:func:`split_region`).
   """
   graph: Graph
   inputs: tuple[int, ...]
@@ -76,11 +80,21 @@ class Split:
   after: tuple[int, ...]
   demanded: Mapping[tuple[int, int], tuple[int, tuple] | None]
   names: tuple[str, ...] = ()
+  whole: bool = True
 
   @property
   def batch(self) -> int:
     """Examples in the step's batch."""
-    return self.graph.values[self.inputs[0]].aval.shape[0]
+    first = self.inputs[0]
+    return self.graph.values[first].aval.shape[self.axes[first]]
+
+  def returned(self) -> tuple[int, ...]:
+    """Values with examples made per chunk and read after the chunks (or
+    returned by the step): each chunk's part is kept, and they are joined."""
+    made = {o for i in self.region for o in self.graph.nodes[i].outs}
+    after = set(self.after)
+    return tuple(v for v in sorted(made) if v in self.axes and (
+        v in self.graph.output_ids or any(u in after for u in self.graph.values[v].uses)))
 
   def sizes(self) -> tuple[int, ...]:
     """The numbers of micro-batches every split value divides into."""
@@ -175,23 +189,29 @@ def _cross_example(combiner, reader) -> NotSplittable:
       "only in what it returns: the loss, the metrics and the gradients")
 
 
-def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names) -> Split:
-  """The equations before, per chunk and after, with the demanded values."""
-  origin = {o: i for i, r in rules.items() if r.combine for o in graph.nodes[i].outs}
+def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
+           region: set | None = None) -> Split:
+  """The equations before, per chunk (``region``: by default every one that
+  reads examples) and after, with the demanded values."""
+  whole = region is None
+  region = set(rules) if whole else region
+  made = {o for i in region for o in graph.nodes[i].outs}
+  origin = {o: i for i in region if rules[i].combine for o in graph.nodes[i].outs}
   after = []
   for node in graph.nodes:
     read = [origin[a] for a in node.ins if isinstance(a, int) and a in origin]
-    if node.index in rules:
+    if node.index in region:
       if read:
         raise _cross_example(graph.nodes[read[0]], node)
       continue
-    if read:
+    reads_made = [graph.values[a].producer for a in node.ins if isinstance(a, int) and a in made]
+    if read or reads_made:
       after.append(node.index)
-      origin.update((o, read[0]) for o in node.outs)
+      origin.update((o, (read or reads_made)[0]) for o in node.outs)
   demanded: dict = {}
   memo: dict = {}
-  for i, rule in rules.items():
-    for position, axis in rule.demand:
+  for i in region:
+    for position, axis in rules[i].demand:
       vid = graph.nodes[i].ins[position]
       if isinstance(vid, jex.Literal):
         continue
@@ -205,13 +225,58 @@ def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names) -> Split
           if demanded[key] is not None:
             ins = graph.nodes[demanded[key][0]].ins
             stack += [(ins[p], a) for p, a in demanded[key][1]]
-  region = tuple(sorted(rules))
-  if not any(graph.nodes[i].backward for i in region):
+  if whole and not any(graph.nodes[i].backward for i in region):
     raise NotSplittable("no part of the backward pass runs per example")
-  done = set(region) | set(after)
-  return Split(graph, tuple(inputs), axes, rules,
-               tuple(i for i in range(len(graph.nodes)) if i not in done), region,
-               tuple(after), demanded, tuple(names))
+  if not whole:
+    inputs = tuple(sorted({a for i in region for a in graph.nodes[i].ins
+                           if isinstance(a, int) and a in axes and a not in made}))
+    axes = {v: axes[v] for v in (*inputs, *made) if v in axes}
+  done = region | set(after)
+  return Split(graph, tuple(inputs), axes, {i: rules[i] for i in region},
+               tuple(i for i in range(len(graph.nodes)) if i not in done),
+               tuple(sorted(region)), tuple(after), demanded, tuple(names), whole)
+
+
+def _grown(graph: Graph, axes: dict, rules: dict, seed: int, share: float) -> set:
+  """The equations that make or read ``seed``, and, in turn, those that make
+  or read their values holding examples of at least ``share`` of its bytes."""
+  floor = share * graph.values[seed].nbytes
+  region, seen, stack = set(), {seed}, [seed]
+  while stack:
+    value = graph.values[stack.pop()]
+    for i in ([] if value.producer is None else [value.producer]) + list(value.uses):
+      if i not in rules or i in region:
+        continue
+      region.add(i)
+      for v in (*graph.nodes[i].ins, *graph.nodes[i].outs):
+        if isinstance(v, int) and v in axes and v not in seen and graph.values[v].nbytes >= floor:
+          seen.add(v)
+          stack.append(v)
+  return region
+
+
+def _convex(graph: Graph, rules: dict, region: set) -> set:
+  """``region`` with every equation on a path between two of its own added,
+  so that it runs as one piece between what comes before and after."""
+  while True:
+    later, reached = set(), {o for i in region for o in graph.nodes[i].outs}
+    for node in graph.nodes:
+      if node.index not in region and any(a in reached for a in node.ins if isinstance(a, int)):
+        later.add(node.index)
+        reached.update(node.outs)
+    between, needed = set(), {a for i in region for a in graph.nodes[i].ins if isinstance(a, int)}
+    for node in reversed(graph.nodes):
+      if node.index not in region and any(o in needed for o in node.outs):
+        needed.update(a for a in node.ins if isinstance(a, int))
+        if node.index in later:
+          between.add(node.index)
+    if not between:
+      return region
+    outside = [i for i in sorted(between) if i not in rules]
+    if outside:
+      raise NotSplittable(f"{_where(graph.nodes[outside[0]])} runs between two parts of the "
+                          "region and holds no examples")
+    region |= between
 
 
 def _candidates(graph: Graph, groups: Sequence[Sequence[int]]) -> dict[int, list[int]]:
@@ -232,16 +297,10 @@ def _candidates(graph: Graph, groups: Sequence[Sequence[int]]) -> dict[int, list
   return found
 
 
-def split_batch(graph: Graph, groups: Sequence[Sequence[int]],
-                names: Sequence[str] = ()) -> Split:
-  """The step split into micro-batches along the batch its arguments hold.
-
-  ``groups`` holds each argument's leaf positions among the step's inputs
-  (``names`` its name, for reports). The batch is the arguments whose
-  leaves all share one leading dimension, where following that axis through
-  the step works (several sizes are each tried, the largest arguments
-  first); :class:`NotSplittable` says why none does.
-  """
+def _split(graph: Graph, groups, names, place) -> Split:
+  """``place(axes, rules, inputs, names)`` for the first batch (of the
+  arguments' candidates, the largest first) whose examples can be followed
+  through the step; :class:`NotSplittable` says why none can."""
   found = _candidates(graph, groups)
   if not found:
     raise NotSplittable("no argument holds a batch: micro-batching splits the "
@@ -254,9 +313,47 @@ def split_batch(graph: Graph, groups: Sequence[Sequence[int]],
     inputs = tuple(graph.inputs[p] for g in chosen for p in groups[g])
     try:
       axes, rules = _follow(graph, inputs)
-      return _place(graph, axes, rules, inputs, [names[g] for g in chosen if g < len(names)])
+      return place(axes, rules, inputs, [names[g] for g in chosen if g < len(names)])
     except NotSplittable as why:
       reasons.append(str(why))
   raise NotSplittable(reasons[0])
 
 
+def split_batch(graph: Graph, groups: Sequence[Sequence[int]],
+                names: Sequence[str] = ()) -> Split:
+  """The step split into micro-batches along the batch its arguments hold.
+
+  ``groups`` holds each argument's leaf positions among the step's inputs
+  (``names`` its name, for reports). The batch is the arguments whose
+  leaves all share one leading dimension, where following that axis through
+  the step works (several sizes are each tried, the largest arguments
+  first); :class:`NotSplittable` says why none does.
+  """
+  return _split(graph, groups, names, functools.partial(_place, graph))
+
+
+def split_region(graph: Graph, groups: Sequence[Sequence[int]], near: Sequence[int],
+                 names: Sequence[str] = (), share: float = 0.25) -> Split:
+  """The region of the step around its largest value holding examples among
+  ``near`` (the values live at its peak), split along the batch's axis.
+
+  The region is the equations that make or read that value and, in turn,
+  those that make or read values with examples of at least ``share`` of its
+  bytes, closed so that it runs as one piece: a softmax cross-entropy over a
+  large vocabulary, its logits' matmul and their gradients, where the
+  hidden states and their gradient are much smaller. Only the region runs
+  per chunk; the rest of the step runs whole, so reductions over the
+  examples elsewhere (BatchNorm) stay as they are. A region that holds the
+  whole backward pass is refused: that is :func:`split_batch`'s split.
+  """
+  def place(axes, rules, inputs, chosen):
+    held = [v for v in near if v in axes]
+    if not held:
+      raise NotSplittable("none of the values live at the step's peak holds examples")
+    seed = max(held, key=lambda v: graph.values[v].nbytes)
+    region = _convex(graph, rules, _grown(graph, axes, rules, seed, share))
+    if all(i in region for i in rules if graph.nodes[i].backward):
+      raise NotSplittable("the region holds the whole backward pass: that is the step "
+                          "in micro-batches (split_batch)")
+    return _place(graph, axes, rules, inputs, chosen, region)
+  return _split(graph, groups, names, place)

@@ -26,6 +26,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable
 
 import jax
@@ -86,17 +87,17 @@ def micro_batched(split: Split, k: int) -> Callable:
                      f"{split.batch}; pass one of {split.sizes()}")
   graph, nodes = split.graph, split.graph.nodes
   combined = split.combined()
-  scanned = [(v, 0) for v in split.inputs] + [key for key, how in split.demanded.items()
-                                               if how is None]
-  returned = list(dict.fromkeys(o for o in graph.outputs
-                                if isinstance(o, int) and o in split.axes))
+  scanned = [(v, split.axes[v]) for v in split.inputs] + [
+      key for key, how in split.demanded.items() if how is None]
+  returned = split.returned()
 
   def run(*flat):
     env = dict(graph.consts)
     env.update(zip(graph.inputs, flat))
     read = lambda a: a.val if isinstance(a, jex.Literal) else env[a]
     once = lambda i: env.update(zip(nodes[i].outs, bind_node(
-        nodes[i], [read(a) for a in nodes[i].ins], name_stack=_plain(nodes[i]))))
+        nodes[i], [read(a) for a in nodes[i].ins],
+        name_stack=_plain(nodes[i]) if split.whole else None)))
     for i in split.before:
       once(i)
     xs = [_chunks(env[v], axis, k) for v, axis in scanned]
@@ -119,7 +120,8 @@ def micro_batched(split: Split, k: int) -> Callable:
           acc[i] = _COMBINE[rule.combine](acc[i], outs[0]).astype(acc[i].dtype)
       return [acc[i] for i in combined], [one.local[v] for v in returned]
 
-    carry, ys = jax.lax.scan(body, init, xs)
+    with _in_pass_of(split):
+      carry, ys = jax.lax.scan(body, init, xs)
     for i, total in zip(combined, carry):
       env[nodes[i].outs[0]] = total.astype(graph.values[nodes[i].outs[0]].aval.dtype)
     env.update((v, _unchunk(y, split.axes[v])) for v, y in zip(returned, ys))
@@ -177,6 +179,19 @@ class _Chunk:
       i, demand = self.split.demanded[key]
       self.taken[key] = self.apply(i, demand, axis)[0]
     return self.taken[key]
+
+
+def _in_pass_of(split: Split):
+  """The scan's name stack: where only a region runs per chunk, that of the
+  region's first backward equation, so the rest of the step sees the scan
+  in the backward pass where it runs (its residuals read there)."""
+  from jax._src import source_info_util
+  first = next((split.graph.nodes[i] for i in split.region
+                if split.graph.nodes[i].backward), None)
+  if split.whole or first is None:
+    return contextlib.nullcontext()
+  return source_info_util.user_context(first.source_info.traceback,
+                                       name_stack=first.source_info.name_stack)
 
 
 def _plain(node) -> str:

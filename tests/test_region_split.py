@@ -1,0 +1,141 @@
+"""A region of the step in chunks: the equations around the step's peak run
+over chunks of the batch, the rest of the step whole
+(``graph._batch_axes.split_region``, ``schedule._microbatch``,
+``fit._micro``).
+
+Checked here, on a language model whose vocabulary is large beside its
+width (its softmax cross-entropy and the logits' matmul make its peak): the
+region found is that loss head, read from the jaxpr by following the
+examples (its inputs are the hidden states and the labels); in 2 and 4
+chunks it gives the untransformed step's updates (gradients, through SGD);
+XLA's footprint drops by at least the logits' chunked-away bytes; a
+transform whose budget no plan meets chunks the region, within the budget
+by XLA's footprint, with the step's numbers over three steps (Adam, donated
+state); a saved plan reloads its chunks.
+"""
+
+import json
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxmem
+from jaxmem.cost._evaluate import unplanned
+from jaxmem.graph._batch_axes import split_region
+from jaxmem.graph._graph import build_graph
+from jaxmem.schedule._microbatch import micro_batched
+from jaxmem.targets import xla_footprint
+from tests.helpers import assert_trees_close, assert_updates_close
+
+VOCAB, WIDTH, SEQ, BATCH = 4096, 32, 16, 16
+
+
+class _LM(nn.Module):
+  @nn.compact
+  def __call__(self, tokens):
+    x = nn.Embed(VOCAB, WIDTH)(tokens)
+    for _ in range(2):
+      x = x + nn.Dense(WIDTH)(nn.gelu(nn.Dense(4 * WIDTH)(nn.LayerNorm()(x))))
+    return nn.Dense(VOCAB)(nn.LayerNorm()(x))
+
+
+def _task(optimizer):
+  model = _LM()
+  tokens = jax.random.randint(jax.random.key(0), (BATCH, SEQ), 0, VOCAB)
+  params = model.init(jax.random.key(1), tokens)
+  state = (params, optimizer.init(params))
+
+  def step(state, tokens, labels):
+    params, opt_state = state
+
+    def loss(params):
+      logits = model.apply(params, tokens)
+      return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), opt_state), value
+
+  return step, (state, tokens, jnp.roll(tokens, 1, axis=1))
+
+
+def _split(step, args):
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  flat = lambda *xs: jax.tree_util.tree_leaves(step(*jax.tree_util.tree_unflatten(tree, xs)))
+  graph = build_graph(jax.make_jaxpr(flat)(*leaves))
+  n_state = len(jax.tree_util.tree_leaves(args[0]))
+  groups = [tuple(range(n_state)), (n_state,), (n_state + 1,)]
+  near = [key[0] for key in unplanned(graph, 0).memory.live_at_peak]
+  return flat, leaves, graph, split_region(graph, groups, near, ["state", "tokens", "labels"])
+
+
+def test_the_region_is_the_loss_head():
+  step, args = _task(optax.sgd(0.5))
+  _, _, graph, split = _split(step, args)
+  assert not split.whole and split.batch == BATCH
+  logits = BATCH * SEQ * VOCAB * 4
+  made = [graph.values[o].nbytes for i in split.region for o in graph.nodes[i].outs]
+  assert max(made) == logits
+  # It starts at the hidden states and the labels, not at the embeddings.
+  assert max(graph.values[v].nbytes for v in split.inputs) == BATCH * SEQ * WIDTH * 4
+  assert len(split.region) < len(graph.nodes) // 4
+  assert any(graph.nodes[i].backward for i in split.region)
+
+
+def test_region_chunks_give_the_step_gradients():
+  step, args = _task(optax.sgd(0.5))
+  flat, leaves, _, split = _split(step, args)
+  want = jax.jit(flat)(*leaves)
+  n_state = len(jax.tree_util.tree_leaves(args[0]))
+  for k in (2, 4):
+    got = jax.jit(micro_batched(split, k))(*leaves)
+    assert_updates_close(got, want, leaves[:n_state] + [0.0], rtol=1e-4)
+
+
+def test_region_chunks_shrink_xla_footprint():
+  step, args = _task(optax.sgd(0.5))
+  flat, leaves, _, split = _split(step, args)
+  written = xla_footprint(jax.jit(flat).lower(*leaves).compile())
+  k = 4
+  chunked = xla_footprint(jax.jit(micro_batched(split, k)).lower(*leaves).compile())
+  logits = BATCH * SEQ * VOCAB * 4
+  assert chunked <= written - (1 - 1 / k) * logits, (chunked, written)
+
+
+def _budget_only_the_region_meets():
+  return "45%"
+
+
+def test_transform_chunks_the_region_where_no_plan_fits():
+  step, args = _task(optax.adam(1e-3))
+  copy = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)
+  with pytest.raises(jaxmem.BudgetError):
+    jaxmem.transform(step, budget=_budget_only_the_region_meets(), micro_batches=1,
+                     donate_argnums=0, max_rounds=2).fit(copy(args[0]), *args[1:])
+  fitted = jaxmem.transform(step, budget=_budget_only_the_region_meets(), donate_argnums=0)
+  fit = fitted.fit(copy(args[0]), *args[1:])
+  assert fit.micro is not None and fit.micro.region and fit.micro.count > 1
+  assert "chunked region" in fit.report() and "region_chunks=" in repr(fit)
+  assert xla_footprint(fitted.lower(copy(args[0]), *args[1:]).compile()) <= fit.budget
+  got, want = copy(args[0]), copy(args[0])
+  reference = jax.jit(step, donate_argnums=0)
+  for _ in range(3):
+    got, got_loss = fitted(got, *args[1:])
+    want, want_loss = reference(want, *args[1:])
+    assert_trees_close((got, got_loss), (want, want_loss), rtol=1e-4)
+
+
+def test_saved_region_plan_reloads(tmp_path):
+  step, args = _task(optax.adam(1e-3))
+  budget = _budget_only_the_region_meets()
+  fitted = jaxmem.transform(step, budget=budget)
+  fit = fitted.fit(*args)
+  path = tmp_path / "plan.json"
+  fitted.save_plan(path, *args)
+  record = json.loads(path.read_text())
+  assert record["region"] is True and record["micro_batches"] == fit.micro.count
+  again = jaxmem.transform(step, budget=budget, plan=path).fit(*args)
+  assert again.micro == fit.micro and again.footprint == fit.footprint
