@@ -23,7 +23,8 @@ from jaxmem.fit._fitted import Fit
 from jaxmem.graph._graph import Graph, build_graph, trace
 from jaxmem.fit._traced import Written, as_written, emitted, graphs, target_clock
 from jaxmem.fit._micro import (
-    AUTO, MicroBatches, argument_groups, checked_count, fit_chunked, fit_micro_batches)
+    AUTO, MicroBatches, argument_groups, cheaper, checked_count, fit_chunked,
+    fit_micro_batches)
 from jaxmem.fit._saved import fingerprint, loads, micro_batches_of
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes
@@ -75,8 +76,7 @@ class Transformed:
       raise BudgetError(f"jaxmem: reserve must be a number of bytes >= 0 or None (the "
                         f"platform's default), got {reserve!r}")
     self.reserve = reserve
-    self._fits: dict = {}
-    self._batched: dict = {}
+    self._fits, self._batched = {}, {}  # fits per shapes; vmapped steps per batching
     try:
       self.__wrapped__ = fun
       self.__name__ = getattr(fun, "__name__", "step")
@@ -243,13 +243,12 @@ class Transformed:
         raise
       return self._micro_batched(fitting, closed, planner, written, args, kwargs, memo,
                                  error=err)
-    if found is None and count == AUTO:
-      return self._micro_batched(fitting, closed, planner, written, args, kwargs, memo)
-    return found
+    return found if count != AUTO else self._micro_batched(  # chunks where they are cheaper
+        fitting, closed, planner, written, args, kwargs, memo, fitted=found)
 
   def _micro_batched(self, fitting: Callable, closed, planner, written: Written, args,
                      kwargs, memo: tuple, error: BudgetError | None = None,
-                     counts=None, region: bool | None = None) -> Fit | None:
+                     counts=None, region: bool | None = None, fitted=None) -> Fit | None:
     """``fit._micro.fit_chunked`` by ``fitting``; an unmet budget is remembered."""
     where = fitting.keywords
     budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
@@ -261,9 +260,10 @@ class Transformed:
             traced, planner, written, micro=micro, find_smallest=smallest, own=own,
             graph=None), measure, where["graph"], closed,
         *argument_groups(self.fun, self.arguments, args, kwargs),
-        written.footprint and budget - reserve, find_smallest=where["find_smallest"])
+        written.footprint and budget - reserve, find_smallest=where["find_smallest"],
+        written=written.footprint)
     try:
-      return fit_chunked(split, error, counts, region)
+      return cheaper(fitted, split) if fitted else fit_chunked(split, error, counts, region)
     except BudgetError as err:
       remember(self.fun, memo, err.smallest - reserve, written.footprint)
       raise

@@ -139,3 +139,17 @@ def test_saved_region_plan_reloads(tmp_path):
   assert record["region"] is True and record["micro_batches"] == fit.micro.count
   again = jaxmem.transform(step, budget=budget, plan=path).fit(*args)
   assert again.micro == fit.micro and again.footprint == fit.footprint
+
+
+def test_chunks_chosen_over_a_plan_that_costs_more():
+  """Where a plan fits but recomputes, the region in chunks, which fits as
+  written and adds no FLOPs, is taken instead; the report says why."""
+  step, args = _task(optax.adam(1e-3))
+  plan = jaxmem.transform(step, budget="95%", micro_batches=1).fit(*args)
+  assert plan.added_flops > 0 and plan.micro is None
+  fitted = jaxmem.transform(step, budget="95%")
+  fit = fitted.fit(*args)
+  assert fit.micro.region and fit.added_flops == 0
+  assert "a plan that fits costs more" in fit.report()
+  assert xla_footprint(fitted.lower(*args).compile()) <= fit.budget
+  assert_trees_close(fitted(*args), jax.jit(step)(*args), rtol=1e-4)

@@ -181,8 +181,9 @@ class Fit:
         *([f"micro-batches     {self.micro.describe()}: no plan of the whole batch fits "
            "(residuals, decisions and FLOPs below are one micro-batch's)"]
           if self.micro and not self.micro.region else []),
-        *([f"chunked region    {self.micro.describe()}: no plan of the step as it is "
-           "fits"] if self.micro and self.micro.region else []),
+        *([f"chunked region    {self.micro.describe()}: "
+           f"{self.micro.instead or 'no plan of the step as it is fits'}"]
+          if self.micro and self.micro.region else []),
         f"peak at           {p.peak_name}",
         ("decisions         none on residuals: with the optimizer state in host memory "
          "the step fits the budget" if not len(self.plan) and self.hosted else

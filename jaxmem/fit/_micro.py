@@ -61,11 +61,14 @@ class MicroBatches:
     arguments: the arguments split (their names in the call).
     region: where only a region of the step runs in chunks, which (for
       reports); empty where the whole step runs in micro-batches.
+    instead: where the chunks were chosen over a plan that fits, that
+      plan's cost (for reports); empty where no plan fits.
   """
   count: int
   batch: int
   arguments: tuple[str, ...]
   region: str = ""
+  instead: str = ""
 
   def describe(self) -> str:
     """One line for reports."""
@@ -123,22 +126,27 @@ def micro_step(split: Split, k: int, closed):
   return jax.make_jaxpr(micro_batched(split, k))(*closed.in_avals)
 
 
-def _split(graph, closed, groups, names, region: bool) -> tuple[Split, object]:
+def _split(graph, closed, groups, names, region: bool) -> tuple[Split, object, float]:
   """The split of the traced step ``closed`` (of ``graph``): its batch, or
   (``region``) the region around the largest value at its peak as
-  written; with the graph it splits."""
+  written; with the graph it splits and the share of the modelled peak
+  that its chunks hold (1 for the batch)."""
   if any(node.prim.name in REMAT for node in graph.nodes):
     graph = build_graph(closed, inline=REMAT)  # the plan of the chunks replaces the step's
   if not region:
-    return split_batch(graph, groups, names), graph
-  near = [key[0] for key in unplanned(graph, 0).memory.live_at_peak]
-  return split_region(graph, groups, near, names), graph
+    return split_batch(graph, groups, names), graph, 1.0
+  memory = unplanned(graph, 0).memory
+  near = [key[0] for key in memory.live_at_peak]
+  split = split_region(graph, groups, near, names)
+  made = {o for i in split.region for o in graph.nodes[i].outs} - set(split.returned())
+  held = sum(graph.values[v].nbytes for v in set(near) & made)
+  return split, graph, held / max(memory.peak, 1)
 
 
 def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, names,
                       limit: int | None, error: BudgetError | None = None,
                       counts: Sequence[int] | None = None, find_smallest: bool = True,
-                      region: bool = False):
+                      region: bool = False, planned: bool = True, written: int | None = None):
   """The traced step ``closed`` (of ``graph``) fitted in micro-batches, or
   with only the region around its peak in chunks (``region``).
 
@@ -149,10 +157,12 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   is, the count with the smallest footprint as written is planned, searched
   for the smallest footprint where ``find_smallest``: the error then names
   the smallest of all (``error``, the step's own, included); None where
-  there is none. A batch that cannot be split adds why to ``error`` (or
-  answers None); with ``counts`` given, it is a ValueError."""
+  there is none (or at once, where not ``planned``: then only the counts
+  whose modelled chunks may bring ``written``, the step's footprint, within
+  ``limit`` are compiled). A batch that cannot be split adds why to
+  ``error`` (or answers None); with ``counts`` given, it is a ValueError."""
   try:
-    split, graph = _split(graph, closed, groups, names, region)
+    split, graph, held = _split(graph, closed, groups, names, region)
   except NotSplittable as why:
     if counts is not None:
       raise ValueError(f"jaxmem: micro_batches={counts[0]} asks to split the batch, but "
@@ -162,7 +172,11 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
     raise BudgetError(f"{error} Micro-batching cannot help either: {why}.",
                       smallest=error.smallest) from None
   tried = []
-  for k in counts or sizes_to_try(split.sizes(), split.batch):
+  counts = counts or sizes_to_try(split.sizes(), split.batch)
+  if not planned:
+    counts = [k for k in counts if written is None or limit is None
+              or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit]
+  for k in counts:
     traced = micro_step(split, k, closed)
     measured = measure(traced)
     micro = MicroBatches(k, split.batch, split.names, "" if split.whole else _region(split))
@@ -172,6 +186,8 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
       if found is not None:
         return found
     tried.append((measured.footprint or 0, k, traced, micro, measured))
+  if not planned or not tried:
+    return None
   _, k, traced, micro, measured = min(tried, key=lambda t: (t[0], t[1]))
   _log.info("jaxmem: no number of chunks fits as written; planning %d", k)
   try:
@@ -198,6 +214,27 @@ def fit_chunked(fit_split: Callable, error: BudgetError | None, counts, region: 
     if found is not None or region:
       return found
   return fit_split(error, counts, region=False)
+
+
+def cheaper(fitted, fit_split: Callable):
+  """``fitted`` (a plan that meets the budget), or the region around the
+  step's peak in chunks where that meets it as written at a lower cost:
+  the target's predicted seconds where both have them, else the FLOPs
+  the plan adds (chunks add none)."""
+  if not fitted.result.changes_step or (fitted.predicted is None and not fitted.added_flops):
+    return fitted
+  try:
+    other = fit_split(None, None, region=True, planned=False)
+  except BudgetError:
+    return fitted
+  timed = fitted.predicted is not None and other is not None and other.predicted is not None
+  cost = lambda fit: fit.predicted if timed else fit.added_flops
+  if other is None or cost(other) >= cost(fitted):
+    return fitted
+  instead = (f"{cost(fitted) * 1e3:.3g} ms against {cost(other) * 1e3:.3g} ms predicted"
+             if timed else f"{fitted.added_flops:.3g} FLOPs of recomputation")
+  return dataclasses.replace(other, micro=dataclasses.replace(
+      other.micro, instead=f"a plan that fits costs more ({instead})"))
 
 
 def _region(split: Split) -> str:
