@@ -200,13 +200,15 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
 
 
 def fit_chunked(fit_split: Callable, error: BudgetError | None, counts, region: bool | None):
-  """Where no plan of the step fits: the region around its peak in chunks,
-  then the whole step in micro-batches, each by ``fit_split(error, counts,
-  region=...)`` (:func:`fit_micro_batches` with the rest bound); ``region``
-  True or False takes only the one. The error names the smallest of all."""
+  """Where no plan of the step fits: the region around its peak in chunks
+  where that fits as written, then the whole step in micro-batches (its
+  residuals planned where need be), each by ``fit_split(error, counts,
+  region=..., planned=...)`` (:func:`fit_micro_batches` with the rest
+  bound); ``region`` True or False takes only the one, planned. The error
+  names the smallest of all."""
   if region is not False:
     try:
-      found = fit_split(error if region else None, counts, region=True)
+      found = fit_split(error if region else None, counts, region=True, planned=bool(region))
     except BudgetError as err:
       if region:
         raise
@@ -218,23 +220,22 @@ def fit_chunked(fit_split: Callable, error: BudgetError | None, counts, region: 
 
 def cheaper(fitted, fit_split: Callable):
   """``fitted`` (a plan that meets the budget), or the region around the
-  step's peak in chunks where that meets it as written at a lower cost:
-  the target's predicted seconds where both have them, else the FLOPs
-  the plan adds (chunks add none)."""
-  if not fitted.result.changes_step or (fitted.predicted is None and not fitted.added_flops):
+  step's peak in chunks where that meets it as written in less time: both
+  priced by the target's clock. Only where the planner is ``"auto"`` (a
+  named planner is the user's choice) and the target has a clock (a GPU
+  target: on XLA:CPU the FLOPs cannot price the chunks' loop)."""
+  if (fitted.planner.name != "auto" or fitted.predicted is None
+      or not fitted.result.changes_step):
     return fitted
   try:
     other = fit_split(None, None, region=True, planned=False)
   except BudgetError:
     return fitted
-  timed = fitted.predicted is not None and other is not None and other.predicted is not None
-  cost = lambda fit: fit.predicted if timed else fit.added_flops
-  if other is None or cost(other) >= cost(fitted):
+  if other is None or other.predicted is None or other.predicted >= fitted.predicted:
     return fitted
-  instead = (f"{cost(fitted) * 1e3:.3g} ms against {cost(other) * 1e3:.3g} ms predicted"
-             if timed else f"{fitted.added_flops:.3g} FLOPs of recomputation")
   return dataclasses.replace(other, micro=dataclasses.replace(
-      other.micro, instead=f"a plan that fits costs more ({instead})"))
+      other.micro, instead=f"a plan that fits takes longer ({fitted.predicted * 1e3:.3g} ms "
+      f"against {other.predicted * 1e3:.3g} ms predicted)"))
 
 
 def _region(split: Split) -> str:
