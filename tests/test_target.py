@@ -63,61 +63,11 @@ def test_description_parses_what_xla_prints():
     parse(re.sub(r"\s*core_count: \d+", "", text))
 
 
-@pytest.fixture(scope="module")
-def task(request):
-  task = models.get(request.param, optimizer=optax.adam(1e-3, eps=1e-3),
-                    **SMALL[request.param])
-  return task, task.init()
-
-
-# A fit below the footprint compiles about ten candidates for the T4, 5-7 s
-# each for the CNN and 1.5-2 minutes a fit for the transformer on two cores:
-# CI checks the MLP at every budget and the others as written; their low
-# budgets are model-scale checks.
-_SLOW = pytest.mark.slow
-@pytest.mark.parametrize("task, fraction", [
-    ("mlp", 1.0), ("mlp", 0.7), ("mlp", 0.5), ("transformer", 1.0),
-    pytest.param("transformer", 0.7, marks=_SLOW), pytest.param("transformer", 0.5, marks=_SLOW),
-    ("cnn", 1.0), pytest.param("cnn", 0.7, marks=_SLOW), pytest.param("cnn", 0.5, marks=_SLOW)],
-    indirect=["task"])
-def test_fits_the_t4_budget_and_runs_here_with_the_same_numbers(task, fraction):
-  """XLA:GPU's footprint of the fitted step, lowered for a T4, is within the
-  fraction of the step as written compiled for the T4; where the budget is
-  below what the planner reaches, the error names a smallest footprint
-  above it and below the step as written. The fitted step runs here with
-  the untransformed step's updates."""
-  task, args = task
-  unconstrained = t4_footprint(task.step, args)
-  budget = int(fraction * unconstrained)
-  fitted = jaxmem.transform(task.step, budget=f"{fraction:.0%}", target=T4)
-  try:
-    fit = fitted.fit(*args)
-  except jaxmem.BudgetError as err:
-    assert fraction < 1.0 and budget < err.smallest < unconstrained, (
-        budget, err.smallest, unconstrained)
-    assert "on target t4" in str(err)
-    return
-  assert fit.budget == budget
-  assert fit.target.compile_only and fit.target.platform == "gpu"
-  compiled = fitted.lower(*placed(args, T4)).compile()
-  lowered = xla_footprint(compiled)
-  assert lowered <= budget, (lowered, budget)
-  # The time the fit reports is the clock's over the program the user runs.
-  assert fit.predicted == pytest.approx(program_time(compiled.as_text(), PROFILES[T4]).seconds)
-  if fraction == 1.0:
-    assert not len(fit.plan) and lowered == budget
-  else:
-    assert len(fit.plan) or fit.micro  # planned, or run in micro-batches
-  state, batch = args
-  want, got = jax.jit(task.step)(state, batch), fitted(state, batch)
-  assert_updates_close(got[0], want[0], state)
-
-
 def test_lowering_on_t4_plans_for_the_t4_not_for_this_machine():
   """Arguments placed on a T4 make it the target (no ``target=``): the fit
   is judged by XLA:GPU, whose footprint differs from XLA:CPU's, and the
   same transform called with arrays here plans for the CPU. (Planned
-  budgets on the T4 are checked above.)"""
+  budgets on the T4 are checked in ``test_target_fits``.)"""
   task = models.get("mlp", **SMALL["mlp"])
   args = task.init()
   fitted = jaxmem.transform(task.step, budget="100%")
