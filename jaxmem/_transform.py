@@ -222,8 +222,7 @@ class Transformed:
     if self.saved is not None:
       plan, source, count, region = self._load(step)
       planner = Fixed(plan, source=source)
-    memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count,
-            region)
+    memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count, region)
     if self._known_to_fail(memo, planner, target, find_smallest):
       return None
     graph = build_graph(closed)
@@ -261,7 +260,8 @@ class Transformed:
             graph=None), measure, where["graph"], closed,
         *argument_groups(self.fun, self.arguments, args, kwargs),
         written.footprint and budget - reserve, find_smallest=where["find_smallest"],
-        written=written.footprint)
+        written=written.footprint, unmet=written.footprint and (lambda least: budget_error(
+            budget, reserve, written.footprint, least, planner.name, where["target"].name)))
     try:
       return cheaper(fitted, split) if fitted else fit_chunked(split, error, counts, region)
     except BudgetError as err:

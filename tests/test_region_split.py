@@ -38,16 +38,20 @@ VOCAB, WIDTH, SEQ, BATCH = 4096, 32, 16, 16
 
 
 class _LM(nn.Module):
+  centered: bool = False  # embeddings centered over the batch: examples meet
+
   @nn.compact
   def __call__(self, tokens):
     x = nn.Embed(VOCAB, WIDTH)(tokens)
+    if self.centered:
+      x = x - jnp.mean(x, axis=0, keepdims=True)
     for _ in range(2):
       x = x + nn.Dense(WIDTH)(nn.gelu(nn.Dense(4 * WIDTH)(nn.LayerNorm()(x))))
     return nn.Dense(VOCAB)(nn.LayerNorm()(x))
 
 
-def _task(optimizer):
-  model = _LM()
+def _task(optimizer, centered=False):
+  model = _LM(centered)
   tokens = jax.random.randint(jax.random.key(0), (BATCH, SEQ), 0, VOCAB)
   params = model.init(jax.random.key(1), tokens)
   state = (params, optimizer.init(params))
@@ -175,3 +179,21 @@ def test_chunks_replace_a_plan_only_where_the_clock_says_they_are_faster():
   assert cheaper(named, offer) is named  # a named planner is the user's choice
   unchanged = _Priced(2.0, result=types.SimpleNamespace(changes_step=False))
   assert cheaper(unchanged, offer) is unchanged  # as written: nothing to replace
+
+
+def test_the_smallest_named_counts_the_region_where_micro_batches_cannot_help():
+  """Where examples meet in the trunk (the embeddings centered over the
+  batch), micro-batches are refused but the loss head still runs in chunks:
+  a budget below everything names the smallest of the plans and of the
+  region in chunks, and that smallest is met."""
+  step, args = _task(optax.sgd(0.5), centered=True)
+  flat, leaves, _, split = _split(step, args)
+  chunked = min(xla_footprint(jax.jit(micro_batched(split, k)).lower(*leaves).compile())
+                for k in (2, 4, 8))
+  with pytest.raises(jaxmem.BudgetError, match="Micro-batching cannot help") as err:
+    jaxmem.transform(step, budget=1, max_rounds=2).fit(*args)
+  assert err.value.smallest <= chunked
+  fitted = jaxmem.transform(step, budget=err.value.smallest, max_rounds=2)
+  fit = fitted.fit(*args)
+  assert fit.micro is not None and fit.micro.region
+  assert xla_footprint(fitted.lower(*args).compile()) <= err.value.smallest

@@ -146,7 +146,8 @@ def _split(graph, closed, groups, names, region: bool) -> tuple[Split, object, f
 def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, names,
                       limit: int | None, error: BudgetError | None = None,
                       counts: Sequence[int] | None = None, find_smallest: bool = True,
-                      region: bool = False, planned: bool = True, written: int | None = None):
+                      region: bool = False, planned: bool = True, written: int | None = None,
+                      unmet: Callable[[int], BudgetError] | None = None):
   """The traced step ``closed`` (of ``graph``) fitted in micro-batches, or
   with only the region around its peak in chunks (``region``).
 
@@ -159,8 +160,9 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   the smallest of all (``error``, the step's own, included); None where
   there is none (or at once, where not ``planned``: then only the counts
   whose modelled chunks may bring ``written``, the step's footprint, within
-  ``limit`` are compiled). A batch that cannot be split adds why to
-  ``error`` (or answers None); with ``counts`` given, it is a ValueError."""
+  ``limit`` are compiled, and ``unmet(smallest)`` is raised where none
+  fits). A batch that cannot be split adds why to ``error`` (or answers
+  None); with ``counts`` given, it is a ValueError."""
   try:
     split, graph, held = _split(graph, closed, groups, names, region)
   except NotSplittable as why:
@@ -173,9 +175,10 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
                       smallest=error.smallest) from None
   tried = []
   counts = counts or sizes_to_try(split.sizes(), split.batch)
-  if not planned:
+  if not planned:  # the largest count alone, to name the smallest, where none may fit
     counts = [k for k in counts if written is None or limit is None
-              or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit]
+              or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit] or (
+                  counts[-1:] if unmet else [])
   for k in counts:
     traced = micro_step(split, k, closed)
     measured = measure(traced)
@@ -186,6 +189,8 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
       if found is not None:
         return found
     tried.append((measured.footprint or 0, k, traced, micro, measured))
+  if not planned and unmet is not None and tried and min(t[0] for t in tried):
+    raise unmet(min(t[0] for t in tried))
   if not planned or not tried:
     return None
   _, k, traced, micro, measured = min(tried, key=lambda t: (t[0], t[1]))
@@ -228,7 +233,7 @@ def cheaper(fitted, fit_split: Callable):
       or not fitted.result.changes_step):
     return fitted
   try:
-    other = fit_split(None, None, region=True, planned=False)
+    other = fit_split(None, None, region=True, planned=False, unmet=None)
   except BudgetError:
     return fitted
   if other is None or other.predicted is None or other.predicted >= fitted.predicted:
