@@ -23,7 +23,7 @@ from tests.helpers import assert_updates_close
 T4 = "t4"
 # Activation-dominated sizes, as in tests/test_transform.py.
 SMALL = {
-    "mlp": dict(depth=16, width=64, batch=512, features=32),
+    "mlp": dict(depth=8, width=64, batch=512, features=32),
     "cnn": dict(widths=(8, 16), batch=8, size=16, blocks=6),
     "transformer": dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64),
 }
