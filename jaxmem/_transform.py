@@ -24,7 +24,7 @@ from jaxmem.graph._graph import Graph, build_graph, trace
 from jaxmem.fit._traced import Written, as_written, emitted, graphs, target_clock
 from jaxmem.fit._micro import (
     AUTO, MicroBatches, argument_groups, cheaper, checked_count, fit_chunked,
-    fit_micro_batches)
+    fit_micro_batches, spread)
 from jaxmem.fit._saved import fingerprint, loads, micro_batches_of
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes
@@ -255,12 +255,12 @@ class Transformed:
                                 target=where["target"], leaves=where["leaves"], kwargs=kwargs)
     split = functools.partial(
         fit_micro_batches,
-        lambda traced, micro, smallest, own: fitting(
-            traced, planner, written, micro=micro, find_smallest=smallest, own=own,
-            graph=None), measure, where["graph"], closed,
-        *argument_groups(self.fun, self.arguments, args, kwargs),
+        lambda traced, micro, least, own: fitting(traced, planner, written, micro=micro,
+                                                  find_smallest=least, own=own, graph=None),
+        measure, where["graph"], closed, *argument_groups(self.fun, self.arguments, args, kwargs),
         written.footprint and budget - reserve, find_smallest=where["find_smallest"],
-        written=written.footprint, unmet=written.footprint and (lambda least: budget_error(
+        strided=spread(where["leaves"]), written=written.footprint,
+        unmet=written.footprint and (lambda least: budget_error(
             budget, reserve, written.footprint, least, planner.name, where["target"].name)))
     try:
       return cheaper(fitted, split) if fitted else fit_chunked(split, error, counts, region)

@@ -121,9 +121,17 @@ def sizes_to_try(sizes: Sequence[int], batch: int) -> list[int]:
   return chosen
 
 
-def micro_step(split: Split, k: int, closed):
+def micro_step(split: Split, k: int, closed, strided: bool = False):
   """The step of ``split`` in ``k`` micro-batches, traced like ``closed``."""
-  return jax.make_jaxpr(micro_batched(split, k))(*closed.in_avals)
+  return jax.make_jaxpr(micro_batched(split, k, strided))(*closed.in_avals)
+
+
+def spread(leaves) -> bool:
+  """Whether any of the step's argument ``leaves`` lies on several devices:
+  its chunks are then strided (``schedule._microbatch._chunks``), so that a
+  batch sharded over devices stays spread over them in each chunk."""
+  return any(len(getattr(getattr(leaf, "sharding", None), "device_set", ())) > 1
+             for leaf in leaves)
 
 
 def _split(graph, closed, groups, names, region: bool) -> tuple[Split, object, float]:
@@ -147,7 +155,8 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
                       limit: int | None, error: BudgetError | None = None,
                       counts: Sequence[int] | None = None, find_smallest: bool = True,
                       region: bool = False, planned: bool = True, written: int | None = None,
-                      unmet: Callable[[int], BudgetError] | None = None):
+                      unmet: Callable[[int], BudgetError] | None = None,
+                      strided: bool = False):
   """The traced step ``closed`` (of ``graph``) fitted in micro-batches, or
   with only the region around its peak in chunks (``region``).
 
@@ -180,7 +189,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
               or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit] or (
                   counts[-1:] if unmet else [])
   for k in counts:
-    traced = micro_step(split, k, closed)
+    traced = micro_step(split, k, closed, strided)
     measured = measure(traced)
     micro = MicroBatches(k, split.batch, split.names, "" if split.whole else _region(split))
     _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)

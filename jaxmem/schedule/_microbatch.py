@@ -39,16 +39,21 @@ from jaxmem.graph._batch_axes import Split, shape_of
 from jaxmem.schedule._emit import bind_node
 
 
-def _chunks(x, axis: int, k: int):
-  """``x`` cut into ``k`` chunks along ``axis``, stacked on a new axis 0."""
+def _chunks(x, axis: int, k: int, strided: bool = False):
+  """``x`` cut into ``k`` chunks along ``axis``, stacked on a new axis 0:
+  chunk ``c`` holds the examples ``c * n / k`` to ``(c + 1) * n / k``, or
+  (``strided``) ``c, c + k, c + 2k, ...``, so that an axis sharded in blocks
+  over devices keeps a part of each chunk on every device (at the cost of a
+  copy of ``x``)."""
   shape = x.shape
-  x = x.reshape(shape[:axis] + (k, shape[axis] // k) + shape[axis + 1:])
-  return jnp.moveaxis(x, axis, 0)
+  parts = (shape[axis] // k, k) if strided else (k, shape[axis] // k)
+  x = x.reshape(shape[:axis] + parts + shape[axis + 1:])
+  return jnp.moveaxis(x, axis + strided, 0)
 
 
-def _unchunk(y, axis: int):
+def _unchunk(y, axis: int, strided: bool = False):
   """The inverse of :func:`_chunks` for ``y`` stacked on axis 0."""
-  y = jnp.moveaxis(y, 0, axis)
+  y = jnp.moveaxis(y, 0, axis + strided)
   return y.reshape(y.shape[:axis] + (-1,) + y.shape[axis + 2:])
 
 
@@ -79,9 +84,10 @@ _COMBINE = {ADD: jnp.add, MAX: jnp.maximum, MIN: jnp.minimum, OR: jnp.logical_or
             AND: jnp.logical_and, SCATTER_ADD: lambda carry, part: part}
 
 
-def micro_batched(split: Split, k: int) -> Callable:
+def micro_batched(split: Split, k: int, strided: bool = False) -> Callable:
   """``run(*flat_inputs) -> flat outputs``: the step of ``split`` over ``k``
-  micro-batches (``k`` one of ``split.sizes()``)."""
+  micro-batches (``k`` one of ``split.sizes()``), cut as :func:`_chunks`
+  cuts (``strided`` for a batch sharded over several devices)."""
   if k not in split.sizes():
     raise ValueError(f"jaxmem: {k} micro-batches do not divide the batch of "
                      f"{split.batch}; pass one of {split.sizes()}")
@@ -100,7 +106,7 @@ def micro_batched(split: Split, k: int) -> Callable:
         name_stack=_plain(nodes[i]) if split.whole else None)))
     for i in split.before:
       once(i)
-    xs = [_chunks(env[v], axis, k) for v, axis in scanned]
+    xs = [_chunks(env[v], axis, k, strided) for v, axis in scanned]
     init = [_initial(split.rules[i].combine, graph.values[nodes[i].outs[0]].aval,
                      read(nodes[i].ins[0]) if split.rules[i].combine == SCATTER_ADD else None)
             for i in combined]
@@ -124,7 +130,7 @@ def micro_batched(split: Split, k: int) -> Callable:
       carry, ys = jax.lax.scan(body, init, xs)
     for i, total in zip(combined, carry):
       env[nodes[i].outs[0]] = total.astype(graph.values[nodes[i].outs[0]].aval.dtype)
-    env.update((v, _unchunk(y, split.axes[v])) for v, y in zip(returned, ys))
+    env.update((v, _unchunk(y, split.axes[v], strided)) for v, y in zip(returned, ys))
     for i in split.after:
       once(i)
     return [read(o) for o in graph.outputs]
