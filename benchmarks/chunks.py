@@ -10,10 +10,10 @@ For each vocabulary: XLA:CPU's footprint and the measured step time of
   and their gradients) in 2, 4 and 8 chunks, the rest whole, as written;
 - the whole step in the same numbers of micro-batches, as written.
 
-Footprints are fractions of the step's own; times are medians of several
-runs after a warm-up, as ratios to the step as written timed in the same
-run (CPU times: they say what the chunks' loop costs beside recomputation
-here, not on a GPU).
+Footprints are fractions of the step's own; times are the median ratio to
+the step as written, each run timed right after one of it
+(``paired_seconds``; CPU times: they say what the chunks' loop costs beside
+recomputation here, not on a GPU).
 
     python benchmarks/chunks.py --vocab 4096 16384 --out DIR
 """
@@ -21,13 +21,12 @@ here, not on a GPU).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import jax
 
 import jaxmem
+from jaxmem._benchmark import paired_seconds
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.graph._batch_axes import split_batch, split_region
 from jaxmem.graph._graph import build_graph
@@ -39,17 +38,7 @@ from benchmarks import _results  # noqa: E402
 from benchmarks._steps import task  # noqa: E402
 
 COUNTS = (2, 4, 8)
-
-
-def timed(jitted, args, runs: int = 7) -> float:
-  """The median seconds of ``jitted(*args)`` over ``runs`` after a warm-up."""
-  jax.block_until_ready(jitted(*args))
-  times = []
-  for _ in range(runs):
-    start = time.perf_counter()
-    jax.block_until_ready(jitted(*args))
-    times.append(time.perf_counter() - start)
-  return statistics.median(times)
+REPEATS = 7
 
 
 def rows_for(vocab: int) -> list[dict]:
@@ -63,21 +52,21 @@ def rows_for(vocab: int) -> list[dict]:
   graph = build_graph(jax.make_jaxpr(flat)(*leaves))
   groups = [tuple(range(n_state)), tuple(range(n_state, len(leaves)))]
   written = jax.jit(flat)
-  own, own_s = xla_footprint(written.lower(*leaves).compile()), timed(written, leaves)
+  own = xla_footprint(written.lower(*leaves).compile())
   rows = []
 
-  def add(how: str, footprint: int, seconds: float):
+  def add(how: str, footprint: int, run, args):
+    seconds, ratio = paired_seconds(written, leaves, run, args, REPEATS)
     rows.append(dict(vocab=vocab, how=how, footprint=footprint, fraction=footprint / own,
-                     time=seconds / own_s))
+                     seconds=seconds, time=ratio))
 
-  add("as written", own, own_s)
+  add("as written", own, written, leaves)
   try:
     jaxmem.transform(t.step, budget=1, micro_batches=1).fit(state, batch)
   except jaxmem.BudgetError as err:
     fitted = jaxmem.transform(t.step, budget=err.smallest, micro_batches=1)
     fit = fitted.fit(state, batch)
-    add(f"smallest plan ({len(fit.plan)} decisions)", fit.footprint,
-        timed(fitted, (state, batch)))
+    add(f"smallest plan ({len(fit.plan)} decisions)", fit.footprint, fitted, (state, batch))
   near = [key[0] for key in unplanned(graph, 0).memory.live_at_peak]
   for name, split in (("region", split_region(graph, groups, near, ["state", "batch"])),
                       ("micro-batches", split_batch(graph, groups, ["state", "batch"]))):
@@ -85,7 +74,7 @@ def rows_for(vocab: int) -> list[dict]:
       run = jax.jit(micro_batched(split, k))
       label = (f"region of {len(split.region)} equations in {k} chunks" if name == "region"
                else f"{k} micro-batches")
-      add(label, xla_footprint(run.lower(*leaves).compile()), timed(run, leaves))
+      add(label, xla_footprint(run.lower(*leaves).compile()), run, leaves)
   return rows
 
 
