@@ -1,15 +1,21 @@
-"""Micro-batching, a fit's last resort: the step run over chunks of its batch.
+"""Chunks of the batch, a fit's last resorts: one region of the step, or the
+whole step in micro-batches.
 
 Where no plan of the step fits (nor one with its optimizer state in host
-memory), the fit splits the batch its arguments hold
+memory), the fit first runs the region around the step's peak over chunks
+of the batch, the rest whole
+(:func:`~jaxmem.graph._batch_axes.split_region`), where that fits as
+written (:func:`fit_chunked`); on a GPU target those chunks also replace a
+plan that fits where the target's clock predicts them faster
+(:func:`cheaper`). Failing that, it splits the batch its arguments hold
 (:func:`~jaxmem.graph._batch_axes.split_batch`) and fits the step run in
 ``k`` micro-batches with accumulated gradients
 (:func:`~jaxmem.schedule._microbatch.micro_batched`): of 2, then about
 twice as many each time, up to chunks of two examples, the fewest whose
 step as written fits (one compilation each, no planning; a micro-batch
 costs no FLOPs where recomputation would); where none does, the one
-smallest as written, with its residuals planned. The budget is still the step's: a fraction is of the
-step as written.
+smallest as written, with its residuals planned. The budget is still the
+step's: a fraction is of the step as written.
 
 Example:
   >>> sizes_to_try((2, 3, 4, 6, 8, 12, 24), batch=24)
@@ -28,7 +34,7 @@ import jax
 from jaxmem._budget import BudgetError
 from jaxmem.fit._arguments import Arguments
 from jaxmem.cost._evaluate import unplanned
-from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch, split_region
+from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch, split_region, where
 from jaxmem.graph._graph import build_graph
 from jaxmem.schedule._microbatch import micro_batched
 
@@ -198,8 +204,9 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
       if found is not None:
         return found
     tried.append((measured.footprint or 0, k, traced, micro, measured))
-  if not planned and unmet is not None and tried and min(t[0] for t in tried):
-    raise unmet(min(t[0] for t in tried))
+  smallest = min((t[0] for t in tried), default=0)
+  if not planned and unmet is not None and smallest:
+    raise unmet(smallest)
   if not planned or not tried:
     return None
   _, k, traced, micro, measured = min(tried, key=lambda t: (t[0], t[1]))
@@ -254,6 +261,4 @@ def cheaper(fitted, fit_split: Callable):
 
 def _region(split: Split) -> str:
   """The region of ``split``, for reports: its size and where it starts."""
-  first = split.graph.nodes[split.region[0]]
-  return (f"{len(split.region)} equations from {first.label}"
-          + (f" at {first.source}" if first.source else ""))
+  return f"{len(split.region)} equations from {where(split.graph.nodes[split.region[0]])}"

@@ -124,7 +124,9 @@ def _rule(graph: Graph, node, axes: list) -> Rule:
   return rule(node, axes, shapes, [graph.values[o].aval.shape for o in node.outs])
 
 
-def _where(node) -> str:
+def where(node) -> str:
+  """``node``'s label and, where known, the line of the user's code it came
+  from: how messages and reports name an equation."""
   return f"{node.label}" + (f" at {node.source}" if node.source else "")
 
 
@@ -140,7 +142,7 @@ def _follow(graph: Graph, inputs: Sequence[int]) -> tuple[dict, dict]:
     try:
       rule = rules[node.index] = _rule(graph, node, in_axes)
     except Refuse as why:
-      raise NotSplittable(f"{_where(node)} reads a batch value, and {why}") from None
+      raise NotSplittable(f"{where(node)} reads a batch value, and {why}") from None
     axes.update((o, a) for o, a in zip(node.outs, rule.outs) if a is not None)
   return axes, rules
 
@@ -182,8 +184,8 @@ def _remade(graph: Graph, vid: int, axis: int, memo: dict):
 
 def _cross_example(combiner, reader) -> NotSplittable:
   return NotSplittable(
-      f"the examples are reduced by {_where(combiner)}, and the result is read "
-      f"again per example by {_where(reader)}: each micro-batch would see its own "
+      f"the examples are reduced by {where(combiner)}, and the result is read "
+      f"again per example by {where(reader)}: each micro-batch would see its own "
       "reduction instead of the batch's (BatchNorm in training mode normalizes by "
       "the batch's statistics so). Micro-batching needs a step whose examples meet "
       "only in what it returns: the loss, the metrics and the gradients")
@@ -274,7 +276,7 @@ def _convex(graph: Graph, rules: dict, region: set) -> set:
       return region
     outside = [i for i in sorted(between) if i not in rules]
     if outside:
-      raise NotSplittable(f"{_where(graph.nodes[outside[0]])} runs between two parts of the "
+      raise NotSplittable(f"{where(graph.nodes[outside[0]])} runs between two parts of the "
                           "region and holds no examples")
     region |= between
 

@@ -31,10 +31,20 @@ def bind_node(node, args, tag: str | None = None, params: dict | None = None,
            else source_info_util.new_name_stack(name_stack))
   if tag is not None:
     stack = stack.extend(f"{tag}{node.index}")
-  with source_info_util.user_context(node.source_info.traceback, name_stack=stack):
+  with at(node, stack):
     with node.ctx.manager:
       out = node.prim.bind(*subfuns, *args, **bind_params)
   return out if node.prim.multiple_results else [out]
+
+
+def at(node, name_stack=None):
+  """A context in which what is bound carries ``node``'s traceback and name
+  stack (or ``name_stack``, a JAX name stack): it reads as ``node`` does,
+  in the forward or the backward pass."""
+  from jax._src import source_info_util
+  return source_info_util.user_context(
+      node.source_info.traceback,
+      name_stack=node.source_info.name_stack if name_stack is None else name_stack)
 
 
 def emit(schedule: Schedule, tag: str | None = None):

@@ -36,7 +36,7 @@ from jax.extend import core as jex
 
 from jaxmem.graph._axis_rules import ADD, AND, MAX, MIN, OR, SCATTER_ADD, chunk_params
 from jaxmem.graph._batch_axes import Split, shape_of
-from jaxmem.schedule._emit import bind_node
+from jaxmem.schedule._emit import at, bind_node
 
 
 def _chunks(x, axis: int, k: int, strided: bool = False):
@@ -191,13 +191,9 @@ def _in_pass_of(split: Split):
   """The scan's name stack: where only a region runs per chunk, that of the
   region's first backward equation, so the rest of the step sees the scan
   in the backward pass where it runs (its residuals read there)."""
-  from jax._src import source_info_util
   first = next((split.graph.nodes[i] for i in split.region
                 if split.graph.nodes[i].backward), None)
-  if split.whole or first is None:
-    return contextlib.nullcontext()
-  return source_info_util.user_context(first.source_info.traceback,
-                                       name_stack=first.source_info.name_stack)
+  return contextlib.nullcontext() if split.whole or first is None else at(first)
 
 
 def _plain(node) -> str:
