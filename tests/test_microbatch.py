@@ -6,10 +6,12 @@ gives the untransformed step's updates (gradients, through SGD) in two
 micro-batches and one example at a time; BatchNorm in training mode refuses, with the
 documented message; a transform whose budget only micro-batches meet runs
 in as few as fit, within the budget by XLA's footprint, with the step's
-numbers over three steps; and the switches (``micro_batches=1`` and a
+numbers over three steps; dropout masks are drawn per chunk, with the
+step's numbers; and the switches (``micro_batches=1`` and a
 given count), saved plans and errors.
 """
 
+import dataclasses
 import json
 
 import jax
@@ -210,3 +212,49 @@ def test_per_example_outputs_and_a_batch_passed_by_name():
   assert fit.micro.count == 4 and fit.micro.arguments == ("batch",)
   assert_trees_close(fitted(params, batch=batch), jax.jit(step)(params, batch=batch),
                      rtol=1e-5)
+
+
+def _dropout_step(params, batch, key):
+  """An SGD step of a tanh MLP with Flax's ``nn.Dropout`` after each layer
+  (its mask drawn at the activations' full rank)."""
+  import flax.linen as nn
+
+  def loss(params):
+    h = batch["x"]
+    for i, w in enumerate(params):
+      h = nn.Dropout(0.3).apply({}, jnp.tanh(h @ w), False,
+                                rngs={"dropout": jax.random.fold_in(key, i)})
+    return jnp.mean((h - batch["y"]) ** 2)
+  loss_value, grads = jax.value_and_grad(loss)(params)
+  return [w - 0.5 * g for w, g in zip(params, grads)], loss_value
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_dropout_masks_drawn_per_micro_batch(strided):
+  """Dropout's random bits are drawn inside the chunks' loop, each chunk its
+  own part of the bits the step draws whole: the updates are the step's,
+  and the footprint is below what the masks drawn whole would hold."""
+  params, batch = _mlp_args(batch=1024, width=32, depth=8)
+  key = jax.random.key(3)
+  leaves = jax.tree_util.tree_leaves((params, batch, key))
+  tree = jax.tree_util.tree_structure((params, batch, key))
+  step = lambda *flat: jax.tree_util.tree_leaves(  # noqa: E731
+      _dropout_step(*jax.tree_util.tree_unflatten(tree, flat)))
+  graph = build_graph(jax.make_jaxpr(step)(*leaves))
+  split = split_batch(graph, [tuple(range(8)), (8, 9), (10,)], ["params", "batch", "key"],
+                      strided=strided)
+  drawn = [key for key, how in split.demanded.items()
+           if how is not None and graph.nodes[how[0]].prim.name == "random_bits"]
+  assert len(drawn) == 8
+  k = 8
+  outside = [e.primitive.name for e in jax.make_jaxpr(micro_batched(split, k))(*leaves).eqns]
+  run = jax.jit(micro_batched(split, k))
+  assert "random_bits" not in outside and "scan" in outside
+  assert_updates_close(run(*leaves), jax.jit(step)(*leaves), leaves[:8] + [0.0], rtol=1e-4)
+  # Drawn whole before the loop and sliced, the bits of the eight masks
+  # (uint32, the whole batch's) are held beside the chunks.
+  whole = dataclasses.replace(split, demanded={
+      key: None if key in drawn else how for key, how in split.demanded.items()})
+  sliced = xla_footprint(jax.jit(micro_batched(whole, k)).lower(*leaves).compile())
+  masks = 8 * 1024 * 32 * 4
+  assert xla_footprint(run.lower(*leaves).compile()) + masks < sliced

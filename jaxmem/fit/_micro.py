@@ -127,9 +127,9 @@ def sizes_to_try(sizes: Sequence[int], batch: int) -> list[int]:
   return chosen
 
 
-def micro_step(split: Split, k: int, closed, strided: bool = False):
+def micro_step(split: Split, k: int, closed):
   """The step of ``split`` in ``k`` micro-batches, traced like ``closed``."""
-  return jax.make_jaxpr(micro_batched(split, k, strided))(*closed.in_avals)
+  return jax.make_jaxpr(micro_batched(split, k))(*closed.in_avals)
 
 
 def spread(leaves) -> bool:
@@ -140,18 +140,19 @@ def spread(leaves) -> bool:
              for leaf in leaves)
 
 
-def _split(graph, closed, groups, names, region: bool) -> tuple[Split, object, float]:
+def _split(graph, closed, groups, names, region: bool,
+           strided: bool) -> tuple[Split, object, float]:
   """The split of the traced step ``closed`` (of ``graph``): its batch, or
   (``region``) the region around the largest value at its peak as
-  written; with the graph it splits and the share of the modelled peak
-  that its chunks hold (1 for the batch)."""
+  written, in chunks ``strided`` or not; with the graph it splits and the
+  share of the modelled peak that its chunks hold (1 for the batch)."""
   if any(node.prim.name in REMAT for node in graph.nodes):
     graph = build_graph(closed, inline=REMAT)  # the plan of the chunks replaces the step's
   if not region:
-    return split_batch(graph, groups, names), graph, 1.0
+    return split_batch(graph, groups, names, strided), graph, 1.0
   memory = unplanned(graph, 0).memory
   near = [key[0] for key in memory.live_at_peak]
-  split = split_region(graph, groups, near, names)
+  split = split_region(graph, groups, near, names, strided=strided)
   made = {o for i in split.region for o in graph.nodes[i].outs} - set(split.returned())
   held = sum(graph.values[v].nbytes for v in set(near) & made)
   return split, graph, held / max(memory.peak, 1)
@@ -179,7 +180,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   fits). A batch that cannot be split adds why to ``error`` (or answers
   None); with ``counts`` given, it is a ValueError."""
   try:
-    split, graph, held = _split(graph, closed, groups, names, region)
+    split, graph, held = _split(graph, closed, groups, names, region, strided)
   except NotSplittable as why:
     if counts is not None:
       raise ValueError(f"jaxmem: micro_batches={counts[0]} asks to split the batch, but "
@@ -195,7 +196,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
               or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit] or (
                   counts[-1:] if unmet else [])
   for k in counts:
-    traced = micro_step(split, k, closed, strided)
+    traced = micro_step(split, k, closed)
     measured = measure(traced)
     micro = MicroBatches(k, split.batch, split.names, "" if split.whole else _region(split))
     _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)

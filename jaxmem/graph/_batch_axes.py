@@ -18,9 +18,11 @@ example (BatchNorm in training mode normalizes each example by the batch's
 statistics: micro-batches would each see their own). A value that has no
 example axis of its own but meets one elementwise (the loss's cotangent
 broadcast to the batch, an ``iota`` for a one-hot, a dropout mask) is
-*demanded* along it: broadcasts, ``iota`` and elementwise equations over
-them are made again at the chunk's size, anything else is made once at full
-size and sliced per chunk, so the numbers stay the step's own.
+*demanded* along it: broadcasts, ``iota``, random bits (a dropout mask's,
+drawn per chunk with the numbers drawn whole: ``graph._random_bits``),
+reshapes and elementwise equations over them are made again at the chunk's
+size, anything else is made once at full size and sliced per chunk, so the
+numbers stay the step's own.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -45,6 +47,7 @@ from jax.extend import core as jex
 
 from jaxmem.graph._axis_rules import ELEMENTWISE, RULES, Refuse, Rule
 from jaxmem.graph._graph import Graph
+from jaxmem.graph._random_bits import chunkable
 
 
 class NotSplittable(ValueError):
@@ -70,6 +73,10 @@ class Split:
     names: the batch arguments' names, for reports.
     whole: whether every equation reading examples runs per chunk (the step
       in micro-batches), or only a region of them (:func:`split_region`).
+    strided: whether chunk ``c`` holds the examples ``c, c + k, ...``
+      instead of a block (a batch sharded over devices): a demanded value
+      is then made again per chunk only where its example axis keeps its
+      extent through every reshape.
   """
   graph: Graph
   inputs: tuple[int, ...]
@@ -81,6 +88,7 @@ class Split:
   demanded: Mapping[tuple[int, int], tuple[int, tuple] | None]
   names: tuple[str, ...] = ()
   whole: bool = True
+  strided: bool = False
 
   @property
   def batch(self) -> int:
@@ -95,6 +103,26 @@ class Split:
     after = set(self.after)
     return tuple(v for v in sorted(made) if v in self.axes and (
         v in self.graph.output_ids or any(u in after for u in self.graph.values[v].uses)))
+
+  def run_before(self) -> tuple[int, ...]:
+    """The equations of :attr:`before` whose results are read (by the
+    chunks, after them, or returned): one made again per chunk at the
+    chunk's size (a dropout mask) and read nowhere else is not made whole."""
+    graph = self.graph
+    read = set(graph.output_ids)
+    read.update(v for (v, _), how in self.demanded.items() if how is None)
+    remade = [how for how in self.demanded.values() if how is not None]
+    for i, taken in [(i, self.rules[i].demand) for i in self.region] + [
+        (i, ()) for i in self.after] + remade:
+      skip = {p for p, _ in taken}
+      read.update(a for p, a in enumerate(graph.nodes[i].ins)
+                  if p not in skip and isinstance(a, int))
+    kept = []
+    for i in reversed(self.before):
+      if any(o in read for o in graph.nodes[i].outs):
+        kept.append(i)
+        read.update(a for a in graph.nodes[i].ins if isinstance(a, int))
+    return tuple(reversed(kept))
 
   def sizes(self) -> tuple[int, ...]:
     """The numbers of micro-batches every split value divides into."""
@@ -147,10 +175,24 @@ def _follow(graph: Graph, inputs: Sequence[int]) -> tuple[dict, dict]:
   return axes, rules
 
 
-def _remade(graph: Graph, vid: int, axis: int, memo: dict):
+def _reshape_source(shape, new, axis: int, strided: bool) -> int | None:
+  """The axis of a reshape's operand (of ``shape``) whose chunks make its
+  output's (of ``new``) chunks along ``axis``: the one after the same
+  leading elements, of the same extent, or (blocks only) a multiple or a
+  divisor of it."""
+  outer = math.prod(new[:axis])
+  for b, n in enumerate(shape):
+    if math.prod(shape[:b]) == outer and n != 1:
+      same = n == new[axis] or not strided and (n % new[axis] == 0 or new[axis] % n == 0)
+      return b if same else None
+  return None
+
+
+def _remade(graph: Graph, vid: int, axis: int, memo: dict, strided: bool = False):
   """How a demanded value is taken per chunk: ``(equation, demands)`` where
   that equation makes it again at the chunk's size (a broadcast, an
-  ``iota``, or elementwise over such), None where it is sliced."""
+  ``iota``, random bits, a reshape or an elementwise equation of such),
+  None where it is sliced."""
   key = (vid, axis)
   if key in memo:
     return memo[key]
@@ -160,24 +202,27 @@ def _remade(graph: Graph, vid: int, axis: int, memo: dict):
   if node is None or node.effects:
     return None
   name, ins = node.prim.name, node.ins
+  again = lambda i, a: isinstance(i, int) and _remade(graph, i, a, memo, strided)  # noqa: E731
+  found = None
   if name == "iota":
     found = (producer, ()) if node.params["dimension"] != axis else None
+  elif name == "random_bits":
+    found = (producer, ()) if chunkable(graph.values[ins[0]].aval, node.params, axis) else None
+  elif name == "reshape" and node.params.get("dimensions") is None:
+    source = _reshape_source(shape_of(graph, ins[0]), graph.values[vid].aval.shape, axis,
+                             strided)
+    if source is not None and again(ins[0], source):
+      found = (producer, ((0, source),))
   elif name == "broadcast_in_dim":
     dims = tuple(node.params["broadcast_dimensions"])
-    operand = ins[0]
-    if axis not in dims or shape_of(graph, operand)[dims.index(axis)] == 1:
+    if axis not in dims or shape_of(graph, ins[0])[dims.index(axis)] == 1:
       found = (producer, ())
-    elif isinstance(operand, int) and _remade(graph, operand, dims.index(axis), memo):
+    elif again(ins[0], dims.index(axis)):
       found = (producer, ((0, dims.index(axis)),))
-    else:
-      found = None
   elif name in ELEMENTWISE and len(node.outs) == 1:
     demand = tuple((i, axis) for i, a in enumerate(ins)
                    if len(shape_of(graph, a)) > axis and shape_of(graph, a)[axis] != 1)
-    found = (producer, demand) if all(
-        _remade(graph, ins[i], axis, memo) for i, _ in demand) else None
-  else:
-    found = None
+    found = (producer, demand) if all(again(ins[i], axis) for i, _ in demand) else None
   memo[key] = found
   return found
 
@@ -192,7 +237,7 @@ def _cross_example(combiner, reader) -> NotSplittable:
 
 
 def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
-           region: set | None = None) -> Split:
+           region: set | None = None, strided: bool = False) -> Split:
   """The equations before, per chunk (``region``: by default every one that
   reads examples) and after, with the demanded values."""
   whole = region is None
@@ -223,7 +268,7 @@ def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
       while stack:
         key = stack.pop()
         if key not in demanded:
-          demanded[key] = _remade(graph, *key, memo)
+          demanded[key] = _remade(graph, *key, memo, strided)
           if demanded[key] is not None:
             ins = graph.nodes[demanded[key][0]].ins
             stack += [(ins[p], a) for p, a in demanded[key][1]]
@@ -236,7 +281,7 @@ def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
   done = region | set(after)
   return Split(graph, tuple(inputs), axes, {i: rules[i] for i in region},
                tuple(i for i in range(len(graph.nodes)) if i not in done),
-               tuple(sorted(region)), tuple(after), demanded, tuple(names), whole)
+               tuple(sorted(region)), tuple(after), demanded, tuple(names), whole, strided)
 
 
 def _grown(graph: Graph, axes: dict, rules: dict, seed: int, share: float) -> set:
@@ -322,20 +367,22 @@ def _split(graph: Graph, groups, names, place) -> Split:
 
 
 def split_batch(graph: Graph, groups: Sequence[Sequence[int]],
-                names: Sequence[str] = ()) -> Split:
+                names: Sequence[str] = (), strided: bool = False) -> Split:
   """The step split into micro-batches along the batch its arguments hold.
 
   ``groups`` holds each argument's leaf positions among the step's inputs
   (``names`` its name, for reports). The batch is the arguments whose
   leaves all share one leading dimension, where following that axis through
   the step works (several sizes are each tried, the largest arguments
-  first); :class:`NotSplittable` says why none does.
+  first); :class:`NotSplittable` says why none does. ``strided``: chunks
+  of examples ``c, c + k, ...`` (:attr:`Split.strided`).
   """
-  return _split(graph, groups, names, functools.partial(_place, graph))
+  return _split(graph, groups, names, functools.partial(_place, graph, strided=strided))
 
 
 def split_region(graph: Graph, groups: Sequence[Sequence[int]], near: Sequence[int],
-                 names: Sequence[str] = (), share: float = 0.25) -> Split:
+                 names: Sequence[str] = (), share: float = 0.25,
+                 strided: bool = False) -> Split:
   """The region of the step around its largest value holding examples among
   ``near`` (the values live at its peak), split along the batch's axis.
 
@@ -357,5 +404,5 @@ def split_region(graph: Graph, groups: Sequence[Sequence[int]], near: Sequence[i
     if all(i in region for i in rules if graph.nodes[i].backward):
       raise NotSplittable("the region holds the whole backward pass: that is the step "
                           "in micro-batches (split_batch)")
-    return _place(graph, axes, rules, inputs, chosen, region)
+    return _place(graph, axes, rules, inputs, chosen, region, strided)
   return _split(graph, groups, names, place)

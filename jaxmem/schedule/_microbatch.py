@@ -36,6 +36,7 @@ from jax.extend import core as jex
 
 from jaxmem.graph._axis_rules import ADD, AND, MAX, MIN, OR, SCATTER_ADD, chunk_params
 from jaxmem.graph._batch_axes import Split, shape_of
+from jaxmem.graph._random_bits import chunk_bits
 from jaxmem.schedule._emit import at, bind_node
 
 
@@ -84,15 +85,15 @@ _COMBINE = {ADD: jnp.add, MAX: jnp.maximum, MIN: jnp.minimum, OR: jnp.logical_or
             AND: jnp.logical_and, SCATTER_ADD: lambda carry, part: part}
 
 
-def micro_batched(split: Split, k: int, strided: bool = False) -> Callable:
+def micro_batched(split: Split, k: int) -> Callable:
   """``run(*flat_inputs) -> flat outputs``: the step of ``split`` over ``k``
   micro-batches (``k`` one of ``split.sizes()``), cut as :func:`_chunks`
-  cuts (``strided`` for a batch sharded over several devices)."""
+  cuts (strided where ``split.strided``: a batch sharded over devices)."""
   if k not in split.sizes():
     raise ValueError(f"jaxmem: {k} micro-batches do not divide the batch of "
                      f"{split.batch}; pass one of {split.sizes()}")
   graph, nodes = split.graph, split.graph.nodes
-  combined = split.combined()
+  combined, strided = split.combined(), split.strided
   scanned = [(v, split.axes[v]) for v in split.inputs] + [
       key for key, how in split.demanded.items() if how is None]
   returned = split.returned()
@@ -104,15 +105,17 @@ def micro_batched(split: Split, k: int, strided: bool = False) -> Callable:
     once = lambda i: env.update(zip(nodes[i].outs, bind_node(
         nodes[i], [read(a) for a in nodes[i].ins],
         name_stack=_plain(nodes[i]) if split.whole else None)))
-    for i in split.before:
+    for i in split.run_before():
       once(i)
-    xs = [_chunks(env[v], axis, k, strided) for v, axis in scanned]
+    xs = [jnp.arange(k, dtype=np.uint32)] + [_chunks(env[v], axis, k, strided)
+                                             for v, axis in scanned]
     init = [_initial(split.rules[i].combine, graph.values[nodes[i].outs[0]].aval,
                      read(nodes[i].ins[0]) if split.rules[i].combine == SCATTER_ADD else None)
             for i in combined]
 
     def body(carry, chunk):
-      one = _Chunk(split, k, env,
+      index, chunk = chunk[0], chunk[1:]
+      one = _Chunk(split, k, index, env,
                    {v: x for (v, _), x in zip(scanned, chunk) if v in split.axes},
                    {key: x for key, x in zip(scanned, chunk) if key[0] not in split.axes})
       acc = dict(zip(combined, carry))
@@ -143,14 +146,15 @@ class _Chunk:
 
   Attributes:
     split, k: the split and its number of chunks.
+    index: which chunk this is (traced).
     env: the values made once before the chunks (read as they are).
     local: this chunk's values with an example axis.
     taken: demanded values, this chunk's part, by ``(value, axis)`` (those
       made once and scanned, and those made again here as they are read).
   """
 
-  def __init__(self, split: Split, k: int, env: dict, local: dict, taken: dict):
-    self.split, self.k, self.env = split, k, env
+  def __init__(self, split: Split, k: int, index, env: dict, local: dict, taken: dict):
+    self.split, self.k, self.index, self.env = split, k, index, env
     self.local, self.taken = local, taken
 
   def get(self, atom):
@@ -183,7 +187,15 @@ class _Chunk:
     key = (vid, axis)
     if key not in self.taken:
       i, demand = self.split.demanded[key]
-      self.taken[key] = self.apply(i, demand, axis)[0]
+      node = self.split.graph.nodes[i]
+      if node.prim.name == "random_bits":
+        n = node.params["shape"][axis]
+        start, step = (self.index, self.k) if self.split.strided else (self.index * (n // self.k), 1)
+        with at(node):
+          self.taken[key] = chunk_bits(self.get(node.ins[0]), node.params["bit_width"],
+                                       node.params["shape"], axis, start, step, n // self.k)
+      else:
+        self.taken[key] = self.apply(i, demand, axis)[0]
     return self.taken[key]
 
 
