@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxmem._decisions import Plan
 from jaxmem.graph._graph import build_graph, forward_passes
-from jaxmem.fit._inner import body_graph, inner_loop
+from jaxmem.fit._inner import body_graph, inner_body
 from jaxmem.schedule._schedule import build_schedule
 
 
@@ -84,8 +84,8 @@ def test_passes_inside_a_loop_are_planned_in_its_body():
                         jnp.zeros_like(w), xs)[0]
 
   graph = _graph(step, W, X)
-  loop = inner_loop(graph)
+  loop = inner_body(graph)
   assert not graph.has_backward and graph.nodes[loop].prim.name == "scan"
   body = body_graph(graph, loop)
   assert body.has_backward and body.residuals
-  assert inner_loop(_graph(_accumulate, W, X)) is None  # passes outside loops
+  assert inner_body(_graph(_accumulate, W, X)) is None  # passes outside loops

@@ -20,13 +20,15 @@ def no_backward(graph: Graph) -> None:
 
 def no_collectives(graph: Graph, name: str) -> None:
   """jaxmem compiles a step on its own to measure it, which a step reducing
-  over mesh axes (``psum`` inside ``shard_map``) cannot be."""
+  over mesh axes bound outside it (``psum`` in a function that ``shard_map``
+  calls) cannot be; the ``shard_map`` itself can."""
   found = sorted({n.prim.name for n in graph.nodes
                   if _primitives.classify(n.prim.name) == _primitives.COLLECTIVE})
   if found:
     raise NotImplementedError(
-        f"jaxmem: step {name} runs collectives over mesh axes ({', '.join(found)}); "
-        "jaxmem measures a step by compiling it on its own, outside the mesh, so it "
-        "cannot fit one yet. Fit the per-device part and reduce outside it, e.g. "
-        "shard_map(lambda w, x: jax.lax.pmean(fitted(w, x), 'd'), ...) with fitted = "
-        "jaxmem.transform(per_device_step, budget=...).")
+        f"jaxmem: step {name} runs collectives over mesh axes ({', '.join(found)}) "
+        "that are bound outside it: jaxmem measures a step by compiling it on its own, "
+        "and these need the shard_map around it. Transform the step with its "
+        "shard_map instead: jaxmem.transform(jax.shard_map(per_device_step, mesh=mesh, "
+        "in_specs=..., out_specs=...), budget=...), which plans each device's part "
+        "with its collectives, against a budget per device.")

@@ -46,9 +46,11 @@ class Fit:
     nested: the same step without per-compilation options, for calls under
       an outer transformation (``jax.jit`` takes ``compiler_options`` only at
       the top level; there the outer compilation is the one XLA runs).
-    loop: where the step's passes run inside a loop (gradient accumulation
-      over a ``lax.scan``), the loop's source line: ``graph``, the plan and
-      the FLOPs are then one iteration's (``_inner``); else None.
+    inner: where the step's passes run inside a body of their own
+      (gradient accumulation over a ``lax.scan``, a step written per device
+      under ``shard_map``), where that is and what it means for the figures:
+      ``graph``, the plan and the FLOPs are then one iteration's or one
+      device's (``_inner``); else None.
     out_tree: the tree of the step's outputs.
     run: the emitted step over flat leaves (what every ``jax.jit`` above wraps).
     runners: its ``jax.jit`` per device it is called or lowered on
@@ -79,7 +81,7 @@ class Fit:
   jitted: Any = dataclasses.field(repr=False, default=None)
   nested: Any = dataclasses.field(repr=False, default=None)
   reserve: int = 0
-  loop: str | None = None
+  inner: str | None = None
   out_tree: Any = None
   run: Callable | None = dataclasses.field(repr=False, default=None)
   runners: dict = dataclasses.field(repr=False, default_factory=dict)
@@ -175,9 +177,7 @@ class Fit:
         f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
         f"target            {self.target.name}",
         f"planner           {self.planner.describe()}",
-        *([f"planned per pass  inside the loop at {self.loop}: one iteration's forward "
-           "and backward pass (residuals, decisions and FLOPs below are one "
-           "iteration's)"] if self.loop else []),
+        *([f"planned per pass  {self.inner}"] if self.inner else []),
         *([f"micro-batches     {self.micro.describe()}: no plan of the whole batch fits "
            "(residuals, decisions and FLOPs below are one micro-batch's)"]
           if self.micro and not self.micro.region else []),

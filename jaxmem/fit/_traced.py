@@ -19,7 +19,7 @@ from jaxmem.cost._xla_buffers import learn, with_buffers
 from jaxmem.cost._xla_clock import program_time
 from jaxmem.fit._checks import no_collectives
 from jaxmem.cost._evaluate import Candidate
-from jaxmem.fit._inner import body_graph, embedded, inner_loop
+from jaxmem.fit._inner import body_graph, embedded, inner_body
 from jaxmem.schedule._emit import emit
 from jaxmem.graph._graph import Graph, build_graph
 from jaxmem.graph._state import apply_host_decisions
@@ -73,12 +73,12 @@ def graphs(closed, target: Target, planner, name: str,
            graph: Graph | None = None) -> tuple[Graph, int | None, Graph, object]:
   """``(graph, loop, planned, planner)`` for the traced step ``closed`` (of
   the user's function ``name``; ``graph`` its graph where built already):
-  the step's graph, the loop its passes run in (or None), the graph planned
-  (the loop's body there; modelled for the target) and the planner (a given
+  the step's graph, the loop or ``shard_map`` its passes run in (or None),
+  the graph planned (that body there; modelled for the target) and the planner (a given
   plan's host placements moved onto the graph)."""
   graph = build_graph(closed) if graph is None else graph
   no_collectives(graph, name)
-  loop = inner_loop(graph)
+  loop = inner_body(graph)
   planned = modelled(graph if loop is None else body_graph(graph, loop), target)
   if loop is None:
     graph = planned

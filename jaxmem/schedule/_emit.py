@@ -7,6 +7,8 @@ name stack, so the rewritten program keeps readable names in HLO and profiles.
 
 from __future__ import annotations
 
+from typing import Callable, Mapping
+
 import jax
 from jax.extend import core as jex
 
@@ -47,11 +49,13 @@ def at(node, name_stack=None):
       name_stack=node.source_info.name_stack if name_stack is None else name_stack)
 
 
-def emit(schedule: Schedule, tag: str | None = None):
+def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callable] = {}):
   """Returns ``run(*flat_inputs) -> list of flat outputs`` for ``schedule``.
   With ``tag``, each equation runs under one more name scope, ``tag``
   followed by its node index, so the compiled program names the equation
-  each instruction comes from (``_xla_buffers``).
+  each instruction comes from (``_xla_buffers``). ``binds`` maps a
+  primitive's name to ``bind(node, args) -> outputs`` that runs its
+  equations instead of binding the primitive.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -90,6 +94,8 @@ def emit(schedule: Schedule, tag: str | None = None):
         outs = jax.lax.optimization_barrier(args)
       elif op.params:  # an equation re-emitted (a scan, _loop_schedule)
         outs = op.params[0](*args)
+      elif graph.nodes[op.node].prim.name in binds:
+        outs = binds[graph.nodes[op.node].prim.name](graph.nodes[op.node], args)
       else:
         outs = bind_node(graph.nodes[op.node], args, tag)
       env.update(zip(op.outs, outs))

@@ -1,0 +1,179 @@
+"""Sharded steps on 8 emulated CPU devices, each budget per device.
+
+Each mesh runs in a subprocess of its own (the device count is fixed when
+JAX starts, and the rest of the suite runs on one device). For each step at
+100%, 70% and 50% of its own per-device footprint: XLA's per-device
+footprint of the transformed step is within the budget, its numbers over
+three steps are the sharded step's, and its outputs are sharded as the
+step's are.
+
+* ``shard_map`` steps: a data-parallel MLP that ``pmean``s its updates,
+  planned per device inside the map (the report says so), and a
+  ``data x model`` MLP whose forward pass ``psum``s over ``model``: no
+  collective is run again by the plan (the transformed step runs as many
+  as the step).
+* (slow) a Flax transformer under ``jax.jit`` with its parameters and Adam
+  state sharded over the devices (FSDP), and with its kernels sharded over
+  ``model`` on a ``data x model`` mesh.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+_COMMON = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    import jaxmem
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jaxmem.targets import xla_footprint
+
+    def collectives(jaxpr):
+      count = 0
+      for eqn in jaxpr.eqns:
+        count += eqn.primitive.name in ("psum", "psum_invariant", "psum2", "all_gather")
+        for sub in jax.core.jaxprs_in_params(eqn.params):
+          count += collectives(sub)
+      return count
+
+    def run(step, args, budgets=("100%", "70%", "50%"), steps=3):
+      want, state = [], args
+      for _ in range(steps):
+        out = jax.jit(step)(*state)
+        want.append(out)
+        state = (out[0],) + tuple(args[1:])
+      own = xla_footprint(jax.jit(step).lower(*args).compile())
+      rows = {}
+      for budget in budgets:
+        fitted = jaxmem.transform(step, budget=budget)
+        fit = fitted.fit(*args)
+        state, error, same = args, 0.0, True
+        for expected in want:
+          got = fitted(*state)
+          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected)):
+            scale = max(float(jnp.max(jnp.abs(b))), 1.0)
+            error = max(error, float(jnp.max(jnp.abs(a - b))) / scale)
+            same = same and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+          state = (got[0],) + tuple(args[1:])
+        rows[budget] = dict(
+            footprint=xla_footprint(fitted.lower(*args).compile()), budget=fit.budget,
+            error=error, same_shardings=same, report=fit.report().splitlines()[:8],
+            collectives=collectives(jax.make_jaxpr(fitted)(*args).jaxpr))
+      return dict(own=own, devices=len(jax.devices()), rows=rows,
+                  collectives=collectives(jax.make_jaxpr(step)(*args).jaxpr))
+""")
+
+_SHARD_MAP = textwrap.dedent("""
+    def data_parallel():
+      from tests.test_microbatch import _mlp_step  # a residual tanh MLP, SGD
+      mesh = Mesh(np.array(jax.devices()), ("data",))
+      # Each device's SGD update of its shard of the batch, averaged over them.
+      local = lambda ws, batch: jax.lax.pmean(_mlp_step(ws, batch), "data")  # noqa: E731
+      step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
+                           out_specs=(P(), P()))
+      keys = jax.random.split(jax.random.key(0), 14)
+      ws = jax.device_put([jax.random.normal(k, (64, 64)) / 8 for k in keys[:12]],
+                          NamedSharding(mesh, P()))
+      batch = jax.device_put({n: jax.random.normal(k, (4096, 64))
+                              for n, k in zip("xy", keys[12:])},
+                             NamedSharding(mesh, P("data")))
+      return run(step, (ws, batch))
+
+    def tensor_parallel():
+      mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+      def local(ws, batch):
+        def loss(ws):
+          h = batch["x"]
+          for w1, w2 in ws:
+            h = h + jax.lax.psum(jnp.tanh(h @ w1) @ w2, "model")
+          return jnp.mean((h - batch["y"]) ** 2)
+        value, grads = jax.value_and_grad(loss)(ws)
+        grads = jax.lax.pmean(grads, "data")
+        return ([(a - 0.1 * ga, b - 0.1 * gb) for (a, b), (ga, gb) in zip(ws, grads)],
+                jax.lax.pmean(value, "data"))
+      specs = (P(None, "model"), P("model", None))
+      step = jax.shard_map(local, mesh=mesh, in_specs=([specs] * 8, P("data")),
+                           out_specs=([specs] * 8, P()))
+      keys = jax.random.split(jax.random.key(1), 18)
+      ws = [(jax.device_put(jax.random.normal(keys[2 * i], (64, 256)) / 8,
+                            NamedSharding(mesh, specs[0])),
+             jax.device_put(jax.random.normal(keys[2 * i + 1], (256, 64)) / 16,
+                            NamedSharding(mesh, specs[1]))) for i in range(8)]
+      batch = jax.device_put({n: jax.random.normal(k, (2048, 64))
+                              for n, k in zip("xy", keys[16:])},
+                             NamedSharding(mesh, P("data")))
+      return run(step, (ws, batch), budgets=("100%", "70%"))
+
+    print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel())))
+""")
+
+_TRANSFORMER = textwrap.dedent("""
+    from jaxmem._zoo import models
+
+    def transformer(mesh, spec):
+      task = models().get("transformer", depth=4, dim=64, heads=4, seq=64, batch=32,
+                          vocab=256)
+      state, batch = task.init()
+      state = jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, spec(a))), state)
+      batch = jax.device_put(batch, NamedSharding(mesh, P("data")))
+      return run(task.step, (state, batch))
+
+    def fsdp(a):  # the largest axis that 8 divides, over the devices
+      axes = [i for i in range(a.ndim) if a.shape[i] % 8 == 0]
+      if not axes:
+        return P()
+      axis = max(axes, key=lambda i: a.shape[i])
+      return P(*["data" if i == axis else None for i in range(a.ndim)])
+
+    def model_parallel(a):  # each kernel's output features over "model"
+      if a.ndim >= 2 and a.shape[-1] % 4 == 0:
+        return P(*([None] * (a.ndim - 1)), "model")
+      return P()
+
+    out = dict(
+        fsdp=transformer(Mesh(np.array(jax.devices()), ("data",)), fsdp),
+        data_model=transformer(Mesh(np.array(jax.devices()).reshape(2, 4),
+                                    ("data", "model")), model_parallel))
+    print(json.dumps(out))
+""")
+
+
+def _run(script: str) -> dict:
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip())
+  done = subprocess.run([sys.executable, "-c", _COMMON + script], env=env,
+                        capture_output=True, text=True, timeout=1500,
+                        cwd=os.path.dirname(os.path.dirname(__file__)))
+  assert done.returncode == 0, done.stderr[-3000:]
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _check(result: dict) -> None:
+  assert result["devices"] == 8
+  for budget, row in result["rows"].items():
+    assert row["footprint"] <= row["budget"], (budget, row)
+    assert row["budget"] <= result["own"] * int(budget[:-1]) / 100 + 1, (budget, row)
+    assert row["error"] < 1e-4 and row["same_shardings"], (budget, row)
+
+
+def test_shard_map_steps_are_planned_per_device():
+  out = _run(_SHARD_MAP)
+  for name in ("data", "tensor"):
+    _check(out[name])
+    for row in out[name]["rows"].values():  # no collective runs twice
+      assert row["collectives"] == out[name]["collectives"], (name, row)
+  assert out["data"]["collectives"] > 0 and out["tensor"]["collectives"] > 0
+  planned = out["data"]["rows"]["50%"]["report"]
+  assert any("inside the shard_map" in line and "one device's" in line for line in planned)
+
+
+@pytest.mark.slow
+def test_sharded_transformers_fit_per_device():
+  out = _run(_TRANSFORMER)
+  _check(out["fsdp"])
+  _check(out["data_model"])
