@@ -17,6 +17,7 @@ import gc
 from jaxmem._decisions import Keep, Plan
 from jaxmem.targets._profiles import DeviceProfile
 from jaxmem.graph._graph import Graph, Residual, analysis
+from jaxmem.graph._primitives import communicates
 from jaxmem.graph._state import hosted_state
 from jaxmem.cost._memory import Liveness, simulate
 from jaxmem.cost._perf import schedule_costs
@@ -135,7 +136,8 @@ def recomputable(graph: Graph) -> dict[int, Residual]:
   """Residuals whose whole rebuild chain is pure and that are not outputs.
 
   The chain of a residual runs back through forward intermediates to other
-  residuals and step inputs; any equation with effects on it rules it out.
+  residuals and step inputs; any equation with effects on it, or a
+  collective that communicates, rules it out.
   """
   ok = {}
   for r in graph.residuals:
@@ -150,7 +152,7 @@ def recomputable(graph: Graph) -> dict[int, Residual]:
       if graph.is_residual(vid):
         continue  # another residual: its own entry decides
       node = graph.producer(vid)
-      pure = not node.effects
+      pure = not node.effects and not communicates(node.prim.name)
       stack.extend(a for a in node.ins if isinstance(a, int))
     if pure:
       ok[r.value] = r

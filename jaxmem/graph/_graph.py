@@ -443,7 +443,7 @@ def _residuals(nodes, values) -> tuple[Residual, ...]:
           first_backward_use=min(bwd), last_backward_use=max(bwd),
           recompute_flops=node.flops,
           needs=tuple(a for a in node.ins if isinstance(a, int)),
-          recomputable=not node.effects))
+          recomputable=not node.effects and not _primitives.communicates(node.prim.name)))
   return tuple(found)
 
 

@@ -175,6 +175,13 @@ def is_free(name: str) -> bool:
   return info(name).free
 
 
+def communicates(name: str) -> bool:
+  """Whether the primitive moves data between devices: a value it makes is
+  never rebuilt, which would run the collective again (the varying-axes
+  casts ``pvary`` / ``pbroadcast`` move nothing)."""
+  return classify(name) == COLLECTIVE and name not in ("pvary", "pbroadcast")
+
+
 def is_matmul(name: str) -> bool:
   """Matrix products and convolutions: what ``dots_saveable`` keeps."""
   return info(name).kind in (MATMUL, CONV)
