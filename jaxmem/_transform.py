@@ -20,11 +20,11 @@ from jaxmem.cost._evaluate import Candidate, evaluate
 from jaxmem.fit._checks import no_backward, no_collectives
 from jaxmem.fit._fit import Fitter, budget_error, remember, remembered, search
 from jaxmem.fit._fitted import Fit
-from jaxmem.fit._inner import describe
+from jaxmem.fit._inner import body_of
 from jaxmem.graph._graph import Graph, build_graph, trace
 from jaxmem.fit._traced import Written, as_written, emitted, graphs, target_clock
-from jaxmem.fit._micro import (AUTO, MicroBatches, argument_groups, cheaper,
-                               checked_count, fit_chunked, fit_micro_batches, spread)
+from jaxmem.fit._micro import (AUTO, MicroBatches, argument_groups, cheaper, checked_count,
+                               devices_of, fit_chunked, fit_micro_batches, spread)
 from jaxmem.fit._saved import fingerprint, loads, micro_batches_of
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, workspace_bytes
@@ -321,10 +321,10 @@ class Transformed:
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
                jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
-               reserve, None if loop is None or micro else describe(graph, loop), out_tree,
+               reserve, None if loop is None or micro else body_of(graph, loop), out_tree,
                run_flat, {here.name: jitted}, trial.seconds,
                None if clock is None else clock(written.baseline), step,
-               leaf_names(self.arguments, args, kwargs), micro)
+               leaf_names(self.arguments, args, kwargs), micro, devices_of(leaves))
     if cached is not None and fit.result.changes_step and not isinstance(planner, Fixed):
       _plan_cache.put(*cached, fit.saved())  # planned here: kept for the next run
     return fit

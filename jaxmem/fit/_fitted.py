@@ -12,6 +12,7 @@ from jaxmem.cost._evaluate import Candidate
 from jaxmem.graph._graph import Graph
 from jaxmem.graph._state import hosted_leaves, hosted_state, with_host_decisions
 from jaxmem.cost._memory import Liveness
+from jaxmem.fit._inner import Body
 from jaxmem.fit._micro import MicroBatches
 from jaxmem.fit._policies import block_policies
 from jaxmem.fit._report import decision_label, residual_table
@@ -48,9 +49,8 @@ class Fit:
       the top level; there the outer compilation is the one XLA runs).
     inner: where the step's passes run inside a body of their own
       (gradient accumulation over a ``lax.scan``, a step written per device
-      under ``shard_map``), where that is and what it means for the figures:
-      ``graph``, the plan and the FLOPs are then one iteration's or one
-      device's (``_inner``); else None.
+      under ``shard_map``: :class:`~jaxmem.fit._inner.Body`): ``graph``, the
+      plan and the FLOPs are then one iteration's or one device's; else None.
     out_tree: the tree of the step's outputs.
     run: the emitted step over flat leaves (what every ``jax.jit`` above wraps).
     runners: its ``jax.jit`` per device it is called or lowered on
@@ -65,6 +65,9 @@ class Fit:
     micro: where the step runs in micro-batches, how
       (:class:`~jaxmem.fit._micro.MicroBatches`); ``graph`` and the plan are
       then one micro-batch's. None: the step runs whole.
+    devices: the devices the step's arguments lie on. With several, XLA's
+      figures are one device's, and so are the model's inside a
+      ``shard_map``; elsewhere the model sees the step's global shapes.
   """
   graph: Graph
   result: Candidate
@@ -81,7 +84,7 @@ class Fit:
   jitted: Any = dataclasses.field(repr=False, default=None)
   nested: Any = dataclasses.field(repr=False, default=None)
   reserve: int = 0
-  inner: str | None = None
+  inner: Body | None = None
   out_tree: Any = None
   run: Callable | None = dataclasses.field(repr=False, default=None)
   runners: dict = dataclasses.field(repr=False, default_factory=dict)
@@ -90,6 +93,7 @@ class Fit:
   step: str = ""
   input_names: tuple = ()
   micro: MicroBatches | None = None
+  devices: int = 1
   _gap: Gap | None = dataclasses.field(default=None, init=False, repr=False)
 
   def __repr__(self) -> str:
@@ -158,6 +162,13 @@ class Fit:
   def memory(self) -> Liveness:
     return self.result.memory
 
+  def _scopes(self) -> tuple[str, str]:
+    """What the report's XLA and model figures cover, on several devices."""
+    if self.devices < 2:
+      return "", ""
+    per_device = self.inner is not None and self.inner.per_device
+    return ", per device", ", per device" if per_device else ", the global shapes"
+
   def report(self, top: int | None = 20) -> str:
     """A readable summary of the budget, the plan and the residuals."""
     p = self.memory
@@ -168,16 +179,17 @@ class Fit:
     fp = "n/a" if self.footprint is None else format_bytes(self.footprint)
     saved = self.plan.values_with("save")
     saved_bytes = sum(self.graph.values[v].nbytes for v in saved)
+    xla, model = self._scopes()
     lines = [
         f"budget            {format_bytes(self.budget)}"
         + (f" ({format_bytes(self.reserve)} of it kept for the runtime)"
            if self.reserve else ""),
-        f"unconstrained     {format_bytes(self.unconstrained)} (XLA), "
-        f"{format_bytes(self.unconstrained_model)} (model)",
-        f"planned           {fp} (XLA), {format_bytes(p.peak)} (model)",
+        f"unconstrained     {format_bytes(self.unconstrained)} (XLA{xla}), "
+        f"{format_bytes(self.unconstrained_model)} (model{model})",
+        f"planned           {fp} (XLA{xla}), {format_bytes(p.peak)} (model{model})",
         f"target            {self.target.name}",
         f"planner           {self.planner.describe()}",
-        *([f"planned per pass  {self.inner}"] if self.inner else []),
+        *([f"planned per pass  {self.inner.describe()}"] if self.inner else []),
         *([f"micro-batches     {self.micro.describe()}: no plan of the whole batch fits "
            "(residuals, decisions and FLOPs below are one micro-batch's)"]
           if self.micro and not self.micro.region else []),

@@ -59,15 +59,31 @@ def inner_body(graph: Graph) -> int | None:
              default=None)
 
 
-def describe(graph: Graph, index: int) -> str:
-  """Where the passes of ``graph``'s body ``index`` run, for reports."""
+@dataclasses.dataclass(frozen=True)
+class Body:
+  """Where a step's passes run, for reports: inside a ``scan`` (one
+  iteration's passes) or a ``shard_map`` (one device's), at ``source``."""
+  kind: str
+  source: str = ""
+
+  @property
+  def per_device(self) -> bool:
+    """Whether the planned graph holds one device's shapes."""
+    return self.kind == "shard_map"
+
+  def describe(self) -> str:
+    at = f" at {self.source}" if self.source else ""
+    if self.per_device:
+      return (f"inside the shard_map{at}: each device's forward and backward pass "
+              "(residuals, decisions and FLOPs below are one device's)")
+    return (f"inside the loop{at}: one iteration's forward and backward pass "
+            "(residuals, decisions and FLOPs below are one iteration's)")
+
+
+def body_of(graph: Graph, index: int) -> Body:
+  """The :class:`Body` of ``graph``'s node ``index``."""
   node = graph.nodes[index]
-  at = f" at {node.source}" if node.source else ""
-  if node.prim.name == "shard_map":
-    return (f"inside the shard_map{at}: each device's forward and backward pass "
-            "(residuals, decisions and FLOPs below are one device's)")
-  return (f"inside the loop{at}: one iteration's forward and backward pass "
-          "(residuals, decisions and FLOPs below are one iteration's)")
+  return Body(node.prim.name, node.source)
 
 
 # A planned body runs under ``shard_map(..., check_vma=False)``: its

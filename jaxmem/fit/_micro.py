@@ -132,12 +132,20 @@ def micro_step(split: Split, k: int, closed):
   return jax.make_jaxpr(micro_batched(split, k))(*closed.in_avals)
 
 
+def devices_of(leaves) -> int:
+  """The number of devices the step's argument ``leaves`` lie on (1 for
+  abstract or unplaced leaves)."""
+  found = set()
+  for leaf in leaves:
+    found.update(getattr(getattr(leaf, "sharding", None), "device_set", ()))
+  return max(len(found), 1)
+
+
 def spread(leaves) -> bool:
-  """Whether any of the step's argument ``leaves`` lies on several devices:
-  its chunks are then strided (``schedule._microbatch._chunks``), so that a
+  """Whether the step's argument ``leaves`` lie on several devices: its
+  chunks are then strided (``schedule._microbatch._chunks``), so that a
   batch sharded over devices stays spread over them in each chunk."""
-  return any(len(getattr(getattr(leaf, "sharding", None), "device_set", ())) > 1
-             for leaf in leaves)
+  return devices_of(leaves) > 1
 
 
 def _split(graph, closed, groups, names, region: bool,
