@@ -11,7 +11,9 @@ step's are.
   planned per device inside the map (the report says so), and a
   ``data x model`` MLP whose forward pass ``psum``s over ``model``: no
   collective is run again by the plan (the transformed step runs as many
-  as the step).
+  as the step); and a step whose forward pass calls a ``shard_map`` that
+  ``pmean``s (a normalization by the batch's statistics), planned as a
+  whole: the ``shard_map``'s outputs are never rebuilt.
 * (slow) a Flax transformer under ``jax.jit`` with its parameters and Adam
   state sharded over the devices (FSDP), and with its kernels sharded over
   ``model`` on a ``data x model`` mesh.
@@ -29,6 +31,7 @@ _COMMON = textwrap.dedent("""
     import json
     import jax, jax.numpy as jnp, numpy as np
     import jaxmem
+    from jax.extend.core import jaxprs_in_params
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from jaxmem.targets import xla_footprint
 
@@ -36,7 +39,7 @@ _COMMON = textwrap.dedent("""
       count = 0
       for eqn in jaxpr.eqns:
         count += eqn.primitive.name in ("psum", "psum_invariant", "psum2", "all_gather")
-        for sub in jax.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
           count += collectives(sub)
       return count
 
@@ -108,7 +111,27 @@ _SHARD_MAP = textwrap.dedent("""
                              NamedSharding(mesh, P("data")))
       return run(step, (ws, batch), budgets=("100%", "70%"))
 
-    print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel())))
+    def inside_the_forward():
+      mesh = Mesh(np.array(jax.devices()), ("data",))
+      # A normalization by the batch's mean square, written per device.
+      norm = jax.shard_map(
+          lambda h: h / jnp.sqrt(jax.lax.pmean(jnp.mean(h * h), "data") + 1.0),
+          mesh=mesh, in_specs=P("data"), out_specs=P("data"))
+      def step(ws, x):
+        def loss(ws):
+          h = x
+          for w in ws:
+            h = h + norm(jnp.tanh(h @ w))
+          return jnp.mean(h ** 2)
+        value, grads = jax.value_and_grad(loss)(ws)
+        return [w - 0.1 * g for w, g in zip(ws, grads)], value
+      ws = jax.device_put([jnp.eye(64) * 0.1] * 8, NamedSharding(mesh, P()))
+      x = jax.device_put(jax.random.normal(jax.random.key(2), (4096, 64)),
+                         NamedSharding(mesh, P("data")))
+      return run(step, (ws, x), budgets=("100%", "70%"))
+
+    print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel(),
+                          inside=inside_the_forward())))
 """)
 
 _TRANSFORMER = textwrap.dedent("""
@@ -166,11 +189,11 @@ def _check(result: dict, tolerance: float = 1e-4) -> None:
 
 def test_shard_map_steps_are_planned_per_device():
   out = _run(_SHARD_MAP)
-  for name in ("data", "tensor"):
+  for name in ("data", "tensor", "inside"):
     _check(out[name])
+    assert out[name]["collectives"] > 0
     for row in out[name]["rows"].values():  # no collective runs twice
       assert row["collectives"] == out[name]["collectives"], (name, row)
-  assert out["data"]["collectives"] > 0 and out["tensor"]["collectives"] > 0
   planned = out["data"]["rows"]["50%"]["report"]
   assert any("inside the shard_map" in line and "one device's" in line for line in planned)
 

@@ -176,10 +176,12 @@ def is_free(name: str) -> bool:
 
 
 def communicates(name: str) -> bool:
-  """Whether the primitive moves data between devices: a value it makes is
-  never rebuilt, which would run the collective again (the varying-axes
-  casts ``pvary`` / ``pbroadcast`` move nothing)."""
-  return classify(name) == COLLECTIVE and name not in ("pvary", "pbroadcast")
+  """Whether the primitive may move data between devices: a value it makes
+  is never rebuilt, which would run its collectives again (the varying-axes
+  casts ``pvary`` / ``pbroadcast`` move nothing; a ``shard_map`` planned as
+  one equation may run collectives inside)."""
+  return name == "shard_map" or (classify(name) == COLLECTIVE
+                                 and name not in ("pvary", "pbroadcast"))
 
 
 def is_matmul(name: str) -> bool:
