@@ -278,7 +278,7 @@ class Transformed:
     ``written``."""
     here = resolve(None, leaves)  # where the step runs, which the target may not be
     options = here.options()
-    graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph)
+    graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves)
     own = own or written
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
     base_memory = evaluate(graph, Plan())[1]

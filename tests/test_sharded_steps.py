@@ -4,10 +4,12 @@ Each mesh runs in a subprocess of its own (the device count is fixed when
 JAX starts, and the rest of the suite runs on one device). For each step at
 100%, 70% and 50% of its own per-device footprint: XLA's per-device
 footprint of the transformed step is within the budget, its numbers over
-three steps are the sharded step's, and its outputs are sharded as the
-step's are.
+three steps are the sharded step's, its outputs are sharded as the step's
+are, and the memory model's footprint of the step is one device's (within
+a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
 
-* ``shard_map`` steps: a data-parallel MLP that ``pmean``s its updates,
+* a data-parallel MLP under ``jax.jit``, at 100% and 70%;
+* ``shard_map`` steps: the same MLP that ``pmean``s its updates,
   planned per device inside the map (the report says so), and a
   ``data x model`` MLP whose forward pass ``psum``s over ``model``: no
   collective is run again by the plan (the transformed step runs as many
@@ -65,12 +67,13 @@ _COMMON = textwrap.dedent("""
         rows[budget] = dict(
             footprint=xla_footprint(fitted.lower(*args).compile()), budget=fit.budget,
             error=error, same_shardings=same, report=fit.report().splitlines()[:8],
+            model=fit.unconstrained_model, xla=fit.unconstrained,
             collectives=collectives(jax.make_jaxpr(fitted)(*args).jaxpr))
       return dict(own=own, devices=len(jax.devices()), rows=rows,
                   collectives=collectives(jax.make_jaxpr(step)(*args).jaxpr))
 """)
 
-_SHARD_MAP = textwrap.dedent("""
+_SMALL = textwrap.dedent("""
     def data_parallel():
       from tests.test_microbatch import _mlp_step  # a residual tanh MLP, SGD
       mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -78,13 +81,16 @@ _SHARD_MAP = textwrap.dedent("""
       local = lambda ws, batch: jax.lax.pmean(_mlp_step(ws, batch), "data")  # noqa: E731
       step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
                            out_specs=(P(), P()))
+      return run(step, data_parallel_args(mesh))
+
+    def data_parallel_args(mesh):
       keys = jax.random.split(jax.random.key(0), 14)
       ws = jax.device_put([jax.random.normal(k, (64, 64)) / 8 for k in keys[:12]],
                           NamedSharding(mesh, P()))
       batch = jax.device_put({n: jax.random.normal(k, (4096, 64))
                               for n, k in zip("xy", keys[12:])},
                              NamedSharding(mesh, P("data")))
-      return run(step, (ws, batch))
+      return ws, batch
 
     def tensor_parallel():
       mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
@@ -130,8 +136,13 @@ _SHARD_MAP = textwrap.dedent("""
                          NamedSharding(mesh, P("data")))
       return run(step, (ws, x), budgets=("100%", "70%"))
 
+    def data_parallel_jit():
+      from tests.test_microbatch import _mlp_step
+      ws, batch = data_parallel_args(Mesh(np.array(jax.devices()), ("data",)))
+      return run(_mlp_step, (ws, batch), budgets=("100%", "70%"))
+
     print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel(),
-                          inside=inside_the_forward())))
+                          inside=inside_the_forward(), jit=data_parallel_jit())))
 """)
 
 _TRANSFORMER = textwrap.dedent("""
@@ -185,10 +196,13 @@ def _check(result: dict, tolerance: float = 1e-4) -> None:
     assert row["footprint"] <= row["budget"], (budget, row)
     assert row["budget"] <= result["own"] * int(budget[:-1]) / 100 + 1, (budget, row)
     assert row["error"] < tolerance and row["same_shardings"], (budget, row)
+    # The memory model counts one device's bytes, as XLA's figure does.
+    assert 0.5 < row["model"] / row["xla"] < 2, (budget, row)
 
 
 def test_shard_map_steps_are_planned_per_device():
-  out = _run(_SHARD_MAP)
+  out = _run(_SMALL)
+  _check(out["jit"])  # a jax.jit step's model, from XLA's partitioned program
   for name in ("data", "tensor", "inside"):
     _check(out[name])
     assert out[name]["collectives"] > 0

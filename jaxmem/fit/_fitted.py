@@ -66,8 +66,10 @@ class Fit:
       (:class:`~jaxmem.fit._micro.MicroBatches`); ``graph`` and the plan are
       then one micro-batch's. None: the step runs whole.
     devices: the devices the step's arguments lie on. With several, XLA's
-      figures are one device's, and so are the model's inside a
-      ``shard_map``; elsewhere the model sees the step's global shapes.
+      figures are one device's, and so are the model's (its values' bytes
+      read off XLA's partitioned program, ``cost._xla_shards``, or a
+      ``shard_map``'s shapes), but inside a loop, where the model sees the
+      step's global shapes.
   """
   graph: Graph
   result: Candidate
@@ -166,8 +168,8 @@ class Fit:
     """What the report's XLA and model figures cover, on several devices."""
     if self.devices < 2:
       return "", ""
-    per_device = self.inner is not None and self.inner.per_device
-    return ", per device", ", per device" if per_device else ", the global shapes"
+    looped = self.inner is not None and not self.inner.per_device
+    return ", per device", ", the global shapes" if looped else ", per device"
 
   def report(self, top: int | None = 20) -> str:
     """A readable summary of the budget, the plan and the residuals."""

@@ -20,6 +20,8 @@ from jaxmem.cost._xla_clock import program_time
 from jaxmem.fit._checks import no_collectives
 from jaxmem.cost._evaluate import Candidate
 from jaxmem.fit._inner import body_graph, embedded, inner_body
+from jaxmem.fit._micro import devices_of
+from jaxmem.cost._xla_shards import per_device, shard_elements
 from jaxmem.schedule._emit import emit
 from jaxmem.graph._graph import Graph, build_graph
 from jaxmem.graph._state import apply_host_decisions
@@ -69,17 +71,20 @@ def as_written(run: Callable, jitted, target: Target, here: Target, leaves, plac
   return Written(run, jitted, baseline, xla_footprint(baseline), in_place, one_program)
 
 
-def graphs(closed, target: Target, planner, name: str,
-           graph: Graph | None = None) -> tuple[Graph, int | None, Graph, object]:
+def graphs(closed, target: Target, planner, name: str, graph: Graph | None = None,
+           leaves=()) -> tuple[Graph, int | None, Graph, object]:
   """``(graph, loop, planned, planner)`` for the traced step ``closed`` (of
-  the user's function ``name``; ``graph`` its graph where built already):
-  the step's graph, the loop or ``shard_map`` its passes run in (or None),
-  the graph planned (that body there; modelled for the target) and the planner (a given
-  plan's host placements moved onto the graph)."""
+  the user's function ``name``, called on flat ``leaves``; ``graph`` its
+  graph where built already): the step's graph, the loop or ``shard_map``
+  its passes run in (or None), the graph planned (that body there; modelled
+  for the target, and for one device where ``leaves`` lie on several) and
+  the planner (a given plan's host placements moved onto the graph)."""
   graph = build_graph(closed) if graph is None else graph
   no_collectives(graph, name)
   loop = inner_body(graph)
   planned = modelled(graph if loop is None else body_graph(graph, loop), target)
+  if loop is None and devices_of(leaves) > 1:
+    planned = per_device(planned, shard_elements(planned, leaves))
   if loop is None:
     graph = planned
     if isinstance(planner, Fixed):

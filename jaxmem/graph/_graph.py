@@ -378,7 +378,7 @@ def build_graph(closed_jaxpr, inline: frozenset = frozenset()) -> Graph:
   values = builder.values()
   return Graph(nodes=tuple(nodes), values=values, inputs=tuple(inputs), outputs=outputs,
                consts=builder.consts, backward_start=backward_start,
-               residuals=_residuals(nodes, values))
+               residuals=residuals_of(nodes, values))
 
 
 def _mark_passes(nodes: list[Node]) -> list[Node]:
@@ -421,7 +421,7 @@ def forward_passes(graph: Graph) -> tuple[tuple[int, ...], ...]:
   return tuple(map(tuple, passes))
 
 
-def _residuals(nodes, values) -> tuple[Residual, ...]:
+def residuals_of(nodes, values) -> tuple[Residual, ...]:
   """The forward values that backward nodes read."""
   found = []
   for node in nodes:
