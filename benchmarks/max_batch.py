@@ -1,7 +1,8 @@
-"""The largest batch that trains in a fixed budget on a GPU target, per method.
+"""The largest batch that trains in a fixed budget on a target, per method.
 
-Everything is compiled here for the target (a compile-only device; no GPU
-needed) and judged by XLA:GPU's footprint. For one zoo model:
+Everything is compiled here for the target (a GPU preset's compile-only
+device, no GPU needed, judged by XLA:GPU's footprint; or ``cpu``, this
+machine's XLA:CPU). For one zoo model:
 
 * the step as written;
 * the step with every block (every convolution of a VGG) under
@@ -17,6 +18,9 @@ from the configured one, then bisects.
   PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/max_batch.py --model vgg \\
       --config depth=19 width=32 size=224 hidden=512 batch=4 --target t4 \\
       --budget 100% --out benchmarks/results/max-batch-vgg19-t4
+  PYTHONPATH=. python benchmarks/max_batch.py --model gpt2 --config dim=64 depth=4 \
+      heads=2 seq=128 vocab=256 batch=8 --target cpu --planners auto --limit 8 \
+      --out benchmarks/results/max-batch-gpt2-cpu
 """
 
 from __future__ import annotations
@@ -44,10 +48,15 @@ from benchmarks._steps import compile_for, task as zoo_task  # noqa: E402
 POLICIES = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable")
 
 
+def _on(target: str) -> str | None:
+  """A GPU preset's name, or None for ``cpu``: this machine's XLA:CPU."""
+  return None if target == "cpu" else target
+
+
 def footprint(name: str, config: dict, target: str, remat: str | None = None) -> int:
-  """XLA:GPU's footprint of the step (under ``remat``) on ``target``."""
+  """The target compiler's footprint of the step (under ``remat``)."""
   task = zoo_task(name, config, remat)
-  compiled, _, _ = compile_for(task.step, jax.eval_shape(task.init), target)
+  compiled, _, _ = compile_for(task.step, jax.eval_shape(task.init), _on(target))
   return xla_footprint(compiled)
 
 
@@ -59,9 +68,10 @@ def fits(name: str, config: dict, target: str, budget: int, method: str) -> bool
   if kind != "jaxmem":
     return footprint(name, config, target, option or None) <= budget
   task = zoo_task(name, config)
-  fitted = jaxmem.transform(task.step, budget=budget, target=target, planner=option,
+  fitted = jaxmem.transform(task.step, budget=budget, target=_on(target), planner=option,
                             reserve=0)
-  return fitted.can_fit(*placed(jax.eval_shape(task.init), target))
+  shapes = jax.eval_shape(task.init)
+  return fitted.can_fit(*(shapes if _on(target) is None else placed(shapes, target)))
 
 
 def measure(name: str, config: dict, target: str, budget: int, methods, limit: int):
@@ -99,7 +109,7 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--model", default="vgg")
   parser.add_argument("--config", nargs="*", default=[], metavar="KEY=JSON")
-  parser.add_argument("--target", default="t4")
+  parser.add_argument("--target", default="t4", help="a GPU preset, or cpu (XLA:CPU here)")
   parser.add_argument("--budget", default="100%")
   parser.add_argument("--planners", nargs="+", default=["ilp", "recompute"])
   parser.add_argument("--limit", type=int, default=16,
@@ -115,7 +125,8 @@ def main(argv=None) -> None:
   text = table(rows, budget)
   print(text)
   write(opts.out, "benchmarks/max_batch.py", sys.argv[1:] if argv is None else argv,
-        f"Max batch of {opts.model} in a fixed budget", f"XLA:GPU for {opts.target}, "
+        f"Max batch of {opts.model} in a fixed budget",
+        "XLA:CPU" if opts.target == "cpu" else f"XLA:GPU for {opts.target}, "
         "compiled on this machine (no GPU)", text, rows, model=opts.model, config=config,
         target=opts.target, budget=budget)
 
