@@ -8,7 +8,8 @@ width (its softmax cross-entropy and the logits' matmul make its peak): the
 region found is that loss head, read from the jaxpr by following the
 examples (its inputs are the hidden states and the labels); in 2 and 4
 chunks it gives the untransformed step's updates (gradients, through SGD);
-XLA's footprint drops by at least the logits' chunked-away bytes; a
+XLA's footprint drops by at least the logits' chunked-away bytes, and the
+memory model's figure for the chunked step follows XLA's; a
 transform whose budget no plan meets chunks the region, within the budget
 by XLA's footprint, with the step's numbers over three steps (Adam, donated
 state); a saved plan reloads its chunks; a plan that fits is replaced by
@@ -111,6 +112,24 @@ def test_region_chunks_shrink_xla_footprint():
   chunked = xla_footprint(jax.jit(micro_batched(split, k)).lower(*leaves).compile())
   logits = BATCH * SEQ * VOCAB * 4
   assert chunked <= written - (1 - 1 / k) * logits, (chunked, written)
+
+
+def test_the_memory_model_counts_the_chunks():
+  """The model of the chunked step counts one chunk's working set inside
+  the loop: it falls with the count as XLA's footprint does, and stays as
+  near to XLA's as its figure for the step as written is (without the
+  loop's working set it would read less than half of XLA's at 2 chunks)."""
+  step, args = _task(optax.sgd(0.5))
+  flat, leaves, graph, split = _split(step, args)
+  bias = unplanned(graph, 0).memory.peak / xla_footprint(jax.jit(flat).lower(*leaves).compile())
+  modelled, measured = [], []
+  for k in (2, 4, 8):
+    run = micro_batched(split, k)
+    modelled.append(unplanned(build_graph(jax.make_jaxpr(run)(*leaves)), 0).memory.peak)
+    measured.append(xla_footprint(jax.jit(run).lower(*leaves).compile()))
+  assert modelled == sorted(modelled, reverse=True) and measured == sorted(measured, reverse=True)
+  for model, xla in zip(modelled, measured):
+    assert 0.75 < model / xla < 1.1 * bias, (modelled, measured, bias)
 
 
 def _budget_only_the_region_meets():

@@ -28,8 +28,10 @@ import dataclasses
 
 from jax.extend import core as jex
 
+from jaxmem._decisions import Plan
 from jaxmem.graph import _primitives
-from jaxmem.schedule._schedule import Schedule
+from jaxmem.graph._graph import Graph, analysis, build_graph
+from jaxmem.schedule._schedule import Schedule, build_schedule
 from jaxmem.cost._xla_buffers import LearnedFusion
 from jaxmem.graph._xla_cpu_fusion import Fusion
 
@@ -155,12 +157,13 @@ class _Prepared:
   in_outputs: set  # temporaries placed in output buffers
   start: int  # device bytes held from the start
   on_host: int  # host bytes held from the start
+  loops: dict  # op position -> what the loop it runs holds while it runs
 
   @property
   def walk_args(self) -> tuple:
     """:func:`_walk`'s arguments after the schedule."""
     return (self.fusion, self.owned_by, self.free_at, self.host, self.in_outputs,
-            self.start, self.on_host)
+            self.start, self.on_host, self.loops)
 
 
 def _prepare(schedule: Schedule) -> _Prepared:
@@ -213,9 +216,23 @@ def _prepare(schedule: Schedule) -> _Prepared:
       {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys
        if k not in host},
       nbytes)
+  loops = {pos: loop_scratch(graph, op.node) for pos, op in enumerate(ops)
+           if op.kind == "node" and graph.nodes[op.node].prim.name == "scan"}
   return _Prepared(arguments, reads, root, fused_reads, fused, fusion, owned_by, free_at,
                    host, in_outputs, arguments + out_bytes,
-                   sum(nbytes(k) for k in hosted_in))
+                   sum(nbytes(k) for k in hosted_in), loops)
+
+
+@analysis
+def loop_scratch(graph: Graph, index: int) -> int:
+  """Bytes the body of scan ``index`` holds beyond its arguments and results
+  while the loop runs: its own temporaries at their peak, which XLA
+  allocates once for every iteration (the chunks of a step run in
+  micro-batches, a layer of a scanned stack)."""
+  body = build_graph(graph.nodes[index].params["jaxpr"])
+  liveness = simulate(build_schedule(body, Plan()))
+  results = sum(body.values[v].nbytes for v in body.output_ids)
+  return max(0, liveness.peak - liveness.arguments - results)
 
 
 
@@ -246,12 +263,14 @@ KINDS = ("residuals", "recomputed", "copied back", "temporaries")
 
 
 def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
-          in_outputs: set, start: int, on_host: int = 0, classify=None) -> _Walk:
+          in_outputs: set, start: int, on_host: int = 0, loops: dict | None = None,
+          classify=None) -> _Walk:
   """Walks the ops in order: each op's own buffers are allocated (host
   copies on the host; temporaries placed in output buffers add nothing),
   the timeline records the live bytes with the op's scratch, and buffers
   whose last reader it is are freed. ``start`` device bytes and ``on_host``
-  host bytes are held from the start. With ``classify`` (key -> one of
+  host bytes are held from the start; ``loops`` holds, per op that runs a
+  loop, what its body holds while it runs (:func:`loop_scratch`). With ``classify`` (key -> one of
   :data:`KINDS`), ``kinds`` splits the timeline less ``start`` by kind (an
   op's scratch among the temporaries)."""
   ops, nbytes = schedule.ops, schedule.nbytes
@@ -270,10 +289,11 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       live_set.add(key)
       if classify:
         held[classify(key)] += nbytes(key) + fusion.beside(key)
-    walk.timeline.append(live + fusion.scratch(pos))
+    scratch = fusion.scratch(pos) + (loops or {}).get(pos, 0)
+    walk.timeline.append(live + scratch)
     walk.host_timeline.append(on_host)
     for kind, series in walk.kinds.items():
-      series.append(held[kind] + (fusion.scratch(pos) if kind == "temporaries" else 0))
+      series.append(held[kind] + (scratch if kind == "temporaries" else 0))
     if walk.timeline[-1] > walk.peak:
       walk.peak, walk.peak_op, walk.live_at_peak = walk.timeline[-1], pos, list(live_set)
     for key in free_at.get(pos, ()):
