@@ -85,7 +85,7 @@ def test_passes_inside_a_loop_are_planned_in_its_body():
 
   graph = _graph(step, W, X)
   loop = inner_body(graph)
-  assert not graph.has_backward and graph.nodes[loop].prim.name == "scan"
+  assert not graph.has_backward and len(loop) == 1 and graph.nodes[loop[0]].prim.name == "scan"
   body = body_graph(graph, loop)
   assert body.has_backward and body.residuals
   assert inner_body(_graph(_accumulate, W, X)) is None  # passes outside loops

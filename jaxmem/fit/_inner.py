@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable, Mapping
 
 import jax
 from jax.extend import core as jex
@@ -40,57 +41,81 @@ BODIES = ("scan", "shard_map")
 
 
 @analysis
-def body_graph(graph: Graph, index: int) -> Graph:
-  """The graph of the body of node ``index`` (a loop or a ``shard_map``)."""
-  body = graph.nodes[index].params["jaxpr"]
-  return build_graph(body if isinstance(body, jex.ClosedJaxpr) else jex.ClosedJaxpr(body, ()))
+def body_graph(graph: Graph, path: tuple[int, ...]) -> Graph:
+  """The graph of the body reached by ``path``: node ``path[0]``'s body (a
+  loop's or a ``shard_map``'s), then node ``path[1]``'s in that, ..."""
+  body = graph.nodes[path[0]].params["jaxpr"]
+  inner = build_graph(body if isinstance(body, jex.ClosedJaxpr) else jex.ClosedJaxpr(body, ()))
+  return inner if len(path) == 1 else body_graph(inner, path[1:])
 
 
 @analysis
-def inner_body(graph: Graph) -> int | None:
-  """The scan or ``shard_map`` whose body holds a forward and a backward
-  pass, where the step has none outside them (the one doing most work, if
-  several); None where there is none."""
+def inner_body(graph: Graph) -> tuple[int, ...] | None:
+  """The path (:func:`body_graph`) to the scan or ``shard_map`` body that
+  holds a forward and a backward pass, where the step has none outside
+  such bodies (the one doing most work, if several; a loop inside a
+  ``shard_map`` is reached through it); None where there is none."""
   if graph.has_backward:
     return None
-  found = [node.index for node in graph.nodes if node.prim.name in BODIES
-           and body_graph(graph, node.index).has_backward]
-  return max(found, key=lambda i: sum(n.flops for n in body_graph(graph, i).nodes),
+  found = []
+  for node in graph.nodes:
+    if node.prim.name in BODIES:
+      inner = body_graph(graph, (node.index,))
+      below = inner_body(inner)
+      if inner.has_backward or below is not None:
+        found.append((node.index,) + (below or ()))
+  return max(found, key=lambda p: sum(n.flops for n in body_graph(graph, p).nodes),
              default=None)
+
+
+def mapped_step(graph: Graph) -> int | None:
+  """The index of the ``shard_map`` that is the whole step (it reads the
+  step's inputs in order and returns its outputs), or None."""
+  if len(graph.nodes) != 1 or graph.nodes[0].prim.name != "shard_map":
+    return None
+  node = graph.nodes[0]
+  same = tuple(node.ins) == tuple(graph.inputs) and tuple(node.outs) == tuple(graph.outputs)
+  return 0 if same else None
 
 
 @dataclasses.dataclass(frozen=True)
 class Body:
   """Where a step's passes run, for reports: inside a ``scan`` (one
-  iteration's passes) or a ``shard_map`` (one device's), at ``source``."""
-  kind: str
-  source: str = ""
+  iteration's passes), a ``shard_map`` (one device's), or a loop inside a
+  ``shard_map``; ``kinds`` and ``sources`` from the outermost in."""
+  kinds: tuple[str, ...]
+  sources: tuple[str, ...] = ()
 
   @property
   def per_device(self) -> bool:
     """Whether the planned graph holds one device's shapes."""
-    return self.kind == "shard_map"
+    return "shard_map" in self.kinds
 
   def describe(self) -> str:
-    at = f" at {self.source}" if self.source else ""
-    if self.per_device:
-      return (f"inside the shard_map{at}: each device's forward and backward pass "
-              "(residuals, decisions and FLOPs below are one device's)")
-    return (f"inside the loop{at}: one iteration's forward and backward pass "
-            "(residuals, decisions and FLOPs below are one iteration's)")
+    places = [f"the {'loop' if kind == 'scan' else kind}" + (f" at {source}" if source else "")
+              for kind, source in zip(self.kinds, self.sources)]
+    if "scan" not in self.kinds:
+      passes, whose = "each device's", "one device's"
+    else:
+      passes = "one iteration's"
+      whose = "one iteration's on one device" if self.per_device else "one iteration's"
+    return (f"inside {' in '.join(reversed(places))}: {passes} forward and backward pass "
+            f"(residuals, decisions and FLOPs below are {whose})")
 
 
-def body_of(graph: Graph, index: int) -> Body:
-  """The :class:`Body` of ``graph``'s node ``index``."""
-  node = graph.nodes[index]
-  return Body(node.prim.name, node.source)
+def body_of(graph: Graph, path: tuple[int, ...]) -> Body:
+  """The :class:`Body` that ``path`` reaches in ``graph``."""
+  nodes = [graph.nodes[path[0]]]
+  for depth in range(1, len(path)):
+    nodes.append(body_graph(graph, path[:depth]).nodes[path[depth]])
+  return Body(tuple(n.prim.name for n in nodes), tuple(n.source for n in nodes))
 
 
 # A planned body runs under ``shard_map(..., check_vma=False)``: its
 # barriers join values that vary over mesh axes with values that do not,
 # which the varying-axes typing refuses. Its equations that exist only for
 # that typing run as their untyped forms (the same collectives, or nothing).
-_UNTYPED = {
+UNTYPED = {
     "pvary": lambda node, args: list(args),
     "pbroadcast": lambda node, args: list(args),
     "psum_invariant": lambda node, args: [jax.lax.psum(a, node.params["axes"]) for a in args],
@@ -101,10 +126,10 @@ _UNTYPED = {
 }
 
 
-def _per_device(params: dict, body: Schedule):
-  """``body`` run under the ``shard_map`` of ``params``, on the step's mesh
+def on_each_device(params: dict, run_body: Callable) -> Callable:
+  """``run_body`` (over flat per-device inputs, its equations bound with
+  :data:`UNTYPED`) under the ``shard_map`` of ``params``: the step's mesh
   and specs."""
-  run_body = emit(body, binds=_UNTYPED)
   manual = params.get("manual_axes", params.get("newly_manual_axes"))
   mapped = jax.shard_map(lambda *ins: tuple(run_body(*ins)), mesh=params["mesh"],
                          in_specs=tuple(params["in_specs"]),
@@ -113,10 +138,9 @@ def _per_device(params: dict, body: Schedule):
   return lambda *ins: list(mapped(*ins))
 
 
-def _looped(params: dict, body: Schedule):
-  """``body`` run as the body of the scan of ``params``."""
+def _looped(params: dict, run_body: Callable) -> Callable:
+  """``run_body`` as the body of the scan of ``params``."""
   consts, carries = params["num_consts"], params["num_carry"]
-  run_body = emit(body)
 
   def run(*ins):
     const_in, carry_in, xs = ins[:consts], ins[consts:consts + carries], ins[consts + carries:]
@@ -131,13 +155,19 @@ def _looped(params: dict, body: Schedule):
   return run
 
 
-def embedded(graph: Graph, index: int, body: Schedule) -> Schedule:
-  """The step as written, with its loop or ``shard_map`` ``index`` running
-  ``body`` (a schedule of its body graph)."""
-  node = graph.nodes[index]
-  wrap = _per_device if node.prim.name == "shard_map" else _looped
-  run = wrap(node.params, body)
+def embedded(graph: Graph, path: tuple[int, ...], body: Schedule,
+             binds: Mapping[str, Callable] = {}) -> Schedule:
+  """The step as written, with the body that ``path`` reaches running
+  ``body`` (a schedule of its graph); under a ``shard_map``, equations are
+  bound with :data:`UNTYPED` (``binds``)."""
+  node = graph.nodes[path[0]]
+  mapped = node.prim.name == "shard_map"
+  inner_binds = UNTYPED if mapped else binds
+  if len(path) > 1:
+    body = embedded(body_graph(graph, path[:1]), path[1:], body, inner_binds)
+  run_body = emit(body, binds=inner_binds)
+  run = on_each_device(node.params, run_body) if mapped else _looped(node.params, run_body)
   outer = unplanned(graph, 0).schedule
-  ops = [dataclasses.replace(op, params=(run,)) if op.kind == "node" and op.node == index
+  ops = [dataclasses.replace(op, params=(run,)) if op.kind == "node" and op.node == path[0]
          else op for op in outer.ops]
   return dataclasses.replace(outer, ops=ops)

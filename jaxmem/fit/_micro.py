@@ -30,11 +30,13 @@ import logging
 from typing import Callable, Sequence
 
 import jax
+from jax.extend import core as jex
 
 from jaxmem._budget import BudgetError
 from jaxmem.fit._arguments import Arguments
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch, split_region, where
+from jaxmem.fit._inner import UNTYPED, mapped_step, on_each_device
 from jaxmem.graph._graph import build_graph
 from jaxmem.schedule._microbatch import micro_batched
 
@@ -69,20 +71,24 @@ class MicroBatches:
       reports); empty where the whole step runs in micro-batches.
     instead: where the chunks were chosen over a plan that fits, that
       plan's cost (for reports); empty where no plan fits.
+    per_device: whether ``batch`` is each device's (a step written per
+      device under ``shard_map`` runs its micro-batches on every device).
   """
   count: int
   batch: int
   arguments: tuple[str, ...]
   region: str = ""
   instead: str = ""
+  per_device: bool = False
 
   def describe(self) -> str:
     """One line for reports."""
+    whose = "each device's batch" if self.per_device else "the batch"
     if self.region:
       return (f"{self.region} in {self.count} chunks of {self.batch // self.count} "
-              f"examples (the batch of {self.batch}); the rest of the step whole")
+              f"examples ({whose} of {self.batch}); the rest of the step whole")
     return (f"{self.count} micro-batches of {self.batch // self.count} examples "
-            f"(the batch of {self.batch} in {', '.join(self.arguments) or 'the arguments'}), "
+            f"({whose} of {self.batch} in {', '.join(self.arguments) or 'the arguments'}), "
             "gradients accumulated")
 
 
@@ -127,9 +133,13 @@ def sizes_to_try(sizes: Sequence[int], batch: int) -> list[int]:
   return chosen
 
 
-def micro_step(split: Split, k: int, closed):
-  """The step of ``split`` in ``k`` micro-batches, traced like ``closed``."""
-  return jax.make_jaxpr(micro_batched(split, k))(*closed.in_avals)
+def micro_step(split: Split, k: int, closed, around: dict | None = None):
+  """The step of ``split`` in ``k`` micro-batches, traced like ``closed``;
+  ``around``: the params of the ``shard_map`` that is the step, whose body
+  ``split`` splits (None: ``split`` is the step's own)."""
+  run = (micro_batched(split, k) if around is None
+         else on_each_device(around, micro_batched(split, k, UNTYPED)))
+  return jax.make_jaxpr(run)(*closed.in_avals)
 
 
 def devices_of(leaves) -> int:
@@ -149,21 +159,27 @@ def spread(leaves) -> bool:
 
 
 def _split(graph, closed, groups, names, region: bool,
-           strided: bool) -> tuple[Split, object, float]:
+           strided: bool) -> tuple[Split, float, dict | None]:
   """The split of the traced step ``closed`` (of ``graph``): its batch, or
   (``region``) the region around the largest value at its peak as
-  written, in chunks ``strided`` or not; with the graph it splits and the
-  share of the modelled peak that its chunks hold (1 for the batch)."""
-  if any(node.prim.name in REMAT for node in graph.nodes):
+  written, in chunks ``strided`` or not; with the share of the modelled
+  peak that its chunks hold (1 for the batch). A step that is a
+  ``shard_map`` splits its body, each device's batch in blocks: then also
+  the ``shard_map``'s params (else None)."""
+  mapped = mapped_step(graph)
+  around = None if mapped is None else graph.nodes[mapped].params
+  if around is not None:
+    closed, strided = jex.ClosedJaxpr(around["jaxpr"], ()), False
+  if around is not None or any(node.prim.name in REMAT for node in graph.nodes):
     graph = build_graph(closed, inline=REMAT)  # the plan of the chunks replaces the step's
   if not region:
-    return split_batch(graph, groups, names, strided), graph, 1.0
+    return split_batch(graph, groups, names, strided), 1.0, around
   memory = unplanned(graph, 0).memory
   near = [key[0] for key in memory.live_at_peak]
   split = split_region(graph, groups, near, names, strided=strided)
   made = {o for i in split.region for o in graph.nodes[i].outs} - set(split.returned())
   held = sum(graph.values[v].nbytes for v in set(near) & made)
-  return split, graph, held / max(memory.peak, 1)
+  return split, held / max(memory.peak, 1), around
 
 
 def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, names,
@@ -188,7 +204,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   fits). A batch that cannot be split adds why to ``error`` (or answers
   None); with ``counts`` given, it is a ValueError."""
   try:
-    split, graph, held = _split(graph, closed, groups, names, region, strided)
+    split, held, around = _split(graph, closed, groups, names, region, strided)
   except NotSplittable as why:
     if counts is not None:
       raise ValueError(f"jaxmem: micro_batches={counts[0]} asks to split the batch, but "
@@ -204,9 +220,10 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
               or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit] or (
                   counts[-1:] if unmet else [])
   for k in counts:
-    traced = micro_step(split, k, closed)
+    traced = micro_step(split, k, closed, around)
     measured = measure(traced)
-    micro = MicroBatches(k, split.batch, split.names, "" if split.whole else _region(split))
+    micro = MicroBatches(k, split.batch, split.names, "" if split.whole else _region(split),
+                         per_device=around is not None)
     _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)
     if limit is not None and measured.footprint is not None and measured.footprint <= limit:
       found = fit(traced, micro, False, measured)

@@ -259,6 +259,11 @@ def _scatter_add(node, axes, shapes, out_shapes) -> Rule:
 RULES: dict[str, Callable] = {
     **{name: _elementwise for name in ELEMENTWISE},
     "optimization_barrier": _each,
+    # Collectives over mesh axes inside a ``shard_map`` (and the casts of
+    # its varying-axes typing) combine devices elementwise: a chunk of the
+    # examples on each device makes that chunk of the result.
+    **{name: _each for name in ("pvary", "pbroadcast", "psum", "psum_invariant", "psum2",
+                                "pmax", "pmin", "ppermute")},
     "broadcast_in_dim": _broadcast,
     "reshape": _reshape,
     "transpose": _transpose,

@@ -50,7 +50,7 @@ class Node:
   source: str
   backward: bool
   flops: float
-  effects: Any
+  effects: Any  # those that order it (:func:`_ordering`)
   source_info: Any
   ctx: Any
   update: bool = False  # a backward-part node outside the transposed AD
@@ -313,7 +313,7 @@ class _Builder:
           flops=_primitives.eqn_flops(eqn.primitive.name,
                                       [a.aval for a in eqn.invars],
                                       [v.aval for v in eqn.outvars], eqn.params),
-          effects=eqn.effects, source_info=eqn.source_info, ctx=eqn.ctx))
+          effects=_ordering(eqn.effects), source_info=eqn.source_info, ctx=eqn.ctx))
 
   def inline(self, body, eqn, env: dict, stack: str, source: str) -> None:
     """Walks a call's body in place of the call, binding its outputs in ``env``."""
@@ -346,6 +346,14 @@ class _Builder:
     return {vid: Value(vid, aval, _primitives.aval_bytes(aval), self.producers.get(vid),
                        tuple(uses[vid]))
             for vid, aval in self.avals.items()}
+
+
+def _ordering(effects) -> frozenset:
+  """An equation's effects less the names of mesh axes its collectives use
+  (JAX's ``NamedAxisEffect``, matched by name: its home module moves
+  between releases): they order nothing, and a collective is never rebuilt
+  for what it communicates (``_primitives.communicates``)."""
+  return frozenset(e for e in effects if type(e).__name__ != "NamedAxisEffect")
 
 
 def build_graph(closed_jaxpr, inline: frozenset = frozenset()) -> Graph:

@@ -27,7 +27,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -85,10 +85,11 @@ _COMBINE = {ADD: jnp.add, MAX: jnp.maximum, MIN: jnp.minimum, OR: jnp.logical_or
             AND: jnp.logical_and, SCATTER_ADD: lambda carry, part: part}
 
 
-def micro_batched(split: Split, k: int) -> Callable:
+def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> Callable:
   """``run(*flat_inputs) -> flat outputs``: the step of ``split`` over ``k``
   micro-batches (``k`` one of ``split.sizes()``), cut as :func:`_chunks`
-  cuts (strided where ``split.strided``: a batch sharded over devices)."""
+  cuts (strided where ``split.strided``: a batch sharded over devices);
+  ``binds`` as :func:`~jaxmem.schedule._emit.emit` takes it."""
   if k not in split.sizes():
     raise ValueError(f"jaxmem: {k} micro-batches do not divide the batch of "
                      f"{split.batch}; pass one of {split.sizes()}")
@@ -102,8 +103,8 @@ def micro_batched(split: Split, k: int) -> Callable:
     env = dict(graph.consts)
     env.update(zip(graph.inputs, flat))
     read = lambda a: a.val if isinstance(a, jex.Literal) else env[a]
-    once = lambda i: env.update(zip(nodes[i].outs, bind_node(
-        nodes[i], [read(a) for a in nodes[i].ins],
+    once = lambda i: env.update(zip(nodes[i].outs, _bind(
+        binds, nodes[i], [read(a) for a in nodes[i].ins],
         name_stack=_plain(nodes[i]) if split.whole else None)))
     for i in split.run_before():
       once(i)
@@ -115,7 +116,7 @@ def micro_batched(split: Split, k: int) -> Callable:
 
     def body(carry, chunk):
       index, chunk = chunk[0], chunk[1:]
-      one = _Chunk(split, k, index, env,
+      one = _Chunk(split, k, index, binds, env,
                    {v: x for (v, _), x in zip(scanned, chunk) if v in split.axes},
                    {key: x for key, x in zip(scanned, chunk) if key[0] not in split.axes})
       acc = dict(zip(combined, carry))
@@ -147,14 +148,16 @@ class _Chunk:
   Attributes:
     split, k: the split and its number of chunks.
     index: which chunk this is (traced).
+    binds: primitive name -> how its equations run (``emit``'s ``binds``).
     env: the values made once before the chunks (read as they are).
     local: this chunk's values with an example axis.
     taken: demanded values, this chunk's part, by ``(value, axis)`` (those
       made once and scanned, and those made again here as they are read).
   """
 
-  def __init__(self, split: Split, k: int, index, env: dict, local: dict, taken: dict):
-    self.split, self.k, self.index, self.env = split, k, index, env
+  def __init__(self, split: Split, k: int, index, binds, env: dict, local: dict,
+               taken: dict):
+    self.split, self.k, self.index, self.binds, self.env = split, k, index, binds, env
     self.local, self.taken = local, taken
 
   def get(self, atom):
@@ -179,7 +182,7 @@ class _Chunk:
       args[0] = first
     params = chunk_params(node, in_axes, [shape_of(graph, a) for a in node.ins], out_axis,
                           graph.values[node.outs[0]].aval.shape, self.k)
-    return bind_node(node, args, params=params, name_stack=node.name_stack)
+    return _bind(self.binds, node, args, params=params, name_stack=node.name_stack)
 
   def take(self, vid: int, axis: int):
     """This chunk's part of demanded value ``vid`` along ``axis``: made at the
@@ -197,6 +200,14 @@ class _Chunk:
       else:
         self.taken[key] = self.apply(i, demand, axis)[0]
     return self.taken[key]
+
+
+def _bind(binds: Mapping[str, Callable], node, args, **options) -> list:
+  """``node``'s equation on ``args``: by ``binds`` where it names the
+  primitive, else bound as written (``bind_node`` with ``options``)."""
+  if node.prim.name in binds:
+    return binds[node.prim.name](node, args)
+  return bind_node(node, args, **options)
 
 
 def _in_pass_of(split: Split):
