@@ -16,6 +16,9 @@ a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
   again by the plan (the transformed step runs as many as the step); and a step whose forward pass calls a ``shard_map`` that
   ``pmean``s (a normalization by the batch's statistics), planned as a
   whole: the ``shard_map``'s outputs are never rebuilt.
+* the data-parallel MLP planned for 8 T4s: compiled by XLA:GPU for a
+  compile-only topology of 8 T4s with the arguments' mesh and specs, and
+  within a 70% budget per device there;
 * (slow) a Flax transformer under ``jax.jit`` with its parameters and Adam
   state sharded over the devices (FSDP), and with its kernels sharded over
   ``model`` on a ``data x model`` mesh.
@@ -141,8 +144,23 @@ _SMALL = textwrap.dedent("""
       ws, batch = data_parallel_args(Mesh(np.array(jax.devices()), ("data",)))
       return run(_mlp_step, (ws, batch), budgets=("100%", "70%"))
 
+    def on_eight_t4s():  # XLA:GPU for 8 compile-only T4s, the same mesh
+      from tests.test_microbatch import _mlp_step
+      from jaxmem.targets import placed
+      ws, batch = data_parallel_args(Mesh(np.array(jax.devices()), ("data",)))
+      ws = ws[:4]
+      own = xla_footprint(jax.jit(_mlp_step).lower(*placed((ws, batch), "t4")).compile())
+      fitted = jaxmem.transform(_mlp_step, budget="70%", target="t4")
+      fit = fitted.fit(ws, batch)
+      lowered = fitted.lower(*placed((ws, batch), "t4"))
+      return dict(own=own, budget=fit.budget, fit=fit.footprint,
+                  footprint=xla_footprint(lowered.compile()),
+                  devices=len(jax.tree.leaves(placed(batch, "t4"))[0].sharding.device_set),
+                  target=fit.target.name)
+
     print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel(),
-                          inside=inside_the_forward(), jit=data_parallel_jit())))
+                          inside=inside_the_forward(), jit=data_parallel_jit(),
+                          t4=on_eight_t4s())))
 """)
 
 _TRANSFORMER = textwrap.dedent("""
@@ -211,6 +229,9 @@ def test_shard_map_steps_are_planned_per_device():
       assert row["collectives"] == out[name]["collectives"], (name, row)
   planned = out["data"]["rows"]["50%"]["report"]
   assert any("inside the shard_map" in line and "one device's" in line for line in planned)
+  t4 = out["t4"]  # judged per device by XLA:GPU for a topology of 8 T4s
+  assert t4["devices"] == 8 and "t4" in t4["target"]
+  assert t4["footprint"] <= t4["budget"] <= 0.7 * t4["own"] + 1, t4
   chunked = out["tensor"]["rows"]["50%"]["report"]
   assert any("micro-batches of" in line and "each device's batch" in line for line in chunked)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from typing import Sequence
 
@@ -120,6 +121,17 @@ def _compile_only_sharding(description_text: str) -> jax.sharding.NamedSharding:
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
+@functools.lru_cache(maxsize=None)
+def _compile_only_mesh(description_text: str, shape: tuple[int, ...],
+                       names: tuple[str, ...]) -> jax.sharding.Mesh:
+  """A mesh of ``shape`` over a compile-only host of that many GPUs of the
+  description's kind (a topology ``1x1xN``)."""
+  from jax.experimental import topologies
+  topology = topologies.get_topology_desc(
+      platform="cuda", target_config=description_text, topology=f"1x1x{math.prod(shape)}")
+  return topologies.make_mesh(topology, shape, names)
+
+
 def _compile_only(device) -> bool:
   """Whether ``device`` is a compile-only device (on no backend of this
   process)."""
@@ -158,12 +170,22 @@ class Target:
 
   def place(self, leaves: Sequence) -> list:
     """The argument leaves as the fit loop compiles them: abstract, on the
-    compile-only device, where there is one; else as given."""
+    compile-only device, where there is one (a leaf sharded over a mesh of
+    several devices: over a mesh of as many compile-only GPUs, of the same
+    shape and axis names, with the same spec); else as given."""
     if self.sharding is None:
       return list(leaves)
-    avals = [jax.typeof(x) for x in leaves]
-    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self.sharding,
-                                 weak_type=a.weak_type) for a in avals]
+    return [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=self._on_target(x),
+                                 weak_type=a.weak_type)
+            for x, a in zip(leaves, [jax.typeof(x) for x in leaves])]
+
+  def _on_target(self, leaf) -> jax.sharding.Sharding:
+    sharding = getattr(leaf, "sharding", None)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size < 2:
+      return self.sharding
+    mesh = _compile_only_mesh(self.profile.description.text(), sharding.mesh.devices.shape,
+                              tuple(sharding.mesh.axis_names))
+    return jax.sharding.NamedSharding(mesh, sharding.spec)
 
   def options(self, measuring: bool = False) -> dict:
     """Compiler options for this target's compilations (see ``_flags``).
