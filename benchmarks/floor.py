@@ -11,8 +11,14 @@ step's own, the optimizer state's bytes, and the micro-batches of the
 smallest. On XLA:CPU the state never moves (its host memory is its device
 memory).
 
+With ``--budgets`` (``33% 25%``), each model is fitted at those budgets
+instead, with the default options: whether it fits, its footprint, its
+micro-batches and, on a GPU target, the step time the target's clock
+predicts for the fitted step over the step as written.
+
     python benchmarks/floor.py --models gpt2 resnet18 --target t4 --out DIR
     python benchmarks/floor.py --models gpt2 resnet18 --target cpu --out DIR
+    python benchmarks/floor.py --models gpt2 vit --target t4 --budgets 33% 25% --out DIR
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import jax
 
 from jaxmem.graph._graph import build_graph
 from jaxmem.graph._state import optimizer_state
-from jaxmem.targets import xla_footprint
+from jaxmem.targets import placed, xla_footprint
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import _results  # noqa: E402
@@ -68,6 +74,47 @@ def row(name: str, config: dict, where: str) -> dict:
               after=micro / unconstrained, seconds=(plans_s, hosted_s, micro_s))
 
 
+def at_budgets(name: str, config: dict, where: str, budgets) -> list[dict]:
+  """One model fitted at each of ``budgets`` on ``where``."""
+  target = None if where == "cpu" else where
+  t = task(name, config)
+  args = jax.eval_shape(t.init)
+  rows = []
+  for budget in budgets:
+    start = time.perf_counter()
+    row = dict(model=name, target=where, budget=budget)
+    try:
+      fit = jaxmem.transform(t.step, budget=budget, target=target).fit(
+          *(args if target is None else placed(args, target)))
+      row.update(fits=True, footprint=fit.footprint, share=fit.footprint / fit.unconstrained,
+                 micro=1 if fit.micro is None else fit.micro.count,
+                 region=bool(fit.micro and fit.micro.region),
+                 predicted=(None if fit.predicted is None or not fit.unconstrained_predicted
+                            else fit.predicted / fit.unconstrained_predicted))
+    except jaxmem.BudgetError as err:
+      row.update(fits=False, smallest=err.smallest)
+    row["seconds"] = time.perf_counter() - start
+    rows.append(row)
+  return rows
+
+
+def budget_table(rows) -> str:
+  lines = ["| model | target | budget | fits | footprint (share) | chunks | predicted time "
+           "over the step as written | fit s |", "|---|---|---|---|---|---|---|---|"]
+  for r in rows:
+    if not r["fits"]:
+      lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | no (smallest "
+                   f"{r['smallest'] / MIB:.2f} MiB) | - | - | - | {r['seconds']:.0f} |")
+      continue
+    chunks = ("-" if r["micro"] == 1 else
+              f"{r['micro']} {'region chunks' if r['region'] else 'micro-batches'}")
+    predicted = "-" if r["predicted"] is None else f"{r['predicted']:.2f}x"
+    lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | yes | "
+                 f"{r['footprint'] / MIB:.2f} MiB ({r['share']:.0%}) | {chunks} | {predicted} | "
+                 f"{r['seconds']:.0f} |")
+  return "\n".join(lines)
+
+
 def table(rows) -> str:
   lines = ["| model | target | step as written MiB | optimizer state MiB (leaves) | "
            "plans of residuals | + optimizer state in host memory | + micro-batches | "
@@ -87,18 +134,25 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--models", nargs="+", default=["gpt2", "resnet18", "vit", "mobilenetv2"])
   parser.add_argument("--target", default="t4", help="a GPU preset, or cpu (XLA:CPU here)")
+  parser.add_argument("--budgets", nargs="*", default=[],
+                      help="fit these budgets instead of finding the smallest footprint")
   parser.add_argument("--out", required=True)
   opts = parser.parse_args(argv)
   sizes = models().CPU_SIZES
   rows = []
-  for name in opts.models:  # written after each model: a long run keeps what it has
+  where = ("XLA:CPU" if opts.target == "cpu"
+           else f"XLA:GPU for a {opts.target} target, compiled here")
+  for name in opts.models if opts.budgets else ():
+    rows += at_budgets(name, sizes.get(name, {}), opts.target, opts.budgets)
+    print(budget_table(rows), flush=True)
+    _results.write(opts.out, "benchmarks/floor.py", sys.argv[1:] if argv is None else argv,
+                   "Budgets below the step's old floor", where, budget_table(rows), rows)
+  for name in () if opts.budgets else opts.models:  # written after each model
     rows.append(row(name, sizes.get(name, {}), opts.target))
     print(table(rows[-1:]).splitlines()[-1], flush=True)
     _results.write(opts.out, "benchmarks/floor.py", sys.argv[1:] if argv is None else argv,
                    "The smallest footprint: plans of residuals, optimizer state in host "
-                   "memory, micro-batches",
-                   "XLA:CPU" if opts.target == "cpu" else
-                   f"XLA:GPU for a {opts.target} target, compiled here", table(rows), rows)
+                   "memory, micro-batches", where, table(rows), rows)
 
 
 if __name__ == "__main__":
