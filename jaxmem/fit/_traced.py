@@ -77,14 +77,15 @@ def graphs(closed, target: Target, planner, name: str, graph: Graph | None = Non
   the user's function ``name``, called on flat ``leaves``; ``graph`` its
   graph where built already): the step's graph, the loop or ``shard_map``
   its passes run in (or None), the graph planned (that body there; modelled
-  for the target, and for one device where ``leaves`` lie on several) and
+  for the target, and for one of its devices where ``leaves`` lie on
+  several: the target compiler's partition of them) and
   the planner (a given plan's host placements moved onto the graph)."""
   graph = build_graph(closed) if graph is None else graph
   no_collectives(graph, name)
   loop = inner_body(graph)
   planned = modelled(graph if loop is None else body_graph(graph, loop), target)
   if loop is None and devices_of(leaves) > 1:
-    planned = per_device(planned, shard_elements(planned, leaves))
+    planned = per_device(planned, shard_elements(planned, target.place(leaves)))
   if loop is None:
     graph = planned
     if isinstance(planner, Fixed):
