@@ -22,6 +22,7 @@ from jaxmem.targets import get_profile
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.cost._memory import stacked
 from jaxmem.targets import holds_host_memory, xla_footprint
+from jaxmem.targets._calibrate import median_seconds
 from jaxmem.cost._perf import predict_schedule
 from jaxmem._transform import transform
 from jaxmem.planners import ABLATIONS, PLANNERS, LayerReport
@@ -108,12 +109,6 @@ class Row:
 
 # Row fields too long for the JSON file (per-op series, for plots).
 SERIES = ("timeline", "recompute_ops", "copy_ops", "host_timeline", "stacked", "written")
-
-
-def median_seconds(fn: Callable, args, repeats: int) -> float:
-  """Median wall time of ``fn(*args)`` over ``repeats`` runs after a warm-up."""
-  jax.block_until_ready(fn(*args))
-  return statistics.median(_seconds(fn, args) for _ in range(max(repeats, 1)))
 
 
 def paired_seconds(base: Callable, base_args, fn: Callable, args,

@@ -27,10 +27,12 @@ from jaxmem.targets._profiles import DeviceProfile
 UNIFIED_KINDS = ("orin", "xavier", "tegra", "jetson")
 
 
-def _seconds(fn, *args, repeats: int) -> float:
-  jax.block_until_ready(fn(*args))  # compile and warm up
+def median_seconds(fn, args, repeats: int) -> float:
+  """Median wall time of ``fn(*args)`` over ``repeats`` runs after a warm-up
+  (which compiles it)."""
+  jax.block_until_ready(fn(*args))
   times = []
-  for _ in range(repeats):
+  for _ in range(max(repeats, 1)):
     start = time.perf_counter()
     jax.block_until_ready(fn(*args))
     times.append(time.perf_counter() - start)
@@ -45,8 +47,8 @@ def _link(device, sizes, repeats) -> tuple[float, float, float]:
   for nbytes in sizes:
     x = jax.device_put(jnp.zeros(nbytes // 4, jnp.float32), back)
     on_host = jax.device_put(x, host)
-    d2h.append(_seconds(lambda a: jax.device_put(a, host), x, repeats=repeats))
-    h2d.append(_seconds(lambda a: jax.device_put(a, back), on_host, repeats=repeats))
+    d2h.append(median_seconds(lambda a: jax.device_put(a, host), (x,), repeats))
+    h2d.append(median_seconds(lambda a: jax.device_put(a, back), (on_host,), repeats))
   fits = [np.polyfit(np.asarray(sizes, float), np.asarray(t), 1) for t in (d2h, h2d)]
   (slope_d, lat_d), (slope_h, lat_h) = fits
   bandwidth = lambda slope: 1.0 / max(float(slope), 1e-15)
@@ -80,13 +82,12 @@ def calibrate(device=None, *, matmul: int | None = None,
   cpu = device.platform == "cpu"
   n = matmul or (1024 if cpu else 4096)
   a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
-  flops = 2.0 * n**3 / _seconds(jax.jit(jnp.matmul), a, a, repeats=repeats)
+  flops = 2.0 * n**3 / median_seconds(jax.jit(jnp.matmul), (a, a), repeats)
   # On an accelerator a 16 MiB op is over before the launch overhead is paid;
   # 256 MiB reads the memory's bandwidth, not the dispatch's.
   elementwise = max(sizes) if cpu else max(max(sizes), 2**28)
   big = jax.device_put(jnp.ones(elementwise // 4, jnp.float32), device)
-  bandwidth = 2.0 * big.nbytes / _seconds(jax.jit(lambda x: x * 2.0), big,
-                                         repeats=repeats)
+  bandwidth = 2.0 * big.nbytes / median_seconds(jax.jit(lambda x: x * 2.0), (big,), repeats)
   d2h, h2d, latency = _link(device, sizes, repeats)
   stats = device.memory_stats() or {}
   memory = int(stats.get("bytes_limit") or _host_memory())
