@@ -241,3 +241,29 @@ def test_sharded_transformers_fit_per_device():
   out = _run(_TRANSFORMER)
   _check(out["fsdp"], 1e-3)
   _check(out["data_model"], 1e-3)
+
+
+def test_calls_inside_a_shard_map_body_are_inlined():
+  """A ``jit`` inside a ``shard_map``'s body (every Flax module's) carries
+  the mesh axes it names as effects; it is inlined all the same, so its
+  equations are planned and split like the rest (one device suffices)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  from jaxmem.fit._inner import body_graph, inner_body
+  from jaxmem.graph._graph import build_graph
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+  def local(w, x):
+    layer = jax.jit(lambda w, x: jnp.tanh(x @ w))  # casts w to vary with x inside
+    grads = jax.grad(lambda w: jnp.sum(layer(w, x)))(w)
+    return w - jax.lax.pmean(grads, "data")
+
+  step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  graph = build_graph(jax.make_jaxpr(step)(jnp.eye(4), jnp.ones((8, 4))))
+  body = body_graph(graph, inner_body(graph))
+  assert body.has_backward and "tanh" in {n.prim.name for n in body.nodes}
+  assert not any(n.prim.name in ("jit", "pjit") for n in body.nodes)
