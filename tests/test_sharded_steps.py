@@ -19,7 +19,9 @@ a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
 * the data-parallel MLP planned for 8 T4s: compiled by XLA:GPU for a
   compile-only topology of 8 T4s with the arguments' mesh and specs, and
   within a 70% budget per device there;
-* (slow) a Flax transformer under ``jax.jit`` with its parameters and Adam
+* (slow) a Flax language model with a large vocabulary under
+  ``shard_map``, at 80%, 50% and 35%: its loss head in chunks of each
+  device's batch, then micro-batches; a Flax transformer under ``jax.jit`` with its parameters and Adam
   state sharded over the devices (FSDP), and with its kernels sharded over
   ``model`` on a ``data x model`` mesh.
 """
@@ -186,7 +188,21 @@ _TRANSFORMER = textwrap.dedent("""
         return P(*([None] * (a.ndim - 1)), "model")
       return P()
 
+    def language_model():  # a large vocabulary's loss head, written per device
+      import optax
+      from tests.test_region_split import _task
+      step, (state, tokens, labels) = _task(optax.sgd(0.5))
+      mesh = Mesh(np.array(jax.devices()), ("data",))
+      local = lambda s, t, l: jax.lax.pmean(step(s, t, l), "data")  # noqa: E731
+      mapped = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                             out_specs=P())
+      by_example = NamedSharding(mesh, P("data"))
+      return run(mapped, (state, jax.device_put(jnp.concatenate([tokens] * 8), by_example),
+                          jax.device_put(jnp.concatenate([labels] * 8), by_example)),
+                 budgets=("80%", "50%", "35%"))
+
     out = dict(
+        lm=language_model(),
         fsdp=transformer(Mesh(np.array(jax.devices()), ("data",)), fsdp),
         data_model=transformer(Mesh(np.array(jax.devices()).reshape(2, 4),
                                     ("data", "model")), model_parallel))
@@ -239,6 +255,8 @@ def test_shard_map_steps_are_planned_per_device():
 @pytest.mark.slow
 def test_sharded_transformers_fit_per_device():
   out = _run(_TRANSFORMER)
+  _check(out["lm"])  # region chunks, then micro-batches, of each device's batch
+  assert all(row["micro"] for row in out["lm"]["rows"].values())
   _check(out["fsdp"], 1e-3)
   _check(out["data_model"], 1e-3)
 
