@@ -72,7 +72,7 @@ def as_written(run: Callable, jitted, target: Target, here: Target, leaves, plac
 
 
 def graphs(closed, target: Target, planner, name: str, graph: Graph | None = None,
-           leaves=()) -> tuple[Graph, int | None, Graph, object]:
+           leaves=()) -> tuple[Graph, tuple[int, ...] | None, Graph, object]:
   """``(graph, loop, planned, planner)`` for the traced step ``closed`` (of
   the user's function ``name``, called on flat ``leaves``; ``graph`` its
   graph where built already): the step's graph, the loop or ``shard_map``
@@ -94,11 +94,12 @@ def graphs(closed, target: Target, planner, name: str, graph: Graph | None = Non
   return graph, loop, planned, planner
 
 
-def emitted(written: Written, graph: Graph, loop: int | None, candidate: Candidate) -> Callable:
+def emitted(written: Written, graph: Graph, loop: tuple[int, ...] | None,
+            candidate: Candidate) -> Callable:
   """The step over flat leaves that runs ``candidate`` (a plan of ``graph``,
-  or of the body of its ``loop``): the step as ``written`` where the plan
-  changes nothing, which is never above the budget the step as written
-  meets."""
+  or of the body that the path ``loop`` reaches): the step as ``written``
+  where the plan changes nothing, which is never above the budget the step
+  as written meets."""
   if not candidate.changes_step:
     return written.run
   schedule = candidate.schedule
