@@ -17,7 +17,7 @@ from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import Candidate, evaluate
-from jaxmem.fit._checks import no_backward, no_collectives
+from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter, budget_error, remember, remembered, search
 from jaxmem.fit._fitted import Fit
 from jaxmem.fit._inner import body_of
@@ -226,7 +226,7 @@ class Transformed:
     if self._known_to_fail(memo, planner, target, find_smallest):
       return None
     graph = build_graph(closed)
-    no_collectives(graph, self.__name__)
+    fittable(graph, self.__name__, target)
     fitting = functools.partial(self._fit_traced, out_tree=out_tree, step=step,
                                 target=target, args=args, kwargs=kwargs, leaves=leaves,
                                 start=start, find_smallest=find_smallest, graph=graph)

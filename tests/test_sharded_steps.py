@@ -285,3 +285,21 @@ def test_calls_inside_a_shard_map_body_are_inlined():
   body = body_graph(graph, inner_body(graph))
   assert body.has_backward and "tanh" in {n.prim.name for n in body.nodes}
   assert not any(n.prim.name in ("jit", "pjit") for n in body.nodes)
+
+
+def test_a_shard_map_step_for_gpus_not_here_is_refused_with_a_way_out():
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax.sharding import Mesh, PartitionSpec as P
+
+  import jaxmem
+
+  mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+  def local(w, x):
+    return w - jax.lax.pmean(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w), "data")
+
+  step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
+  with pytest.raises(NotImplementedError, match=r"cannot be compiled for target t4.*jax.jit"):
+    jaxmem.transform(step, budget="70%", target="t4").fit(jnp.eye(4), jnp.ones((8, 4)))

@@ -17,7 +17,7 @@ import jax
 
 from jaxmem.cost._xla_buffers import learn, with_buffers
 from jaxmem.cost._xla_clock import program_time
-from jaxmem.fit._checks import no_collectives
+from jaxmem.fit._checks import fittable
 from jaxmem.cost._evaluate import Candidate
 from jaxmem.fit._inner import body_graph, embedded, inner_body
 from jaxmem.fit._micro import devices_of
@@ -81,7 +81,7 @@ def graphs(closed, target: Target, planner, name: str, graph: Graph | None = Non
   several: the target compiler's partition of them) and
   the planner (a given plan's host placements moved onto the graph)."""
   graph = build_graph(closed) if graph is None else graph
-  no_collectives(graph, name)
+  fittable(graph, name, target)
   loop = inner_body(graph)
   planned = modelled(graph if loop is None else body_graph(graph, loop), target)
   if loop is None and devices_of(leaves) > 1:
