@@ -73,9 +73,18 @@ CONFIGS = {
 }
 # Same numbers: each run's update figures (per float leaf of the state, the
 # update's norm and its product with a fixed random probe; then the loss)
-# within this relative tolerance of the unmodified step's, judged against
-# the largest figure where a leaf's own is rounding noise.
+# against the unmodified step's. On CPU each figure is within NUMBERS_RTOL of
+# its own (judged against the largest where a leaf's own is rounding noise).
+# On a GPU two programs of the same step round differently (fusion reorders
+# sums, autotuning picks other convolution algorithms, f32 matmuls run in
+# TF32), and Adam's normalized update turns a near-zero gradient's rounding
+# into a full step of the other sign: leaves' norms hold, their probes' products
+# move. There the figures' differences together, over the updates' whole norm,
+# are within NUMBERS_GPU_RTOL: exact rewrites measured 3e-5 to 0.1 on an H100
+# (XLA's own remat of ResNet-18: 0.097); one layer's update permuted or
+# doubled moves it by about the square root of that layer's share of the norm.
 NUMBERS_RTOL = 1e-3
+NUMBERS_GPU_RTOL = 0.15
 BUDGETS = ("70%", "50%", "33%")
 REMAT = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
          "offload_dot_with_no_batch_dims", "save_and_offload_only_these_names")
@@ -210,28 +219,40 @@ def assemble(rows: list[dict]) -> dict:
   measured = [dict(r) for r in rows if r["kind"] in ("measure", "maxbatch")]
   base = {r["model"]: r for r in measured if r.get("method") == "unconstrained"
           and r["kind"] == "measure"}
+  backend = first("env").get("backend")
   for row in measured:
     unmodified = base.get(row["model"], {})
     if row.get("step_ms") and unmodified.get("step_ms"):
       row["time_ratio"] = row["step_ms"] / unmodified["step_ms"]
     if row["kind"] == "measure" and row.get("update_norms") and unmodified.get("update_norms"):
-      row["numbers_error"] = numbers_error(row["update_norms"], unmodified["update_norms"])
-      row["same_numbers"] = row["numbers_error"] <= NUMBERS_RTOL
+      row["numbers_error"] = numbers_error(row["update_norms"], unmodified["update_norms"],
+                                           backend)
+      row["same_numbers"] = row["numbers_error"] <= _numbers_rtol(backend)
   provenance = {k: first("provenance").get(k) for k in ("command", "commit", "dirty", "date")}
   return {"provenance": provenance, "plan": first("provenance").get("plan"),
           "environment": first("env"), "profile": first("calibrate").get("profile"),
           "rows": measured}
 
 
-def numbers_error(got: list, want: list) -> float:
-  """Largest relative difference of two runs' update figures (see
-  ``NUMBERS_RTOL``; the last is the loss, compared with itself only);
-  infinite where they do not line up."""
+def numbers_error(got: list, want: list, backend: str | None = "cpu") -> float:
+  """Relative difference of two runs' update figures, to hold against
+  ``NUMBERS_RTOL`` on CPU and ``NUMBERS_GPU_RTOL`` elsewhere (see there; the
+  last figure is the loss, always compared with itself); infinite where they
+  do not line up."""
   if len(got) != len(want):
     return math.inf
+  loss = abs(got[-1] - want[-1]) / max(abs(want[-1]), 1e-30)
+  if backend != "cpu":
+    moved = sum((g - w) ** 2 for g, w in zip(got[:-1], want[:-1]))
+    whole = sum(w * w for w in want[:-1:2])
+    return max(math.sqrt(moved / max(whole, 1e-60)), loss)
   floor = 1e-3 * max((abs(w) for w in want[:-1]), default=0.0)
-  return max((abs(g - w) / max(abs(w), floor, 1e-30) for g, w in zip(got, want)),
-             default=0.0)
+  return max([abs(g - w) / max(abs(w), floor, 1e-30) for g, w in zip(got[:-1], want[:-1])]
+             + [loss])
+
+
+def _numbers_rtol(backend: str | None) -> float:
+  return NUMBERS_RTOL if backend == "cpu" else NUMBERS_GPU_RTOL
 
 
 def write(result: dict, out: str) -> str:

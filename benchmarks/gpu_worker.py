@@ -148,7 +148,7 @@ def _run_fresh(compiled, job, batch: int | None = None) -> dict:
   try:
     payload, _, _ = serialize_executable.serialize(compiled)
   except Exception as err:  # noqa: BLE001 - the fallback is reported
-    record = _execute(compiled, _arguments(_task(job, batch), False), job["repeats"],
+    record = _execute(compiled, _arguments(_task(job, batch), job), job["repeats"],
                       job.get("lock"))
     return dict(record, peak_in_process=True, fresh_error=f"{type(err).__name__}: {err}"[:500])
   with tempfile.NamedTemporaryFile(suffix=".xla", delete=False) as handle:
@@ -172,7 +172,7 @@ def execute(job) -> dict:
   :func:`_run_fresh`)."""
   from jax.experimental import serialize_executable
   task = _task(job, job.get("batch"))
-  args = _arguments(task, False)
+  args = _arguments(task, job)
   in_tree = jax.tree_util.tree_structure((tuple(args), {}))
   out_tree = jax.tree_util.tree_structure(jax.eval_shape(task.step, *args))
   with open(job["executable"], "rb") as handle:
@@ -370,7 +370,17 @@ def environment(job) -> dict:
 
 
 def calibrate(job) -> dict:
-  return {"status": "ok", "profile": dataclasses.asdict(jaxmem.calibrate())}
+  """The calibrated profile, and XLA's own description of the device as it
+  came (``target_config``: its type and text, or why it could not be read),
+  so a profile without a description says why."""
+  record = {"status": "ok", "profile": dataclasses.asdict(jaxmem.calibrate())}
+  try:
+    from jax._src.lib import xla_client
+    config = xla_client.get_topology_for_devices(jax.devices()[:1]).target_config
+    record["target_config"] = {"type": type(config).__name__, "text": str(config)[:8000]}
+  except Exception as err:  # noqa: BLE001 - a private API; the failure is the finding
+    record["target_config"] = {"error": f"{type(err).__name__}: {err}"[:2000]}
+  return record
 
 
 JOBS = {"env": environment, "calibrate": calibrate, "measure": measure,

@@ -108,7 +108,8 @@ def described(device) -> GpuDescription | None:
   None where the backend has none (CPU, TPU, or a JAX that moved it)."""
   try:
     from jax._src.lib import xla_client
-    return parse(str(xla_client.get_topology_for_devices([device]).target_config))
+    config = xla_client.get_topology_for_devices([device]).target_config
+    return parse(config.decode() if isinstance(config, bytes) else str(config))
   except Exception:  # private API; several error types across releases
     return None
 
