@@ -85,6 +85,7 @@ CONFIGS = {
 # doubled moves it by about the square root of that layer's share of the norm.
 NUMBERS_RTOL = 1e-3
 NUMBERS_GPU_RTOL = 0.15
+CLOCK_RTOL = 0.15  # the clock's predicted step time against the measured one
 BUDGETS = ("70%", "50%", "33%")
 REMAT = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
          "offload_dot_with_no_batch_dims", "save_and_offload_only_these_names")
@@ -224,6 +225,8 @@ def assemble(rows: list[dict]) -> dict:
     unmodified = base.get(row["model"], {})
     if row.get("step_ms") and unmodified.get("step_ms"):
       row["time_ratio"] = row["step_ms"] / unmodified["step_ms"]
+    if row.get("step_ms") and row.get("clock_ms_calibrated"):
+      row["clock_ratio"] = row["clock_ms_calibrated"] / row["step_ms"]
     if row["kind"] == "measure" and row.get("update_norms") and unmodified.get("update_norms"):
       row["numbers_error"] = numbers_error(row["update_norms"], unmodified["update_norms"],
                                            backend)
@@ -285,7 +288,8 @@ def _cells(r: dict) -> list[str]:
           "-" if within is None or not budget else ("yes" if within else "**no**"),
           _gib(r.get("host_bytes")), number("hlo_host_annotations", "d"),
           number("step_ms", ".1f"), number("time_ratio", ".2f"),
-          f"{number('predicted_ms_calibrated', '.1f')} / {number('predicted_ms_preset', '.1f')}",
+          f"{number('clock_ms_calibrated', '.1f')} / {number('clock_ms_preset', '.1f')}",
+          number("clock_ratio", ".2f"),
           number("planning_s", ".0f"),
           "-" if r.get("same_numbers") is None else ("yes" if r["same_numbers"] else
                                                       f"**no** ({r['numbers_error']:.1e})")]
@@ -296,7 +300,8 @@ def markdown(result: dict) -> str:
   env, prov = result["environment"], result["provenance"]
   header = ["model", "method", "budget (GiB)", "status", "compiled (GiB)",
             "measured peak (GiB)", "within budget", "host (GiB)", "S(5)", "step ms",
-            "x unmodified", "predicted ms (calibrated / h100)", "planning s", "same numbers"]
+            "x unmodified", "clock ms (calibrated / h100)", "clock / measured", "planning s",
+            "same numbers"]
   lines = [f"# jaxmem on {env.get('device_kind')} ({env.get('backend')})", "",
            f"Command: `{prov['command']}`; commit {prov['commit']} "
            f"(dirty: {prov['dirty']}); {prov['date']}; JAX {env.get('jax')}.", "",
@@ -314,8 +319,26 @@ def markdown(result: dict) -> str:
     lines += [f"| {r['model']} | {r['method']} | {_gib(r['budget_bytes'])} "
               f"| {r.get('max_batch', '-')} | {_gib(r.get('peak_bytes'))} | {r['status']} |"
               for r in batches]
+  lines += ["", "Checks:", ""] + checks(result)
   lines += ["", "Problems:", ""] + (problems(result) or ["none"])
   return "\n".join(lines) + "\n"
+
+
+def checks(result: dict) -> list[str]:
+  """The two claims a GPU run confirms: jaxmem's plans within their budgets
+  by the allocator's measured peak (the runtime reserve kept beside XLA's
+  footprint), and the clock within ``CLOCK_RTOL`` of the measured times."""
+  plans = [r for r in result["rows"] if r["kind"] == "measure"
+           and r.get("method", "").startswith("jaxmem") and r.get("fits_measured") is not None]
+  timed = [r for r in result["rows"] if r.get("clock_ratio")]
+  close = [r for r in timed if abs(r["clock_ratio"] - 1) <= CLOCK_RTOL]
+  ratios = sorted(r["clock_ratio"] for r in timed)
+  return [f"- jaxmem plans within their budget by the measured peak: "
+          f"{sum(r['fits_measured'] for r in plans)} of {len(plans)}",
+          f"- steps the clock times within {CLOCK_RTOL:.0%} of the measured time "
+          f"(calibrated profile): {len(close)} of {len(timed)}"
+          + (f"; clock / measured from {ratios[0]:.2f} to {ratios[-1]:.2f}, "
+             f"median {ratios[len(ratios) // 2]:.2f}" if ratios else "")]
 
 
 def problems(result: dict) -> list[str]:

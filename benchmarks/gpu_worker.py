@@ -48,6 +48,7 @@ from jaxmem.cost._evaluate import unplanned  # noqa: E402
 from jaxmem import _flags  # noqa: E402
 from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
 from jaxmem.cost._perf import predict_schedule  # noqa: E402
+from jaxmem.cost._xla_clock import program_time  # noqa: E402
 from jaxmem._zoo import models as _models  # noqa: E402
 from jaxmem.planners import PLANNERS  # noqa: E402
 
@@ -55,8 +56,10 @@ PRESET = "h100"  # the preset nearest an H100/H200-class GPU
 HOST_SPACE = "S(5)"  # XLA's memory-space annotation of pinned host buffers
 
 
-def _analysis(compiled) -> dict:
-  """The compiled program's memory figures and host annotations."""
+def _analysis(compiled, job) -> dict:
+  """The compiled program's memory figures and host annotations, and on a
+  GPU (or for a GPU target) its time by the clock (``_xla_clock``: XLA:GPU's
+  kernels priced on the job's profile and on the preset)."""
   stats = compiled.memory_analysis()
   fields = ("temp", "argument", "output", "alias", "host_temp", "host_argument",
             "host_output")
@@ -66,9 +69,15 @@ def _analysis(compiled) -> dict:
   record["host_bytes"] = sum(record[f"host_{f}_bytes"] or 0
                              for f in ("temp", "argument", "output"))
   try:
-    record["hlo_host_annotations"] = compiled.as_text().count(HOST_SPACE)
+    text = compiled.as_text()
   except Exception:  # noqa: BLE001 - some backends give no text
     record["hlo_host_annotations"] = None
+    return record
+  record["hlo_host_annotations"] = text.count(HOST_SPACE)
+  if job.get("target") or jax.default_backend() == "gpu":
+    own = _profile(job) if job.get("profile") else get_profile(job.get("target") or PRESET)
+    for label, profile in (("calibrated", own), ("preset", get_profile(PRESET))):
+      record[f"clock_ms_{label}"] = program_time(text, profile).seconds * 1e3
   return record
 
 
@@ -303,7 +312,7 @@ def measure(job) -> dict:
   if compiled is None:
     return record
   record["compile_s"] = time.perf_counter() - start
-  record.update(_analysis(compiled))
+  record.update(_analysis(compiled, job))
   if not job["dry_run"]:
     del args  # the fresh process makes its own
     record.update(_run_fresh(compiled, job))

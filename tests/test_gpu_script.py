@@ -159,18 +159,45 @@ def test_dry_run_for_a_gpu_target_compiles_every_method_with_xla_gpu(tmp_path):
   assert rows["jaxmem:recompute"]["budget_bytes"] == int(rows["unconstrained"]["footprint"] * 0.8)
 
 
-def test_the_worker_runs_a_step_here_as_on_a_gpu():
-  """A measurement that is not a dry run: compiled, serialized, run in a
-  fresh process on fresh arguments, and summed up, on this machine's
-  backend; the path the GPU run takes after compiling."""
+def _worker(**job):
   job = {"kind": "measure", "model": "mlp", "config": {}, "method": "unconstrained",
          "budget": "-", "budget_bytes": None, "dry_run": False, "repeats": 2, "lock": None,
-         "target": None, "profile": None}
+         "target": None, "profile": None, **job}
   done = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_worker.py")],
                         input=json.dumps(job), capture_output=True, text=True, timeout=600,
                         env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT)
   text = done.stdout
   record = json.loads(text[text.rfind("@@RESULT@@") + len("@@RESULT@@"):])
   assert record["status"] == "ok", record.get("traceback", record)
+  return record
+
+
+def test_the_worker_runs_a_step_here_as_on_a_gpu():
+  """A measurement that is not a dry run: compiled, serialized, run in a
+  fresh process on fresh arguments, and summed up, on this machine's
+  backend; the path the GPU run takes after compiling."""
+  record = _worker()
   assert record["step_ms"] > 0 and record["loss_finite"]
   assert len(record["update_norms"]) % 2 == 1 and "fresh_error" not in record
+  assert "clock_ms_calibrated" not in record  # an XLA:CPU program has no GPU kernels
+
+
+def test_the_worker_times_a_gpu_program_by_the_clock():
+  """For a GPU target (and on a GPU), every compiled program is priced by
+  the clock, on the target's profile and on the preset."""
+  record = _worker(dry_run=True, target="t4")
+  assert record["clock_ms_calibrated"] > record["clock_ms_preset"] > 0  # a T4 is slower
+
+
+def test_report_states_the_two_claims_a_gpu_run_confirms():
+  """Plans within their budgets by the measured peak, and the clock within
+  15% of the measured step times, each counted over the run's rows."""
+  rows = _rows()
+  rows[2]["clock_ms_calibrated"] = 11.0  # 1.10x the measured 10 ms
+  rows[3]["clock_ms_calibrated"] = 18.0  # 1.20x the measured 15 ms
+  result = gpu.assemble(rows)
+  found = gpu.checks(result)
+  assert found[0].endswith("by the measured peak: 2 of 3")
+  assert "within 15% of the measured time (calibrated profile): 1 of 2; " \
+         "clock / measured from 1.10 to 1.20" in found[1]
+  assert "| 11.0 / - | 1.10 |" in gpu.markdown(result)
