@@ -3,8 +3,9 @@
 For the zoo's edge-size configurations x budgets (70%, 50%, 33% of the
 unmodified step's compiled footprint on this device) x methods (the
 unmodified step; per-block ``nn.remat`` policies, the ``offload_*`` ones
-included; jaxmem's recompute, hybrid and lgm planners; XLA's own
-rematerialization given the same limit), it records:
+included; jaxmem's default planner ``auto`` and its ``ilp``, ``recompute``,
+``hybrid`` and ``lgm`` planners; XLA's own rematerialization given the same
+limit), it records:
 
 * the compiled footprint and host bytes (``memory_analysis()``) and how many
   buffers the HLO puts in host memory (``S(5)``);
@@ -89,7 +90,7 @@ CLOCK_RTOL = 0.15  # the clock's predicted step time against the measured one
 BUDGETS = ("70%", "50%", "33%")
 REMAT = ("nothing_saveable", "dots_saveable", "dots_with_no_batch_dims_saveable",
          "offload_dot_with_no_batch_dims", "save_and_offload_only_these_names")
-PLANNERS = ("recompute", "hybrid", "lgm")
+PLANNERS = ("auto", "ilp", "recompute", "hybrid", "lgm")
 MAX_BATCH = ("gpt2", "resnet18")  # models whose max batch the full run finds
 # compared at the unmodified footprint: jaxmem's fastest planner beside the
 # per-block remat that reaches least memory
@@ -97,7 +98,7 @@ MAX_BATCH_METHODS = ("unconstrained", "remat:nothing_saveable", "jaxmem:recomput
 
 QUICK = dict(models=("gpt2", "resnet18"), budgets=("50%",),
              remat=("dots_saveable", "offload_dot_with_no_batch_dims"),
-             planners=("recompute", "hybrid", "lgm"), max_batch=())
+             planners=("auto", "lgm"), max_batch=())
 
 
 class Runner:
