@@ -75,22 +75,11 @@ def measuring_options(platform: str) -> dict[str, object]:
   (a small CNN). The step the user runs is compiled with
   :func:`compiler_options`.
 
-  On a GPU, XLA:GPU also autotunes each compilation (it times GEMM and
-  convolution algorithms on the device); the fit loop's compile with
-  autotuning off, as every compilation for a compile-only GPU is. Footprints
-  stay within the runtime reserve: GPT-2 at the GPU check's edge size is
-  4.20 GiB compiled for a compile-only H100 and 4.22 GiB autotuned on one.
-
   Example:
     >>> measuring_options("cpu")["xla_backend_optimization_level"]
     0
-    >>> measuring_options("gpu")["xla_gpu_autotune_level"]
-    0
   """
-  options = {**compiler_options(platform), "xla_backend_optimization_level": 0}
-  if platform == "gpu":
-    options["xla_gpu_autotune_level"] = 0
-  return options
+  return {**compiler_options(platform), "xla_backend_optimization_level": 0}
 
 
 def _backend_started() -> bool:

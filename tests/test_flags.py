@@ -96,24 +96,26 @@ def test_fitted_step_keeps_recomputation_without_the_global_flag():
   assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("platform", ["cpu", "gpu"])
+@pytest.mark.parametrize("target", ["cpu", "t4", "h100"])
 @pytest.mark.parametrize("name,config", [
     ("gpt2", dict(scan=True, depth=2, dim=32, heads=2, seq=32, vocab=64, batch=4)),
     ("resnet18", dict(width=8, stages=[1, 1], size=16, batch=4))])
-def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config, platform):
+def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config, target):
   """The fit loop reads footprints from compilations without LLVM's
   optimization; the step the user runs is compiled with it (on XLA:CPU, and
-  on XLA:GPU for a T4 target)."""
+  on XLA:GPU for T4 and H100 targets: an option that changes a GPU's
+  convolution workspaces, such as autotuning off, would show on the H100)."""
   import jax
-  from jaxmem.targets import placed, xla_footprint
+  from jaxmem.targets import placed, resolve, xla_footprint
   from jaxmem._zoo import models
   task = models().get(name, **config)
   shapes = jax.eval_shape(task.init)
-  if platform == "gpu":
-    shapes = placed(shapes, "t4")
+  if target != "cpu":
+    shapes = placed(shapes, target)
+  on = resolve(None if target == "cpu" else target, jax.tree_util.tree_leaves(shapes))
   footprints = {xla_footprint(jax.jit(task.step, compiler_options=options or None)
                               .lower(*shapes).compile())
-                for options in (_flags.compiler_options(platform),
-                                _flags.measuring_options(platform))}
+                for options in (on.options(), on.options(measuring=True))}
   assert len(footprints) == 1
+  platform = on.platform
   assert _flags.measuring_options(platform)["xla_backend_optimization_level"] == 0
