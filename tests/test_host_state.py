@@ -190,3 +190,40 @@ def test_cpu_never_moves_state():
   # XLA:CPU's host memory is its device memory: nothing would be freed.
   with pytest.raises(jaxmem.BudgetError):
     jaxmem.transform(step, budget="60%").fit(*_args())
+
+
+def test_a_budget_met_by_neither_names_the_smaller_with_state_on_the_host():
+  """Where no plan fits with the state on the device or on the host, the
+  error names the smaller footprint, reached with the state on the host."""
+  with pytest.raises(jaxmem.BudgetError) as hosted:
+    jaxmem.transform(step, budget="15%", target="t4", micro_batches=1).fit(*_args())
+  with pytest.raises(jaxmem.BudgetError) as device:
+    jaxmem.transform(step, budget="15%", target="t4", host_state=False,
+                     micro_batches=1).fit(*_args())
+  assert hosted.value.smallest < device.value.smallest
+  assert f"Pass budget >= {hosted.value.smallest} bytes" in str(hosted.value)
+
+
+def test_the_search_with_state_on_the_host_starts_from_the_smallest_plans(graph):
+  """The second fit (state on the host) searches for the smallest footprint
+  among the plans the first fit found smallest, not over all the planner's
+  candidates again (each costs a compilation); the error names the least
+  of both."""
+  from jaxmem._decisions import Plan
+  from jaxmem.fit._fit import NoPlanFits, search
+  from jaxmem.planners import get_planner
+  smallest = (Plan(), Plan())
+  calls = []
+
+  class Fitter:
+    def __init__(self, tried, planner, smallest_from=None):
+      calls.append((tried, smallest_from))
+
+    def fit(self, find_smallest):
+      raise NoPlanFits(jaxmem.BudgetError("over", smallest=100 - len(calls)), smallest)
+
+  with pytest.raises(jaxmem.BudgetError) as error:
+    search(Fitter, graph, get_planner("auto"), True, may_host=True)
+  assert [from_ for _, from_ in calls] == [None, smallest]
+  assert not calls[0][0].hosted and calls[1][0].hosted
+  assert error.value.smallest == 98
