@@ -49,7 +49,7 @@ def test_dry_run_plans_and_lowers_every_kind_of_method(tmp_path):
 
 @pytest.mark.slow
 def test_dry_run_quick_exits_zero(tmp_path):
-  """The exact command the README names (minutes on 2 cores)."""
+  """The exact command the guide names (docs/bench.md; minutes on 2 cores)."""
   result, _ = _dry_run(tmp_path)
   assert {r["model"] for r in result["rows"]} == set(gpu.QUICK["models"])
 

@@ -58,7 +58,7 @@ def test_a_budget_the_step_meets_returns_the_step_unchanged(name):
   fit = fitted.fit(*args)
   assert not len(fit.plan)
   assert xla_footprint(fitted.lower(*args).compile()) == budget
-  # The same program: the same bits (README, "same numbers").
+  # The same program: the same bits.
   for got, want in zip(jax.tree_util.tree_leaves(fitted(*args)),
                        jax.tree_util.tree_leaves(jax.jit(step)(*args))):
     np.testing.assert_array_equal(got, want)
