@@ -166,6 +166,15 @@ class Plan:
   def __len__(self) -> int:
     return len(self.items)
 
+  def __repr__(self) -> str:
+    """``Plan(12 decisions: 10 recompute, 2 save)``; ``as_dict()`` has them all."""
+    kinds: dict[str, int] = {}
+    for _, decision in self.items:
+      kinds[decision.kind] = kinds.get(decision.kind, 0) + 1
+    counts = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))
+    noun = "decision" if len(self) == 1 else "decisions"
+    return f"Plan({len(self)} {noun}: {counts})" if self.items else "Plan()"
+
   def with_decision(self, vid: int, decision: Decision) -> "Plan":
     decisions = self.as_dict()
     decisions[vid] = decision

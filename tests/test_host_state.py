@@ -201,6 +201,7 @@ def test_a_budget_met_by_neither_names_the_smaller_with_state_on_the_host():
     jaxmem.transform(step, budget="15%", target="t4", host_state=False,
                      micro_batches=1).fit(*_args())
   assert hosted.value.smallest < device.value.smallest
+  assert type(hosted.value) is jaxmem.BudgetError  # not the search's own subclass
   assert f"Pass budget >= {hosted.value.smallest} bytes" in str(hosted.value)
 
 

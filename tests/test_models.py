@@ -216,8 +216,11 @@ def test_registry_rejects_bad_requests():
 @pytest.mark.parametrize("name", ["resnet18", "gpt2"])
 def test_jaxmem_transform_at_full_budget_matches(plain, name):
   task, args, want = plain(name, sgd=True)
-  got = jaxmem.transform(task.step, budget="100%")(*args)
+  fitted = jaxmem.transform(task.step, budget="100%")
+  got = fitted(*args)
   assert_matches(got, want, args[0])
+  fit = fitted.fit(*args)
+  assert len(repr(fit)) < 2000 and len(repr(fit.result)) < 2000
 
 
 @pytest.mark.slow
@@ -251,11 +254,14 @@ def test_vtensor_and_block_plans_match_on_the_zoo(plain, name):
   numbers, on every model of the zoo."""
   from jaxmem.schedule._emit import emit
   from jaxmem.planners._blocks import block_plans
-  from jaxmem.cost._evaluate import evaluate
+  from jaxmem.cost._evaluate import candidate, evaluate
   task, args, want = plain(name, sgd=True)
   graph = jaxmem.analyze(task.step, *args).graph
   plans = [every_residual_chunked(graph)] + block_plans(graph)[:1]
   assert len(plans[0]) > 0
+  # Reprs a user meets in a debugger or a log fit on a line or two.
+  assert len(repr(graph)) < 200 and all(len(repr(p)) < 200 for p in plans)
+  assert len(repr(candidate(graph, plans[0]))) < 300
   for plan in plans:
     schedule, _ = evaluate(graph, plan)
     got = jit(emit(schedule))(*jax.tree_util.tree_leaves(args))

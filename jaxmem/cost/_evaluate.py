@@ -76,6 +76,11 @@ class Candidate:
     """Whether the step differs from the step as written."""
     return bool(len(self.plan)) or bool(self.schedule.graph.hosted)
 
+  def __repr__(self) -> str:
+    mib = lambda n: f"{n / 2**20:.2f} MiB"
+    return (f"Candidate({self.plan!r}, model peak {mib(self.peak)}, aim {mib(self.aim)}, "
+            f"fits={self.fits})")
+
   def aimed(self, aim: int) -> "Candidate":
     """This candidate judged against ``aim``."""
     return dataclasses.replace(self, aim=aim, fits=self.peak <= aim)

@@ -390,8 +390,8 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
         _log.info("jaxmem: no plan fits with the optimizer state on the device; "
                   "it is kept in host memory between steps")
       return tried, planner, found
-  if error is not None:
-    raise error
+  if error is not None:  # the user's error, without the search's plans or its frames
+    raise BudgetError(str(error), smallest=error.smallest) from None
   return graph, planner, None
 
 

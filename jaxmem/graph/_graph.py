@@ -159,6 +159,12 @@ class Graph:
     object.__setattr__(self, "_by_value", {r.value: r for r in self.residuals})
     object.__setattr__(self, "_analyses", {})
 
+  def __repr__(self) -> str:
+    passes = "forward and backward" if self.has_backward else "no backward pass"
+    hosted = f", {len(self.hosted)} inputs on the host" if self.hosted else ""
+    return (f"Graph({len(self.nodes)} equations, {len(self.values)} values, "
+            f"{len(self.residuals)} residuals, {passes}{hosted})")
+
   @functools.cached_property
   def output_ids(self) -> frozenset[int]:
     """Ids of the values the step returns."""
