@@ -49,6 +49,7 @@ from jaxmem import _flags  # noqa: E402
 from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
 from jaxmem.cost._perf import predict_schedule  # noqa: E402
 from jaxmem.cost._xla_clock import program_time  # noqa: E402
+from jaxmem.targets._calibrate import target_config  # noqa: E402
 from jaxmem._zoo import models as _models  # noqa: E402
 from jaxmem.planners import PLANNERS  # noqa: E402
 
@@ -384,8 +385,7 @@ def calibrate(job) -> dict:
   so a profile without a description says why."""
   record = {"status": "ok", "profile": dataclasses.asdict(jaxmem.calibrate())}
   try:
-    from jax._src.lib import xla_client
-    config = xla_client.get_topology_for_devices(jax.devices()[:1]).target_config
+    config = target_config(jax.devices()[0])
     record["target_config"] = {"type": type(config).__name__, "text": str(config)[:8000]}
   except Exception as err:  # noqa: BLE001 - a private API; the failure is the finding
     record["target_config"] = {"error": f"{type(err).__name__}: {err}"[:2000]}

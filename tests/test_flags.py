@@ -117,5 +117,4 @@ def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config, tar
                               .lower(*shapes).compile())
                 for options in (on.options(), on.options(measuring=True))}
   assert len(footprints) == 1
-  platform = on.platform
-  assert _flags.measuring_options(platform)["xla_backend_optimization_level"] == 0
+  assert on.options(measuring=True)["xla_backend_optimization_level"] == 0

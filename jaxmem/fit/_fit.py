@@ -112,7 +112,7 @@ class Fitter:
       the target), else by the planner's cost model.
     smallest_from: where given, the plans the search for the smallest
       footprint compiles (besides the last plan tried) instead of the
-      planner's candidates: the smallest plan another fit of the same step
+      planner's candidates: the smallest plans another fit of the same step
       found (:func:`search`'s second fit).
   """
   graph: Graph

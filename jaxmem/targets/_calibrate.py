@@ -104,14 +104,20 @@ def calibrate(device=None, *, matmul: int | None = None,
 
 
 def described(device) -> GpuDescription | None:
-  """XLA's description of a GPU present (its topology's ``target_config``);
+  """XLA's description of a GPU present (:func:`target_config`, parsed);
   None where the backend has none (CPU, TPU, or a JAX that moved it)."""
   try:
-    from jax._src.lib import xla_client
-    config = xla_client.get_topology_for_devices([device]).target_config
+    config = target_config(device)
     return parse(config.decode() if isinstance(config, bytes) else str(config))
   except Exception:  # private API; several error types across releases
     return None
+
+
+def target_config(device):
+  """XLA's ``GpuTargetConfig`` of ``device`` as its topology gives it (a
+  text proto; raises where the backend has none)."""
+  from jax._src.lib import xla_client
+  return xla_client.get_topology_for_devices([device]).target_config
 
 
 def _host_memory() -> int:
