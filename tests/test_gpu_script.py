@@ -84,6 +84,24 @@ def test_report_names_violations_and_offloads_without_host_buffers():
   assert "| m | jaxmem:recompute | 50% (2.00) | ok |" in text and "**no**" in text
 
 
+def test_checks_judge_the_clock_by_its_time_and_by_its_slowdowns():
+  """A clock off by a constant factor fails the time check and passes the
+  slowdown check (what orders one model's plans); one that misjudges a
+  method's slowdown fails it. A remat offload policy that names no residual
+  of the model (no S(5) buffer) is not a problem; a jaxmem offload plan is."""
+  base = dict(_rows()[2], clock_ms_calibrated=8.0)
+  slower = dict(base, method="remat:dots_saveable", step_ms=12.0, clock_ms_calibrated=9.6)
+  wrong = dict(base, method="remat:nothing_saveable", step_ms=12.0, clock_ms_calibrated=8.4)
+  policy = dict(base, method="remat:offload_dot_with_no_batch_dims", step_ms=10.0,
+                clock_ms_calibrated=8.0)
+  result = gpu.assemble(_rows()[:2] + [base, slower, wrong, policy])
+  lines = gpu.checks(result)
+  assert "within 15% of the measured time (calibrated profile): 0 of 4" in lines[1]
+  assert "within 5% of the measured ones: 2 of 3; clock / measured from 0.88 to 1.00" \
+      in lines[2]
+  assert gpu.problems(result) == []
+
+
 def test_render_rebuilds_the_tables_from_a_cut_run(tmp_path):
   rows = tmp_path / "rows.jsonl"
   rows.write_text("".join(json.dumps(r) + "\n" for r in _rows()))

@@ -5,6 +5,8 @@ JAX's CUDA plugin without CUDA's libraries). Budgets are resolved in the
 tests from XLA:GPU's footprint of the step as written, compiled here for the
 T4; numbers are compared with the untransformed step run on the CPU."""
 
+import dataclasses
+import pathlib
 import re
 
 import jax
@@ -61,6 +63,26 @@ def test_description_parses_what_xla_prints():
   assert parse(text) == PROFILES["h100"].description
   with pytest.raises(ValueError, match="core_count"):
     parse(re.sub(r"\s*core_count: \d+", "", text))
+
+
+def test_description_reads_a_real_h100s_target_config():
+  """``tests/data/h100-target-config.txt`` is what an H100's topology gave
+  under JAX 0.11.2 (compute capability ``9.0a`` with its feature extension,
+  versions as strings and one-field messages, the device's own fields):
+  it reads into the preset's figures, and the text the description writes
+  back is one this machine's XLA:GPU compiles for (the raw proto of a newer
+  XLA need not be)."""
+  real = parse((pathlib.Path(__file__).parent / "data" / "h100-target-config.txt").read_text())
+  preset = PROFILES["h100"].description
+  assert (real.compute_capability, real.core_count, real.cudnn) == ((9, 0), 132, (9, 19))
+  different = {f.name for f in dataclasses.fields(real)
+               if getattr(real, f.name) != getattr(preset, f.name)}
+  assert different <= {"device_memory_size", "memory_bandwidth", "cudnn"}
+  profile = dataclasses.replace(PROFILES["h100"], name="recorded-h100", description=real)
+  w = placed(jnp.ones((64, 64)), profile)
+  assert next(iter(w.sharding.device_set)).device_kind == real.name
+  compiled = jax.jit(lambda w: w @ w).lower(w).compile()
+  assert xla_footprint(compiled) >= 2 * 64 * 64 * 4
 
 
 def test_lowering_on_t4_plans_for_the_t4_not_for_this_machine():

@@ -25,17 +25,22 @@ from jaxmem.targets._profiles import DeviceProfile
 
 # Boards whose GPU shares the host's DRAM (offload frees nothing there).
 UNIFIED_KINDS = ("orin", "xavier", "tegra", "jetson")
+# Runs of the matmul and the elementwise op queued per timed sample.
+QUEUED = 8
 
 
-def median_seconds(fn, args, repeats: int) -> float:
-  """Median wall time of ``fn(*args)`` over ``repeats`` runs after a warm-up
-  (which compiles it)."""
+def median_seconds(fn, args, repeats: int, calls: int = 1) -> float:
+  """Median wall time of one ``fn(*args)`` over ``repeats`` samples after a
+  warm-up (which compiles it). Each sample dispatches ``calls`` runs back
+  to back and waits for them all, so an accelerator's queue hides the
+  per-call dispatch that would otherwise be timed with a sub-millisecond
+  kernel (and would swing with the host's load)."""
   jax.block_until_ready(fn(*args))
   times = []
   for _ in range(max(repeats, 1)):
     start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
+    jax.block_until_ready([fn(*args) for _ in range(max(calls, 1))])
+    times.append((time.perf_counter() - start) / max(calls, 1))
   return statistics.median(times)
 
 
@@ -81,13 +86,15 @@ def calibrate(device=None, *, matmul: int | None = None,
   device = device or jax.devices()[0]
   cpu = device.platform == "cpu"
   n = matmul or (1024 if cpu else 4096)
+  queued = 1 if cpu else QUEUED
   a = jax.device_put(jnp.ones((n, n), jnp.float32), device)
-  flops = 2.0 * n**3 / median_seconds(jax.jit(jnp.matmul), (a, a), repeats)
+  flops = 2.0 * n**3 / median_seconds(jax.jit(jnp.matmul), (a, a), repeats, queued)
   # On an accelerator a 16 MiB op is over before the launch overhead is paid;
   # 256 MiB reads the memory's bandwidth, not the dispatch's.
   elementwise = max(sizes) if cpu else max(max(sizes), 2**28)
   big = jax.device_put(jnp.ones(elementwise // 4, jnp.float32), device)
-  bandwidth = 2.0 * big.nbytes / median_seconds(jax.jit(lambda x: x * 2.0), (big,), repeats)
+  bandwidth = 2.0 * big.nbytes / median_seconds(jax.jit(lambda x: x * 2.0), (big,), repeats,
+                                                  queued)
   d2h, h2d, latency = _link(device, sizes, repeats)
   stats = device.memory_stats() or {}
   memory = int(stats.get("bytes_limit") or _host_memory())

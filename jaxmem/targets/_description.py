@@ -122,7 +122,16 @@ class GpuDescription:
 
 
 _FIELD = re.compile(r"^\s*([a-z_0-9]+)\s*:\s*(\"[^\"]*\"|[-+0-9.eE]+)\s*$")
-_PAIR = re.compile(r"([a-z_]+)\s*\{\s*major:\s*(\d+)(?:\s+minor:\s*(\d+))?\s*\}")
+# A version message, on one line or several, with fields after minor that the
+# description does not hold (Hopper's ``feature_extension``).
+_PAIR = re.compile(r"([a-z_]+)\s*\{\s*major:\s*(\d+)(?:\s+minor:\s*(\d+))?[^{}]*\}")
+_DOTTED = re.compile(r"^(\d+)\.(\d+)")
+
+
+def _dotted(version, default: tuple[int, int]) -> tuple[int, int]:
+  """``(major, minor)`` of a version string such as ``"9.19.0"``."""
+  match = _DOTTED.match(str(version)) if version is not None else None
+  return (int(match.group(1)), int(match.group(2))) if match else default
 
 
 def parse(text: str) -> GpuDescription:
@@ -153,7 +162,7 @@ def parse(text: str) -> GpuDescription:
         shared_memory_per_core=int(values["shared_memory_per_core"]),
         shared_memory_per_block_optin=int(values["shared_memory_per_block_optin"]),
         threads_per_core_limit=int(values["threads_per_core_limit"]),
-        cudnn=pairs.get("dnn_version_info", (9, 12)),
+        cudnn=pairs.get("dnn_version_info") or _dotted(values.get("dnn_version"), (9, 12)),
         cuda_runtime=pairs.get("runtime_version", (13, 0)),
         shared_memory_per_block=int(values.get("shared_memory_per_block",
                                                _SHARED_MEMORY_PER_BLOCK)),
