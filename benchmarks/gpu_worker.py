@@ -25,7 +25,6 @@ are not measured against each other's kernels.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import fcntl
 import json
 import math
@@ -76,8 +75,7 @@ def _analysis(compiled, job) -> dict:
     return record
   record["hlo_host_annotations"] = text.count(HOST_SPACE)
   if job.get("target") or jax.default_backend() == "gpu":
-    own = _profile(job) if job.get("profile") else get_profile(job.get("target") or PRESET)
-    for label, profile in (("calibrated", own), ("preset", get_profile(PRESET))):
+    for label, profile in (("calibrated", _profile(job)), ("preset", get_profile(PRESET))):
       record[f"clock_ms_{label}"] = program_time(text, profile).seconds * 1e3
   return record
 
@@ -191,8 +189,10 @@ def execute(job) -> dict:
 
 
 def _profile(job) -> DeviceProfile:
+  """The profile calibrated on the GPU, else the target's preset (a dry
+  run for ``--target t4`` plans for a T4), else the H100's."""
   found = job.get("profile")
-  return DeviceProfile(**found) if found else get_profile(PRESET)
+  return DeviceProfile.from_dict(found) if found else get_profile(job.get("target") or PRESET)
 
 
 def _planner(job):
@@ -383,7 +383,7 @@ def calibrate(job) -> dict:
   """The calibrated profile, and XLA's own description of the device as it
   came (``target_config``: its type and text, or why it could not be read),
   so a profile without a description says why."""
-  record = {"status": "ok", "profile": dataclasses.asdict(jaxmem.calibrate())}
+  record = {"status": "ok", "profile": jaxmem.calibrate().to_dict()}
   try:
     config = target_config(jax.devices()[0])
     record["target_config"] = {"type": type(config).__name__, "text": str(config)[:8000]}

@@ -6,6 +6,7 @@ tests from XLA:GPU's footprint of the step as written, compiled here for the
 T4; numbers are compared with the untransformed step run on the CPU."""
 
 import dataclasses
+import json
 import pathlib
 import re
 
@@ -18,8 +19,8 @@ import pytest
 import jaxmem
 import jaxmem_models as models
 from jaxmem.cost._xla_clock import program_time
-from jaxmem.targets import (PROFILES, GpuDescription, host_bytes, parse, placed, resolve,
-                            xla_footprint)
+from jaxmem.targets import (PROFILES, GpuDescription, get_profile, host_bytes, parse, placed,
+                            resolve, xla_footprint)
 from tests.helpers import assert_updates_close
 
 T4 = "t4"
@@ -65,7 +66,7 @@ def test_description_parses_what_xla_prints():
     parse(re.sub(r"\s*core_count: \d+", "", text))
 
 
-def test_description_reads_a_real_h100s_target_config():
+def test_description_reads_a_real_h100s_target_config(tmp_path):
   """``tests/data/h100-target-config.txt`` is what an H100's topology gave
   under JAX 0.11.2 (compute capability ``9.0a`` with its feature extension,
   versions as strings and one-field messages, the device's own fields):
@@ -79,7 +80,10 @@ def test_description_reads_a_real_h100s_target_config():
                if getattr(real, f.name) != getattr(preset, f.name)}
   assert different <= {"device_memory_size", "memory_bandwidth", "cudnn"}
   profile = dataclasses.replace(PROFILES["h100"], name="recorded-h100", description=real)
-  w = placed(jnp.ones((64, 64)), profile)
+  saved = tmp_path / "recorded-h100.json"
+  saved.write_text(json.dumps(profile.to_dict()))  # as calibrate()'s profile is kept
+  assert get_profile(str(saved)) == profile
+  w = placed(jnp.ones((64, 64)), str(saved))
   assert next(iter(w.sharding.device_set)).device_kind == real.name
   compiled = jax.jit(lambda w: w @ w).lower(w).compile()
   assert xla_footprint(compiled) >= 2 * 64 * 64 * 4

@@ -4,7 +4,11 @@ It times a square matmul (compute throughput), a large elementwise op
 (memory bandwidth: one read and one write per element) and copies to and
 from ``pinned_host`` memory across transfer sizes; a least-squares line
 through (bytes, seconds) gives each direction's bandwidth (the slope) and
-the per-copy latency (the intercept, shared as the larger of the two).
+the per-copy latency (the intercept, shared as the larger of the two). Two
+programs, one a chain of ``SHORT`` tiny matrix products and one of
+``LONG``, give the time one more kernel of a compiled program takes (the
+clock's ``kernel_latency``: launch and the runtime's own work per kernel,
+which dominate a step of many small kernels).
 On a GPU it also records XLA's description of the device (the
 ``GpuTargetConfig`` of its topology), so the profile can be a compilation
 target elsewhere: ``transform(..., target=profile)`` on a machine without
@@ -27,6 +31,7 @@ from jaxmem.targets._profiles import DeviceProfile
 UNIFIED_KINDS = ("orin", "xavier", "tegra", "jetson")
 # Runs of the matmul and the elementwise op queued per timed sample.
 QUEUED = 8
+SHORT, LONG = 8, 136  # kernels in the two chains that time one kernel
 
 
 def median_seconds(fn, args, repeats: int, calls: int = 1) -> float:
@@ -42,6 +47,23 @@ def median_seconds(fn, args, repeats: int, calls: int = 1) -> float:
     jax.block_until_ready([fn(*args) for _ in range(max(calls, 1))])
     times.append((time.perf_counter() - start) / max(calls, 1))
   return statistics.median(times)
+
+
+def _kernel_latency(device, repeats: int, queued: int) -> float:
+  """Seconds one more small kernel adds to a compiled program: the slope
+  between a chain of ``SHORT`` and of ``LONG`` 16x16 matrix products (each
+  its own kernel; the programs' fixed costs cancel)."""
+  w = jax.device_put(jnp.full((16, 16), 1 / 16, jnp.float32), device)
+
+  def chain(length):
+    def run(x):
+      for _ in range(length):
+        x = x @ w
+      return x
+    return jax.jit(run)
+
+  short, long = (median_seconds(chain(n), (w,), repeats, queued) for n in (SHORT, LONG))
+  return max((long - short) / (LONG - SHORT), 0.0)
 
 
 def _link(device, sizes, repeats) -> tuple[float, float, float]:
@@ -82,6 +104,8 @@ def calibrate(device=None, *, matmul: int | None = None,
     >>> profile = jaxmem.calibrate(matmul=256, sizes=(2**12, 2**16), repeats=2)
     >>> profile.flops > 0 and profile.h2d_bandwidth > 0
     True
+    >>> 0 < profile.kernel_latency < 1e-3  # one more kernel of a program, measured
+    True
   """
   device = device or jax.devices()[0]
   cpu = device.platform == "cpu"
@@ -96,6 +120,7 @@ def calibrate(device=None, *, matmul: int | None = None,
   bandwidth = 2.0 * big.nbytes / median_seconds(jax.jit(lambda x: x * 2.0), (big,), repeats,
                                                   queued)
   d2h, h2d, latency = _link(device, sizes, repeats)
+  kernel = _kernel_latency(device, max(repeats, 10), QUEUED)
   stats = device.memory_stats() or {}
   memory = int(stats.get("bytes_limit") or _host_memory())
   kind = device.device_kind
@@ -104,10 +129,11 @@ def calibrate(device=None, *, matmul: int | None = None,
   return DeviceProfile(
       kind.lower().replace(" ", "-"), flops=flops, memory_bandwidth=bandwidth,
       h2d_bandwidth=h2d, d2h_bandwidth=d2h, link_latency=latency, memory=memory,
-      unified=unified, description=None if cpu else described(device),
+      unified=unified, description=None if cpu else described(device), kernel_latency=kernel,
       source=f"jaxmem.calibrate() on {kind} ({device.platform}), "
              f"{time.strftime('%Y-%m-%d')}: {n}x{n} fp32 matmul, "
-             f"{elementwise}-byte elementwise op, copies of {list(sizes)} bytes")
+             f"{elementwise}-byte elementwise op, copies of {list(sizes)} bytes, "
+             f"chains of {SHORT} and {LONG} 16x16 matmuls")
 
 
 def described(device) -> GpuDescription | None:

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 
 from jaxmem.targets._description import GpuDescription
 
@@ -81,6 +83,22 @@ class DeviceProfile:
     if self.link_latency < 0 or self.memory <= 0:
       raise ValueError(f"DeviceProfile {self.name!r}: expected link_latency >= 0 and "
                        f"memory > 0, got {self.link_latency!r} and {self.memory!r}")
+
+  def to_dict(self) -> dict:
+    """The profile as JSON-ready data (its description's fields included),
+    for :meth:`from_dict` on another machine: a profile calibrated on a GPU
+    plans for that GPU wherever it is loaded."""
+    return dataclasses.asdict(self)
+
+  @classmethod
+  def from_dict(cls, data: dict) -> DeviceProfile:
+    """The profile :meth:`to_dict` wrote (lists read back as tuples)."""
+    data = dict(data)
+    described = data.pop("description", None)
+    if described is not None and not isinstance(described, GpuDescription):
+      described = GpuDescription(**{k: tuple(v) if isinstance(v, list) else v
+                                     for k, v in described.items()})
+    return cls(**data, description=described)
 
   def transfer_seconds(self, nbytes: int, direction: str) -> float:
     """Time of one copy of ``nbytes`` (``direction`` ``"d2h"`` or ``"h2d"``)."""
@@ -207,14 +225,19 @@ PROFILES: dict[str, DeviceProfile] = {
 
 
 def get_profile(profile) -> DeviceProfile:
-  """A profile from a preset name in :data:`PROFILES` or a profile itself."""
+  """A profile from a preset name in :data:`PROFILES`, a JSON file that
+  :meth:`DeviceProfile.to_dict` wrote, or a profile itself."""
   if isinstance(profile, DeviceProfile):
     return profile
   if isinstance(profile, str) and profile in PROFILES:
     return PROFILES[profile]
+  if isinstance(profile, (str, os.PathLike)) and str(profile).endswith(".json"):
+    with open(profile) as f:
+      return DeviceProfile.from_dict(json.load(f))
   raise ValueError(
       f"jaxmem: unknown device profile {profile!r}; expected one of "
-      f"{sorted(PROFILES)}, a DeviceProfile, or jaxmem.calibrate() for this device.")
+      f"{sorted(PROFILES)}, a DeviceProfile, a profile saved as JSON "
+      "(json.dump(profile.to_dict(), f)), or jaxmem.calibrate() for this device.")
 
 
 @functools.lru_cache(maxsize=None)
