@@ -10,7 +10,7 @@ import jaxmem
 from jaxmem.targets import get_profile
 from jaxmem._decisions import KEEP
 from jaxmem.cost._evaluate import evaluate, prefetch_point
-from jaxmem.planners import Greedy, hybrid, offload_only
+from jaxmem.planners import Greedy, Hybrid, hybrid, offload_only
 from jaxmem.schedule._emit import emit
 from tests.dataflow import assert_offloads_flow
 from tests.helpers import assert_trees_close, xla_budget
@@ -118,3 +118,31 @@ def test_offload_only_moves_no_more_than_the_aim_needs(mlp):
   for vid in found.plan.values_with("offload"):  # each copy left is needed
     _, memory = evaluate(graph, found.plan.with_decision(vid, KEEP))
     assert memory.peak > aim or len(found.plan) > planner.refine
+
+
+@pytest.mark.parametrize("make", [Greedy, lambda: hybrid("t4")], ids=["greedy", "hybrid"])
+def test_kept_scores_plan_as_evaluating_every_move_does(mlp, monkeypatch, make):
+  """A planner keeps each move's score (``planners/_scores.py``) instead of
+  evaluating the plan again: it plans as one that evaluates every move, at
+  each aim and at the lowest, with fewer evaluations; a score's excess is
+  the memory model's."""
+  import jaxmem.planners._scores as scores
+  _, _, graph, base = mlp
+  evaluated = []
+  real = scores.candidate
+  monkeypatch.setattr(scores, "candidate", lambda g, p: evaluated.append(p) or real(g, p))
+  found = {}
+  for size in (512, 0):  # 0: every score dropped at once, every move evaluated
+    planner = make()
+    for greedy in (planner.first, planner.then) if isinstance(planner, Hybrid) else (planner,):
+      greedy._scores.size = size
+    evaluated.clear()
+    plans = [planner.plan(graph, int(f * base)) for f in (0.6, 0.3)]
+    plans.append(planner.lowest(graph)[0])
+    found[size] = ([(c.plan, c.peak) for c in plans], len(evaluated))
+  assert found[512][0] == found[0][0]
+  assert found[512][1] < found[0][1]
+  lowest = planner.lowest(graph)[0]
+  score = scores.Score.of(lowest, 0.0)
+  for level in (0, lowest.peak // 2, lowest.peak, lowest.peak + 1):
+    assert score.excess(level) == lowest.memory.excess(level)

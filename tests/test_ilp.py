@@ -172,7 +172,7 @@ def test_gap_of_a_combination_is_its_distance_to_the_enumerated_optimum(blocks, 
   assert gap.cost == pytest.approx(cost - base, rel=1e-9)
   assert gap.bound == pytest.approx(best - base, rel=1e-4)
   assert gap.gap == pytest.approx((cost - best) / (cost - base), abs=1e-4)
-  assert "within" in gap.text()
+  assert f"save at most {gap.gap:.1%} of its cost" in gap.text()
 
 
 def test_every_report_states_the_gap(mlp):

@@ -33,7 +33,7 @@ LAYERS = [
     {"cost._evaluate"},
     {"planners._blocks", "fit._inner"},
     {"fit._policies"},
-    {"planners._base", "planners._choices", "planners._solution"},
+    {"planners._base", "planners._choices", "planners._solution", "planners._scores"},
     {"planners._pricing"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},
     {"planners._ilp"},

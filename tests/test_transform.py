@@ -74,6 +74,22 @@ def test_budget_is_met_and_numbers_match(task, budget):
   if budget != "100%":
     assert len(plan.plan) > 0
     assert plan.added_flops > 0
+  assert len(plan.report()) <= 2000 and len(repr(plan)) <= 2000  # a screen
+
+
+def test_report_is_a_screen_and_lists_all_when_asked():
+  """The default report (an LGM plan's: residuals and vTensor swaps) fits
+  in 2,000 characters; ``top=None`` gives every residual and swap."""
+  task = models.get("transformer", **SMALL["transformer"])
+  args = task.init()
+  fit = jaxmem.transform(task.step, budget="60%", planner="lgm").fit(*args)
+  short, whole = fit.report(), fit.report(top=None)
+  assert len(short) <= 2000 and "report(top=None) lists" in short
+  records = fit.result.details.records
+  assert records and f"vTensor swaps: {len(records)} tensors" in short
+  assert "lists" not in whole
+  assert all(r.name[:40] in whole for r in records)
+  assert all(r.name in whole for r in fit.graph.residuals)
 
 
 # The CNN's and the transformer's searches for their smallest footprint

@@ -29,13 +29,22 @@ class Details:
   """What a planner reports beyond its plan (the LGM planner: its layers,
   peaks and the vTensors that cover them)."""
 
-  def table(self) -> str:
-    """A readable table for :meth:`jaxmem.Fit.report`."""
+  def table(self, top: int | None = None) -> str:
+    """A readable table for :meth:`jaxmem.Fit.report`, its first ``top``
+    rows (all for None)."""
     raise NotImplementedError
 
   def rows(self) -> list[dict]:
     """The same as plain records, for JSON."""
     raise NotImplementedError
+
+
+def clipped(rows: list[str], top: int | None, what: str = "more") -> list[str]:
+  """The first ``top`` of a table's ``rows`` (all for None), and a line
+  that counts the rest."""
+  if top is None or len(rows) <= top:
+    return rows
+  return rows[:top] + [f"... and {len(rows) - top} {what} (report(top=None) lists all)"]
 
 
 @dataclasses.dataclass

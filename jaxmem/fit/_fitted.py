@@ -171,8 +171,10 @@ class Fit:
     looped = self.inner is not None and not self.inner.per_device
     return ", per device", ", the global shapes" if looped else ", per device"
 
-  def report(self, top: int | None = 20) -> str:
-    """A readable summary of the budget, the plan and the residuals."""
+  def report(self, top: int | None = 4) -> str:
+    """A readable summary of the budget, the plan and the ``top`` largest
+    residuals, with the planner's own table in a line; ``top=None`` lists
+    every residual and the planner's whole table."""
     p = self.memory
     decisions = {vid: decision_label(d) for vid, d in self.plan}
     # Stacks kept in host memory one slice per iteration of their loop
@@ -206,11 +208,7 @@ class Fit:
          "decisions         none: the step as written fits the budget, nothing needed "
          "planning" if not len(self.plan) else
          f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
-        f"residuals changed ({len(self.plan.values_with('recompute'))} recomputed, "
-        f"{len(self.plan.values_with('offload'))} offloaded, "
-        f"{len(self.plan.values_with('chunked'))} decided per chunk (layer ranges of "
-        "a loop's stacks, or vTensors); "
-        f"{format_bytes(p.host_peak)} on the host at most); {len(saved)} "
+        f"residuals changed: {self._changes(p.host_peak)}; {len(saved)} "
         f"block boundaries saved ({format_bytes(saved_bytes)})"),
         *self._host_lines(),
         f"added FLOPs       {self.added_flops:.3g} "
@@ -221,8 +219,16 @@ class Fit:
         residual_table(self.graph, top=top, decisions=decisions),
     ]
     if self.result.details is not None:
-      lines += ["", self.result.details.table()]
+      lines += ["", self.result.details.table(None if top is None else 0)]
     return "\n".join(lines)
+
+  def _changes(self, host_peak: int) -> str:
+    """The report's count of each kind of decision the plan holds."""
+    counts = [(len(self.plan.values_with(kind)), label) for kind, label in (
+        ("recompute", "recomputed"), ("offload", "offloaded"),
+        ("chunked", "decided per chunk (a loop's layer ranges, or vTensors)"))]
+    said = ", ".join(f"{n} {label}" for n, label in counts if n) or "none"
+    return said + (f", {format_bytes(host_peak)} on the host at most" if host_peak else "")
 
   def _host_lines(self, top: int = 4) -> list[str]:
     """The report's lines on optimizer state kept in host memory: how

@@ -51,6 +51,7 @@ def residual_table(graph: Graph, top: int | None = 30, decisions=None) -> str:
   header = ["bytes", "array", "made->used", "flops", "name"]
   if decisions is not None:
     header.insert(0, "decision")
-  more = f"\n... and {len(residuals) - len(shown)} smaller" if len(shown) < len(residuals) else ""
+  more = (f"\n... and {len(residuals) - len(shown)} smaller (report(top=None) lists all)"
+          if len(shown) < len(residuals) else "")
   return (f"{len(residuals)} residuals, {format_bytes(total)} in all\n"
           + _table(header, rows) + more)

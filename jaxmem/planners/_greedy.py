@@ -15,6 +15,7 @@ from jaxmem.graph._graph import Graph, Residual
 from jaxmem.schedule._loop_segments import segmentable
 from jaxmem.schedule._scan_remat import hostable, rebuildable
 from jaxmem.planners._base import Planner
+from jaxmem.planners._scores import Scores, scored
 
 # Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
 _log = logging.getLogger("jaxmem")
@@ -83,6 +84,9 @@ class Greedy(Planner):
   # that found no fit returned (an aim under it fails at once).
   _floors: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
                                      compare=False)
+  # The scores of the moves evaluated for that graph (_scores.py).
+  _scores: Scores = dataclasses.field(default_factory=Scores, init=False, repr=False,
+                                      compare=False)
 
   def __post_init__(self):
     if self.offload and self.target is None:
@@ -312,20 +316,23 @@ class Greedy(Planner):
         trial = current.plan
         for vid, decision in move:
           trial = trial.with_decision(vid, decision)
-        found = candidate(graph, trial)
-        if self.host_budget is not None and found.memory.host_peak > self.host_budget:
+        found, seen = scored(self._scores, graph, trial, self.cost)
+        if self.host_budget is not None and seen.host_peak > self.host_budget:
           continue
-        gain_peak = base[0] - found.peak
-        gain_excess = base[1] - found.memory.excess(goal)
-        cost = max(self.cost(found.schedule) - base[2], 0.0) + 1.0
+        gain_peak = base[0] - seen.peak
+        gain_excess = base[1] - seen.excess(goal)
+        cost = max(seen.cost - base[2], 0.0) + 1.0
         # Lower peak first; at a plateau, less time above the goal.
         score = (gain_peak / cost if gain_peak > 0 else 0.0,
                  gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
         if score > (0.0, 0.0) and (choice is None or score > choice[0]):
-          choice = (score, found)
+          choice = (score, trial, found)
       if choice is not None:
         break
-    return None if choice is None else choice[1]
+    if choice is None:
+      return None
+    return choice[2] if choice[2] is not None else candidate(graph, choice[1])
+
 
   def _batches(self, graph, current: Candidate, ranked, goal: int, candidates):
     """The moves of one greedy step, in batches tried until one helps:

@@ -58,8 +58,8 @@ import time
 from jaxmem._budget import format_bytes
 from jaxmem._decisions import KEEP, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem.targets._profiles import DeviceProfile, get_profile
-from jaxmem.cost._evaluate import (Candidate, Details, evaluate, fused_values, paused_gc,
-                              prefetch_point)
+from jaxmem.cost._evaluate import (Candidate, Details, clipped, evaluate, fused_values,
+                                   paused_gc, prefetch_point)
 from jaxmem.graph._graph import Graph
 from jaxmem.cost._memory import Liveness
 from jaxmem.cost._perf import schedule_costs
@@ -125,16 +125,21 @@ class LayerReport(Details):
   def rows(self) -> list[dict]:
     return [dataclasses.asdict(r) for r in self.records]
 
-  def table(self) -> str:
-    """The swaps as a readable table."""
+  def table(self, top: int | None = None) -> str:
+    """The swaps as a readable table (the first ``top``; for 0, one line
+    that counts them)."""
+    if top == 0:
+      layers = {r.layer for r in self.records}
+      return (f"vTensor swaps: {len(self.records)} tensors ({self.chunked} split into "
+              f"chunks), {format_bytes(sum(r.swapped_bytes for r in self.records))} to host "
+              f"memory over {len(layers)} layer(s); report(top=None) lists them")
     lines = ["vTensor swaps (layer, its deficit, tensor, chunks swapped/cut, bytes):",
              f"{'layer':<28} {'deficit':>10} {'tensor':>10} {'chunks':>7} "
              f"{'swapped':>10}  name", "-" * 90]
-    for r in self.records:
-      lines.append(f"{r.layer[:28]:<28} {format_bytes(r.deficit):>10} "
-                   f"{format_bytes(r.nbytes):>10} {f'{r.swapped}/{r.chunks}':>7} "
-                   f"{format_bytes(r.swapped_bytes):>10}  {r.name[:40]}")
-    return "\n".join(lines)
+    rows = [f"{r.layer[:28]:<28} {format_bytes(r.deficit):>10} "
+            f"{format_bytes(r.nbytes):>10} {f'{r.swapped}/{r.chunks}':>7} "
+            f"{format_bytes(r.swapped_bytes):>10}  {r.name[:40]}" for r in self.records]
+    return "\n".join(lines + clipped(rows, top, "more swaps"))
 
 
 def reservation_floor(target, efficiency: float = 0.8) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.cost._evaluate import Details
+from jaxmem.cost._evaluate import Details, clipped
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ class Solution(Details):
   def rows(self) -> list[dict]:
     return [{"block": name, "policy": keep} for name, keep in self.chosen]
 
-  def table(self) -> str:
+  def table(self, top: int | None = None) -> str:
     if self.status == "infeasible":
       head = "exact planner: no choice of block policies fits; the lowest is taken"
     elif self.status == "fallback":
@@ -61,12 +61,13 @@ class Solution(Details):
     elif self.status == "optimal":
       head = "exact planner: optimal over its choices (blocks under a policy, residuals rebuilt alone)"
     else:
-      head = (f"exact planner ({self.status}): within {self.gap:.1%} of the optimum over "
-              "its choices")
+      head = (f"exact planner ({self.status}): an optimum over its choices saves at most "
+              f"{self.gap:.1%} of its cost")
     if self.refined is not None and self.refined < self.cost:
       head += f"; the refinement cuts its cost to {self.refined / self.cost:.1%} of that"
     lines = [f"{head} ({self.rounds} programs, {self.seconds:.2f} s):"]
-    lines += [f"  {name:<40} {keep}" for name, keep in self.chosen] or ["  (nothing)"]
+    lines += clipped([f"  {name:<40} {keep}" for name, keep in self.chosen],
+                     top, "more blocks") or ["  (nothing)"]
     return "\n".join(lines)
 
 
@@ -108,4 +109,5 @@ class Gap:
     if self.gap < 0:
       return (f"{-self.gap:.1%} cheaper than the exact planner's bound over its "
               f"choices{solved}: the plan reaches outside them")
-    return f"within {self.gap:.1%} of the exact planner's bound over its choices{solved}"
+    return (f"the exact planner's choices save at most {self.gap:.1%} of its cost at its "
+            f"peak{solved}")

@@ -1,0 +1,98 @@
+"""What a greedy step reads of a plan's evaluation, kept per plan.
+
+A greedy step evaluates every move of a batch (a full schedule build and
+liveness walk each) to score it: the peak, the bytes above the goal over
+the step's own equations, the host peak and the cost. The same plans come
+back, from the next run of a ladder or from a later step of the same run,
+so a planner keeps each plan's :class:`Score`, a few arrays, not its
+schedule, and evaluates again only the move it takes.
+
+Example:
+  >>> import numpy as np
+  >>> s = Score(peak=9, host_peak=0, cost=1.0, levels=np.array([2, 5, 9]))
+  >>> s.excess(4), s.excess(0), s.excess(9)  # (5-4) + (9-4); 2+5+9; nothing above
+  (6, 16, 0)
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import numpy as np
+
+from jaxmem._decisions import Plan
+from jaxmem.cost._evaluate import Candidate, candidate
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Score:
+  """A plan's figures a greedy step compares.
+
+  Attributes:
+    peak: the model's device peak, bytes.
+    host_peak: the most bytes in host memory.
+    cost: the planner's cost of the plan (:meth:`Planner.cost`).
+    levels: live device bytes at each of the step's own equations, in any
+      order (sorted here).
+  """
+  peak: int
+  host_peak: int
+  cost: float
+  levels: np.ndarray
+
+  def __post_init__(self):
+    levels = np.sort(np.asarray(self.levels, dtype=np.int64))
+    object.__setattr__(self, "levels", levels)
+    object.__setattr__(self, "_tails", np.concatenate([np.cumsum(levels[::-1])[::-1], [0]]))
+
+  @classmethod
+  def of(cls, found: Candidate, cost: float) -> Score:
+    memory = found.memory
+    levels = [t for t, op in zip(memory.timeline, memory.schedule.ops) if op.kind == "node"]
+    return cls(memory.peak, memory.host_peak, cost, np.asarray(levels, dtype=np.int64))
+
+  def excess(self, level: int) -> int:
+    """:meth:`Liveness.excess`: byte-ops above ``level`` at the step's own
+    equations."""
+    first = int(np.searchsorted(self.levels, level, side="right"))
+    return int(self._tails[first]) - int(level) * (len(self.levels) - first)
+
+
+class Scores:
+  """The scores of the plans one planner evaluated for the graph it last
+  planned, the least recently used dropped beyond ``size``."""
+
+  def __init__(self, size: int = 512):
+    self.size = size
+    self._graph = None
+    self._seen: collections.OrderedDict[Plan, Score] = collections.OrderedDict()
+
+  def get(self, graph, plan: Plan) -> Score | None:
+    if self._graph is not graph:
+      self._graph, self._seen = graph, collections.OrderedDict()
+      return None
+    score = self._seen.get(plan)
+    if score is not None:
+      self._seen.move_to_end(plan)
+    return score
+
+  def put(self, graph, plan: Plan, score: Score) -> None:
+    if self._graph is not graph:
+      self._graph, self._seen = graph, collections.OrderedDict()
+    self._seen[plan] = score
+    while len(self._seen) > self.size:
+      self._seen.popitem(last=False)
+
+
+def scored(scores: Scores, graph, plan: Plan, cost) -> tuple[Candidate | None, Score]:
+  """``plan``'s score (``cost``: the planner's cost of a schedule), and its
+  candidate where it had to be evaluated (None where ``scores`` kept it
+  from an earlier step)."""
+  seen = scores.get(graph, plan)
+  if seen is not None:
+    return None, seen
+  found = candidate(graph, plan)
+  seen = Score.of(found, cost(found.schedule))
+  scores.put(graph, plan, seen)
+  return found, seen
