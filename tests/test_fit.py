@@ -80,3 +80,22 @@ def test_the_step_as_written_is_taken_where_it_fits():
   planner = _Table(unplanned(graph, 0), [])
   trial, _ = _fitter(graph, planner, {Plan(): (1000, 1.0)}, budget=1000).fit()
   assert not len(trial.candidate.plan)
+
+
+def test_a_long_search_says_so_before_it_starts(mlp, monkeypatch, caplog):
+  """Before its first search the fit times one evaluation and warns, with
+  the estimate and why, where planning would pass ``LONG`` seconds; the
+  quick fits of the test models say nothing."""
+  import jaxmem.fit._forewarn as forewarn
+  task, args, graph, _ = mlp
+  with caplog.at_level("WARNING", logger="jaxmem"):
+    jaxmem.transform(task.step, budget="60%").fit(*args)
+  assert not [r for r in caplog.records if "may take" in r.getMessage()]
+  estimate = forewarn.forewarn(graph, "cpu")
+  assert 0 < estimate < forewarn.LONG
+  monkeypatch.setattr(forewarn, "LONG", 0.0)
+  with caplog.at_level("WARNING", logger="jaxmem"):
+    jaxmem.transform(task.step, budget="60%").fit(*args)
+  said = [r.getMessage() for r in caplog.records if "may take" in r.getMessage()]
+  assert len(said) == 1
+  assert f"({len(graph.residuals)} residuals)" in said[0] and "plan_cache=dir" in said[0]

@@ -34,6 +34,7 @@ from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import (
     Candidate, candidate, state_fetch_points, unplanned, unplanned_liveness)
+from jaxmem.fit._forewarn import forewarn
 from jaxmem.graph._graph import Graph
 from jaxmem.graph._state import apply_host_decisions, optimizer_state, with_hosted
 from jaxmem.schedule._scan_remat import loop_variants
@@ -226,6 +227,8 @@ class Fitter:
     for rounds in itertools.count(1):
       aim = int(self._model_part(self.budget) * scale)
       if self.needs_plan(aim):
+        if rounds == 1 and self.smallest_from is None:  # the first search only
+          forewarn(self.graph, self.where)
         candidate = self.plan(aim, start=previous)
         if trial is not None and candidate.plan == trial.candidate.plan:
           return trial, rounds - 1
