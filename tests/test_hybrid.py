@@ -120,7 +120,10 @@ def test_offload_only_moves_no_more_than_the_aim_needs(mlp):
     assert memory.peak > aim or len(found.plan) > planner.refine
 
 
-@pytest.mark.parametrize("make", [Greedy, lambda: hybrid("t4")], ids=["greedy", "hybrid"])
+# The hybrid's two greedy planners keep their scores the same way (30 s).
+@pytest.mark.parametrize("make", [Greedy, pytest.param(lambda: hybrid("t4"),
+                                                       marks=pytest.mark.slow)],
+                         ids=["greedy", "hybrid"])
 def test_kept_scores_plan_as_evaluating_every_move_does(mlp, monkeypatch, make):
   """A planner keeps each move's score (``planners/_scores.py``) instead of
   evaluating the plan again: it plans as one that evaluates every move, at
