@@ -130,12 +130,13 @@ def schedule_costs(schedule) -> list[OpCost]:
   moves = ((lambda k: True) if buffers is None
            else (lambda k: k[0] in buffers.materialized))
   costs = []
+  def moved(op) -> int:
+    return (sum(schedule.nbytes(k) for k in op.ins if isinstance(k, tuple) and moves(k))
+            + sum(schedule.nbytes(k) for k in op.outs if moves(k)))
+
   for op in schedule.ops:
-    written = [k for k in op.outs if moves(k)]
-    moved = (sum(schedule.nbytes(k) for k in op.ins if isinstance(k, tuple) and moves(k))
-             + sum(schedule.nbytes(k) for k in written))
     if op.kind in ("split", "merge"):  # a vTensor's chunks copied out / in
-      costs.append(OpCost(op.kind, 0.0, moved))
+      costs.append(OpCost(op.kind, 0.0, moved(op)))
       continue
     if op.node is None:
       costs.append(OpCost("optimization_barrier", 0.0, 0))
@@ -144,7 +145,7 @@ def schedule_costs(schedule) -> list[OpCost]:
     if _primitives.is_free(node.prim.name):
       costs.append(OpCost(node.prim.name, 0.0, 0))
       continue
-    costs.append(OpCost(node.prim.name, node.flops, moved,
+    costs.append(OpCost(node.prim.name, node.flops, moved(op),
                         matmul=node.prim.name in _MATMULS,
                         launch=buffers is not None and op.node in buffers.launches))
   return costs
@@ -161,7 +162,7 @@ def schedule_transfers(schedule) -> list[Transfer]:
   transfers = []
   last = len(schedule.ops) - 1
   for pos, op in enumerate(schedule.ops):
-    for direction, keys in (("d2h", op.outs), ("h2d", op.ins)):
+    for direction, keys in (("d2h", op.outs), ("h2d", op.ins)) if schedule.hosted else ():
       looped = sum(schedule.nbytes(k) for k in {k for k in keys if isinstance(k, tuple)}
                    if k in schedule.hosted)
       if looped and op.kind == "node":

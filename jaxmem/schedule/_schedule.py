@@ -188,12 +188,15 @@ class _Builder:
       if node.index in starts:
         self.enter(starts[node.index], node)
       if node.backward:
-        self.prefetch(self.fetch_at.get(node.index, ()), node)
-        self.prefetch([a for a in node.ins if isinstance(a, int)
-                       and (a in self.offloaded or a in graph.hosted)], node)
-        for a in node.ins:
-          if isinstance(a, int) and a in self.chunked:
-            self.merge(a, node)
+        if node.index in self.fetch_at:
+          self.prefetch(self.fetch_at[node.index], node)
+        if self.offloaded or graph.hosted:
+          self.prefetch([a for a in node.ins if isinstance(a, int)
+                         and (a in self.offloaded or a in graph.hosted)], node)
+        if self.chunked:
+          for a in node.ins:
+            if isinstance(a, int) and a in self.chunked:
+              self.merge(a, node)
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache]
         if missing:
@@ -376,8 +379,10 @@ class _Builder:
     """Backward reads that XLA would otherwise share with the forward pass go
     through a barrier copy, one per value (which reads, and why:
     ``_xla_cpu_fusion.separated_reads``)."""
+    if node.index not in self.to_separate:
+      return self.copies_read(node, ins, self.separated)
     read_as = {a: k for a, k in zip(node.ins, ins) if isinstance(a, int)}
-    missing = sorted(a for a in self.to_separate.get(node.index, ())
+    missing = sorted(a for a in self.to_separate[node.index]
                      if read_as[a] == self.key(a) and a not in self.separated)
     if missing:
       size = self.graph.values[node.outs[0]].nbytes
@@ -388,6 +393,8 @@ class _Builder:
   def copies_read(self, node, ins: tuple, copies: dict) -> tuple:
     """``node``'s input keys ``ins`` with each original value that has a
     barrier copy in ``copies`` read through the copy."""
+    if not any(isinstance(a, int) and a in copies for a in node.ins):
+      return ins
     return tuple(copies.get(a, k) if isinstance(a, int) and k == self.key(a)
                  else k for a, k in zip(node.ins, ins))
 
