@@ -188,15 +188,13 @@ class _Builder:
       if node.index in starts:
         self.enter(starts[node.index], node)
       if node.backward:
-        if node.index in self.fetch_at:
-          self.prefetch(self.fetch_at[node.index], node)
+        self.prefetch(self.fetch_at.get(node.index, ()), node)
         if self.offloaded or graph.hosted:
           self.prefetch([a for a in node.ins if isinstance(a, int)
                          and (a in self.offloaded or a in graph.hosted)], node)
-        if self.chunked:
-          for a in node.ins:
-            if isinstance(a, int) and a in self.chunked:
-              self.merge(a, node)
+        for a in node.ins if self.chunked else ():
+          if isinstance(a, int) and a in self.chunked:
+            self.merge(a, node)
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache]
         if missing:
@@ -320,12 +318,9 @@ class _Builder:
 
   def prefetch(self, units, consumer) -> None:
     """Copies offloaded residuals and chunks back to the device before
-    ``consumer``.
-
-    Their host copies pass through one barrier with an anchor (``pin``)
-    first, so XLA cannot issue the copies earlier than here and hold the
-    device buffers from the start of the backward pass.
-    """
+    ``consumer``. Their host copies pass through one barrier with an anchor
+    (``pin``) first, so XLA cannot issue the copies earlier than here and
+    hold the device buffers from the start of the backward pass."""
     units = [u for u in dict.fromkeys(units) if u not in self.fetched]
     if not units:
       return
@@ -379,10 +374,8 @@ class _Builder:
     """Backward reads that XLA would otherwise share with the forward pass go
     through a barrier copy, one per value (which reads, and why:
     ``_xla_cpu_fusion.separated_reads``)."""
-    if node.index not in self.to_separate:
-      return self.copies_read(node, ins, self.separated)
     read_as = {a: k for a, k in zip(node.ins, ins) if isinstance(a, int)}
-    missing = sorted(a for a in self.to_separate[node.index]
+    missing = sorted(a for a in self.to_separate.get(node.index, ())
                      if read_as[a] == self.key(a) and a not in self.separated)
     if missing:
       size = self.graph.values[node.outs[0]].nbytes
