@@ -83,6 +83,7 @@ def test_description_reads_a_real_h100s_target_config(tmp_path):
   saved = tmp_path / "recorded-h100.json"
   saved.write_text(json.dumps(profile.to_dict()))  # as calibrate()'s profile is kept
   assert get_profile(str(saved)) == profile
+  assert get_profile(saved) is get_profile(str(saved))  # read once, not per plan priced
   w = placed(jnp.ones((64, 64)), str(saved))
   assert next(iter(w.sharding.device_set)).device_kind == real.name
   compiled = jax.jit(lambda w: w @ w).lower(w).compile()

@@ -76,13 +76,16 @@ class Liveness:
   host_peak: int = 0
   host_timeline: list = dataclasses.field(default_factory=list)
 
+  def node_levels(self) -> list[int]:
+    """Live bytes at each of the step's own equations (recomputation and
+    the copies and barriers a rewrite adds left out)."""
+    return [t for t, op in zip(self.timeline, self.schedule.ops) if op.kind == "node"]
+
   def excess(self, level: int) -> int:
     """Byte-ops above ``level`` bytes: how far and how long the step exceeds it,
-    counted at the step's own equations only, so plans with more
-    recomputation are not charged for their extra ops."""
-    ops = self.schedule.ops
-    return sum(max(0, t - level) for t, op in zip(self.timeline, ops)
-               if op.kind == "node")
+    counted at the step's own equations only (:meth:`node_levels`), so plans
+    with more recomputation are not charged for their extra ops."""
+    return sum(max(0, t - level) for t in self.node_levels())
 
   @property
   def peak_name(self) -> str:

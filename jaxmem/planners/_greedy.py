@@ -333,7 +333,6 @@ class Greedy(Planner):
       return None
     return choice[2] if choice[2] is not None else candidate(graph, choice[1])
 
-
   def _batches(self, graph, current: Candidate, ranked, goal: int, candidates):
     """The moves of one greedy step, in batches tried until one helps:
     the best-ranked candidates with the undo and bulk moves, then the next

@@ -49,8 +49,7 @@ class Score:
   @classmethod
   def of(cls, found: Candidate, cost: float) -> Score:
     memory = found.memory
-    levels = [t for t, op in zip(memory.timeline, memory.schedule.ops) if op.kind == "node"]
-    return cls(memory.peak, memory.host_peak, cost, np.asarray(levels, dtype=np.int64))
+    return cls(memory.peak, memory.host_peak, cost, np.asarray(memory.node_levels()))
 
   def excess(self, level: int) -> int:
     """:meth:`Liveness.excess`: byte-ops above ``level`` at the step's own
@@ -68,19 +67,20 @@ class Scores:
     self._graph = None
     self._seen: collections.OrderedDict[Plan, Score] = collections.OrderedDict()
 
-  def get(self, graph, plan: Plan) -> Score | None:
+  def _kept(self, graph) -> collections.OrderedDict:
+    """The scores kept for ``graph`` (none kept for another graph)."""
     if self._graph is not graph:
       self._graph, self._seen = graph, collections.OrderedDict()
-      return None
-    score = self._seen.get(plan)
+    return self._seen
+
+  def get(self, graph, plan: Plan) -> Score | None:
+    score = self._kept(graph).get(plan)
     if score is not None:
       self._seen.move_to_end(plan)
     return score
 
   def put(self, graph, plan: Plan, score: Score) -> None:
-    if self._graph is not graph:
-      self._graph, self._seen = graph, collections.OrderedDict()
-    self._seen[plan] = score
+    self._kept(graph)[plan] = score
     while len(self._seen) > self.size:
       self._seen.popitem(last=False)
 

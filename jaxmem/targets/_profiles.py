@@ -232,12 +232,22 @@ def get_profile(profile) -> DeviceProfile:
   if isinstance(profile, str) and profile in PROFILES:
     return PROFILES[profile]
   if isinstance(profile, (str, os.PathLike)) and str(profile).endswith(".json"):
-    with open(profile) as f:
-      return DeviceProfile.from_dict(json.load(f))
+    # Planners read their target's profile for every plan they price: the
+    # file is read once per version of it.
+    path = os.path.abspath(profile)
+    return _saved_profile(path, os.stat(path).st_mtime_ns)
   raise ValueError(
       f"jaxmem: unknown device profile {profile!r}; expected one of "
       f"{sorted(PROFILES)}, a DeviceProfile, a profile saved as JSON "
       "(json.dump(profile.to_dict(), f)), or jaxmem.calibrate() for this device.")
+
+
+@functools.lru_cache(maxsize=16)
+def _saved_profile(path: str, stamp: int) -> DeviceProfile:
+  """The profile saved as JSON at ``path`` (``stamp``: its modification
+  time, so a rewritten file is read again)."""
+  with open(path) as f:
+    return DeviceProfile.from_dict(json.load(f))
 
 
 @functools.lru_cache(maxsize=None)
