@@ -297,7 +297,7 @@ class Transformed:
 
     budget, reserve = self._budget_bytes(unconstrained, target)
     model = base_memory if loop is None else evaluate(planned, Plan())[1]
-    fixed = workspace_bytes(own.baseline)
+    fixed = 0 if graph.buffers and graph.buffers.workspace else workspace_bytes(own.baseline)
     clock = target_clock(target)
     fitter = functools.partial(Fitter, budget=budget - reserve,
                                unconstrained=unconstrained,

@@ -49,10 +49,14 @@ class Buffers:
     launches: indices of the nodes that end a kernel: of each kernel's
       buffers, the first one's node (a kernel writing several nodes'
       values, as a multi-output fusion does, launches once).
+    workspace: node index -> bytes of the scratch its library call takes
+      while it runs (the workspace XLA:GPU gives a cuBLAS or cuDNN call
+      beside its result), wherever the node runs in a plan.
   """
   materialized: frozenset
   extra: Mapping[int, int]
   launches: frozenset = frozenset()
+  workspace: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 def tag_of(inst: hlo.Instruction) -> int | None:
@@ -153,10 +157,26 @@ def learn(graph: Graph, target) -> Buffers:
                        for v in graph.inputs])
   text = jax.jit(run, compiler_options=target.options(measuring=True) or None
                  ).lower(*args).compile().as_text()
-  kernels = _kernels(hlo.parse(text))
+  program = hlo.parse(text)
+  kernels = _kernels(program)
   found = assign(graph, _written(kernels))
   return dataclasses.replace(found, launches=frozenset(
-      t for t in _launching(kernels) if t < len(graph.nodes)))
+      t for t in _launching(kernels) if t < len(graph.nodes)),
+      workspace={t: b for t, b in workspaces(program).items() if t < len(graph.nodes)})
+
+
+def workspaces(program: hlo.Program) -> dict[int, int]:
+  """Node tag -> the largest workspace a library call emitted for it takes
+  (the elements of a custom call's result after the first)."""
+  found: dict[int, int] = {}
+  for name in program.scheduled():
+    for inst in program.computations[name]:
+      tag = tag_of(inst) if inst.opcode == "custom-call" else None
+      if tag is not None:
+        scratch = sum(a.nbytes for a in inst.arrays()[len(inst.results()):])
+        if scratch:
+          found[tag] = max(found.get(tag, 0), scratch)
+  return found
 
 
 def with_buffers(graph: Graph, buffers: Buffers | None) -> Graph:
@@ -183,9 +203,13 @@ class LearnedFusion(Fusion):
 
   def scratch(self, pos: int) -> int:
     node = self.ops[pos].node
-    if node is None or self.graph.nodes[node].prim.name != "select_and_scatter_add":
+    if node is None:
       return 0
-    return select_and_scatter_scratch(self.graph, self.graph.nodes[node], indexed=False)
+    workspace = self.buffers.workspace.get(node, 0)
+    if self.graph.nodes[node].prim.name != "select_and_scatter_add":
+      return workspace
+    return workspace + select_and_scatter_scratch(self.graph, self.graph.nodes[node],
+                                                  indexed=False)
 
   def beside(self, key) -> int:
     pos = self.producer_of.get(key)

@@ -175,10 +175,12 @@ class Fitter:
     """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
     began = time.perf_counter()
     trial = self._compiled(candidate)
-    _log.info("jaxmem: compiled %s: footprint %s against the budget %s in %.1f s",
+    _log.info("jaxmem: compiled %s: footprint %s against the budget %s%s in %.1f s",
               f"a plan of {len(candidate.plan)} decisions" if len(candidate.plan)
               else "the step as written", format_bytes(trial.measured),
-              format_bytes(self.budget), time.perf_counter() - began)
+              format_bytes(self.budget),
+              "" if trial.seconds is None else f", predicted {trial.seconds * 1e3:.3g} ms",
+              time.perf_counter() - began)
     return trial
 
   def _compiled(self, candidate: Candidate) -> Trial:
