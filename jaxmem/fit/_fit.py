@@ -106,8 +106,9 @@ class Fitter:
     where: the target's name, for errors (``"t4 (XLA:GPU ...)"``).
     fixed: bytes of XLA's footprint no plan changes and the memory model
       does not hold (the workspace XLA:GPU gives cuBLAS and cuDNN,
-      :func:`~jaxmem.targets.workspace_bytes`): the model's part of a
-      budget is the budget less these.
+      :func:`~jaxmem.targets.workspace_bytes`, where the model has not
+      learned each call's own): the model's part of a budget is the budget
+      less these.
     clock: a compiled program's predicted seconds on the target; where
       set, compiled plans are compared by it (a plan's cost is its time on
       the target), else by the planner's cost model.
