@@ -29,7 +29,7 @@ from jaxmem.cost import _hlo as hlo
 from jaxmem.graph import _primitives
 from jaxmem._decisions import Plan
 from jaxmem.schedule._emit import emit
-from jaxmem.graph._graph import Graph
+from jaxmem.graph._graph import Graph, Residual, residual_of
 from jaxmem.schedule._schedule import build_schedule
 from jaxmem.graph._xla_cpu_fusion import Fusion, select_and_scatter_scratch
 
@@ -181,8 +181,45 @@ def workspaces(program: hlo.Program) -> dict[int, int]:
 
 def with_buffers(graph: Graph, buffers: Buffers | None) -> Graph:
   """``graph`` modelled with ``buffers`` (None: XLA:CPU's fusion emulated);
-  analyses start afresh."""
-  return dataclasses.replace(graph, buffers=buffers)
+  analyses start afresh. With buffers, the buffers the backward pass reads
+  only through residuals the target computes inside their readers become
+  residuals too (:func:`read_through`): they are what a plan moves."""
+  if buffers is None:
+    return dataclasses.replace(graph, buffers=None)
+  residuals = sorted(graph.residuals + read_through(graph, buffers.materialized),
+                     key=lambda r: (r.produced_at, r.value))
+  return dataclasses.replace(graph, buffers=buffers, residuals=tuple(residuals))
+
+
+def read_through(graph: Graph, materialized: frozenset) -> tuple[Residual, ...]:
+  """Forward values with a buffer that no backward equation reads but that
+  residuals without a buffer are computed from (a LayerNorm's input, read
+  by the backward pass through ``x - mean``): the residuals the backward
+  pass reads in the target's program, spanning the backward reads of the
+  residuals computed from them."""
+  own = {r.value: r for r in graph.residuals}
+  spans: dict[int, list] = {}
+  for r in own.values():
+    if r.value in materialized:
+      continue
+    stack, seen = list(r.needs), set()
+    while stack:
+      vid = stack.pop()
+      if vid in seen or not graph.is_forward_value(vid):
+        continue
+      seen.add(vid)
+      if vid in materialized:
+        if vid not in own:
+          spans.setdefault(vid, []).append(r)
+      else:
+        stack.extend(a for a in graph.producer(vid).ins if isinstance(a, int))
+  found = []
+  for vid, readers in spans.items():
+    node = graph.producer(vid)
+    found.append(residual_of(graph, vid, node,
+                             min(r.first_backward_use for r in readers),
+                             max(r.last_backward_use for r in readers)))
+  return tuple(found)
 
 
 class LearnedFusion(Fusion):

@@ -446,19 +446,28 @@ def residuals_of(nodes, values) -> tuple[Residual, ...]:
       bwd = [u for u in value.uses if nodes[u].backward]
       if not bwd:
         continue
-      fwd = [u for u in value.uses if not nodes[u].backward]
-      found.append(Residual(
-          value=vid,
-          name=f"{node.label} {node.source}".strip(),
-          shape=tuple(value.aval.shape), dtype=value.aval.dtype,
-          nbytes=value.nbytes, primitive=node.prim.name,
-          produced_at=node.index,
-          last_forward_use=max(fwd, default=node.index),
-          first_backward_use=min(bwd), last_backward_use=max(bwd),
-          recompute_flops=node.flops,
-          needs=tuple(a for a in node.ins if isinstance(a, int)),
-          recomputable=not node.effects and not _primitives.communicates(node.prim.name)))
+      found.append(_residual(nodes, values, vid, node, min(bwd), max(bwd)))
   return tuple(found)
+
+
+def _residual(nodes, values, vid: int, node, first: int, last: int) -> Residual:
+  """The residual ``vid`` made by ``node``, read by the backward pass from
+  node ``first`` to node ``last``."""
+  value = values[vid]
+  fwd = [u for u in value.uses if not nodes[u].backward]
+  return Residual(
+      value=vid, name=f"{node.label} {node.source}".strip(),
+      shape=tuple(value.aval.shape), dtype=value.aval.dtype,
+      nbytes=value.nbytes, primitive=node.prim.name, produced_at=node.index,
+      last_forward_use=max(fwd, default=node.index),
+      first_backward_use=first, last_backward_use=last,
+      recompute_flops=node.flops, needs=tuple(a for a in node.ins if isinstance(a, int)),
+      recomputable=not node.effects and not _primitives.communicates(node.prim.name))
+
+
+def residual_of(graph: "Graph", vid: int, node, first: int, last: int) -> Residual:
+  """:func:`_residual` for a value of a built graph."""
+  return _residual(graph.nodes, graph.values, vid, node, first, last)
 
 
 def trace(jitted, *args, **kwargs):

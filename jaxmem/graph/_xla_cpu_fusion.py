@@ -265,6 +265,10 @@ def separated_reads(graph: Graph, fused_items: frozenset) -> tuple[dict, dict]:
   forward and the backward broadcast of one value become one full-size
   buffer living from the forward use to the backward one.
 
+  On a target whose buffers were learned (``graph.buffers``), only values
+  that get a buffer in the step as written are separated: the others the
+  target's compiler computes inside each reader, the backward ones too.
+
   Rebuilt are forward values XLA computes inside their readers from a bias
   add (GELU's ``x**2`` from ``x = dot + bias``): XLA would compute the add
   inside the backward reader too (its ``EffectivelyAtMostUnary`` rule),
@@ -272,7 +276,11 @@ def separated_reads(graph: Graph, fused_items: frozenset) -> tuple[dict, dict]:
   buffer until the backward pass.
   """
   fused = dict(fused_items)
+  # With buffers learned from the target's program, a value the target
+  # computes inside its readers in the step as written is left so.
+  learned = graph.buffers
   with_broadcast = lambda v: (graph.is_forward_value(v) and v not in fused
+                              and (learned is None or v in learned.materialized)
                               and computed_with_broadcast(graph, v))
   separated, rebuilt = {}, {}
   for node in graph.nodes:
@@ -290,3 +298,20 @@ def separated_reads(graph: Graph, fused_items: frozenset) -> tuple[dict, dict]:
     if rebuild:
       rebuilt[node.index] = rebuild
   return separated, rebuilt
+
+
+def rebuilt_in_readers(graph: Graph, plan, fused: dict) -> frozenset:
+  """Kept residuals the target computes inside their readers (learned
+  buffers: no buffer in the step as written) from a buffer ``plan`` (a
+  :class:`~jaxmem._decisions.Plan`) rebuilds or takes off the device: the
+  schedule builder rebuilds them before their backward readers, as the target's compiler
+  does in the step as written, so the moved buffer is not read where the
+  forward pass had it. ``fused``: value -> the buffers it is computed from
+  (``_evaluate.fused_values``)."""
+  learned = graph.buffers
+  if learned is None:
+    return frozenset()
+  moved = {v for v, d in plan if d.kind in ("recompute", "offload", "chunked")}
+  return frozenset(v for v, sources in fused.items()
+                   if v not in moved and v not in learned.materialized
+                   and graph.is_residual(v) and any(b in moved for b in sources))

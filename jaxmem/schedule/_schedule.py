@@ -39,7 +39,7 @@ from jax.extend import core as jex
 from jaxmem._decisions import Plan
 from jaxmem.graph._graph import Graph, analysis, forward_passes
 from jaxmem.graph._state import hosted_outputs
-from jaxmem.graph._xla_cpu_fusion import separated_reads
+from jaxmem.graph._xla_cpu_fusion import rebuilt_in_readers, separated_reads
 
 Key = tuple  # (value id, version)
 
@@ -110,9 +110,14 @@ class _Builder:
     self.graph = graph
     self.separating = separating
     self.plan = plan
-    self.dropped = plan.values_with("recompute")
     self.saved = plan.values_with("save")
     self.fused = fused
+    # What goes to host memory is a *unit*: an offloaded residual's id, or
+    # (id, chunk index) for a chunk of a vTensor. Unit -> its host copy /
+    # its copy back; backward node -> the units copied back before it.
+    self.offloaded = plan.with_kind("offload")
+    self.chunked = plan.with_kind("chunked")
+    self.dropped = plan.values_with("recompute") | rebuilt_in_readers(graph, plan, fused)
     # Buffers that kept fused residuals are computed from stay alive for
     # their backward reads, so recomputation may read them too.
     self.held = {b for vid, bufs in fused.items()
@@ -141,11 +146,6 @@ class _Builder:
     # from such copies (``_xla_cpu_fusion.separated_reads``).
     self.to_separate, self.to_rebuild = separated_reads(
         graph, frozenset(fused.items()))
-    # What goes to host memory is a *unit*: an offloaded residual's id, or
-    # (id, chunk index) for a chunk of a vTensor. Unit -> its host copy /
-    # its copy back; backward node -> the units copied back before it.
-    self.offloaded = plan.with_kind("offload")
-    self.chunked = plan.with_kind("chunked")
     self.host: dict = {}
     self.fetched: dict = {}
     self.chunks: dict[int, list[Key]] = {}  # vTensor -> its chunks' keys
