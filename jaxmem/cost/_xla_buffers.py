@@ -216,7 +216,7 @@ def read_through(graph: Graph, materialized: frozenset) -> tuple[Residual, ...]:
   found = []
   for vid, readers in spans.items():
     node = graph.producer(vid)
-    found.append(residual_of(graph, vid, node,
+    found.append(residual_of(graph.nodes, graph.values, vid, node,
                              min(r.first_backward_use for r in readers),
                              max(r.last_backward_use for r in readers)))
   return tuple(found)

@@ -446,13 +446,14 @@ def residuals_of(nodes, values) -> tuple[Residual, ...]:
       bwd = [u for u in value.uses if nodes[u].backward]
       if not bwd:
         continue
-      found.append(_residual(nodes, values, vid, node, min(bwd), max(bwd)))
+      found.append(residual_of(nodes, values, vid, node, min(bwd), max(bwd)))
   return tuple(found)
 
 
-def _residual(nodes, values, vid: int, node, first: int, last: int) -> Residual:
-  """The residual ``vid`` made by ``node``, read by the backward pass from
-  node ``first`` to node ``last``."""
+def residual_of(nodes, values, vid: int, node, first: int, last: int) -> Residual:
+  """The residual ``vid`` made by ``node`` (of the graph's ``nodes`` and
+  ``values``), read by the backward pass from node ``first`` to node
+  ``last``."""
   value = values[vid]
   fwd = [u for u in value.uses if not nodes[u].backward]
   return Residual(
@@ -463,11 +464,6 @@ def _residual(nodes, values, vid: int, node, first: int, last: int) -> Residual:
       first_backward_use=first, last_backward_use=last,
       recompute_flops=node.flops, needs=tuple(a for a in node.ins if isinstance(a, int)),
       recomputable=not node.effects and not _primitives.communicates(node.prim.name))
-
-
-def residual_of(graph: "Graph", vid: int, node, first: int, last: int) -> Residual:
-  """:func:`_residual` for a value of a built graph."""
-  return _residual(graph.nodes, graph.values, vid, node, first, last)
 
 
 def trace(jitted, *args, **kwargs):

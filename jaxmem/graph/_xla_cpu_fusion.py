@@ -312,6 +312,8 @@ def rebuilt_in_readers(graph: Graph, plan, fused: dict) -> frozenset:
   if learned is None:
     return frozenset()
   moved = {v for v, d in plan if d.kind in ("recompute", "offload", "chunked")}
+  if not moved:  # the step as written, or a plan of saved boundaries only
+    return frozenset()
   return frozenset(v for v, sources in fused.items()
                    if v not in moved and v not in learned.materialized
                    and graph.is_residual(v) and any(b in moved for b in sources))
