@@ -392,7 +392,8 @@ def parse(argv):
   parser.add_argument("--budgets", nargs="+")
   parser.add_argument("--max-batch", nargs="*", choices=sorted(CONFIGS),
                       help="models whose max batch is found (default: "
-                           f"{' '.join(MAX_BATCH)} in a full run, none with --quick)")
+                           f"those of {' '.join(MAX_BATCH)} the run covers, none with "
+                           "--quick)")
   parser.add_argument("--planners", nargs="*", choices=PLANNERS, help="jaxmem planners")
   parser.add_argument("--remat", nargs="*", choices=REMAT, help="per-block remat policies")
   parser.add_argument("--out", help="results folder")
@@ -408,17 +409,15 @@ def parse(argv):
   return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-  argv = sys.argv[1:] if argv is None else argv
-  args = parse(argv)
-  if args.target and not args.dry_run:
-    raise SystemExit("gpu.py: --target plans for a GPU that is not here, so it needs "
-                     "--dry-run; on a GPU, the GPU present is the target.")
+def run_plan(args) -> dict:
+  """The models, budgets, methods and max-batch models a run covers."""
   plan = dict(QUICK) if args.quick else dict(
       models=tuple(CONFIGS), budgets=BUDGETS, remat=REMAT, planners=PLANNERS,
       max_batch=MAX_BATCH)
   if args.models is not None:
     plan["models"] = tuple(args.models)
+    # Max batch defaults to the named models only.
+    plan["max_batch"] = tuple(m for m in plan["max_batch"] if m in plan["models"])
   if args.max_batch is not None:
     plan["max_batch"] = tuple(args.max_batch)
   for option in ("planners", "remat"):
@@ -426,6 +425,16 @@ def main(argv=None) -> int:
       plan[option] = tuple(getattr(args, option))
   if args.budgets:
     plan["budgets"] = tuple(args.budgets)
+  return plan
+
+
+def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else argv
+  args = parse(argv)
+  if args.target and not args.dry_run:
+    raise SystemExit("gpu.py: --target plans for a GPU that is not here, so it needs "
+                     "--dry-run; on a GPU, the GPU present is the target.")
+  plan = run_plan(args)
   if args.render:
     rows = [json.loads(line) for path in args.render for line in open(path) if line.strip()]
     print(write(assemble(rows), args.out or os.path.dirname(os.path.abspath(args.render[0]))))

@@ -119,11 +119,23 @@ def _update_norms(args, out) -> list[float]:
   return figures + [float(jax.tree_util.tree_leaves(out[1])[0])]
 
 
+def _in_device_memory(tree):
+  """``tree``'s arrays in device memory (a step's outputs in host memory
+  come back)."""
+  return jax.tree_util.tree_map(
+      lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")), tree)
+
+
 def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
   """Runs a compiled step: the allocator's peak after warm-up steps and the
   median step time. The peak before the first run (compilation's autotuning
   allocates too) is recorded; where the step did not raise it, the step's
   own peak is hidden under it (``peak_masked``)."""
+  given = args
+  # Where the plan keeps optimizer state in host memory, the executable
+  # takes those leaves there (the transformed step places them itself; a
+  # deserialized executable does not).
+  args = jax.device_put(tuple(args), compiled.input_shardings[0])
   with _gpu_lock(lock):
     before = _peak()
     for _ in range(2):  # each result dropped before the next call, as in a loop
@@ -138,7 +150,7 @@ def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
         loss = jax.tree_util.tree_leaves(out[1])[0]
       del out
     # After the peak is read: summing up the numbers holds both states.
-    moves = _update_norms(args, compiled(*args))
+    moves = _update_norms(given, _in_device_memory(compiled(*args)))
   return {"peak_bytes": peak, "peak_before_run": before, "update_norms": moves,
           "peak_masked": peak is not None and before is not None and peak <= before,
           "step_ms": statistics.median(times) * 1e3,

@@ -158,6 +158,31 @@ def test_the_worker_sums_up_a_step_by_update_norms_and_probes():
   assert permuted[0] == 5.0 and abs(permuted[1] - got[1]) > 1e-3 * abs(got[1])
 
 
+def test_a_run_finds_max_batch_only_for_the_models_it_names():
+  assert gpu.run_plan(gpu.parse(["--models", "gpt2"]))["max_batch"] == ("gpt2",)
+  assert gpu.run_plan(gpu.parse(["--models", "vit"]))["max_batch"] == ()
+  assert gpu.run_plan(gpu.parse([]))["max_batch"] == gpu.MAX_BATCH
+  assert gpu.run_plan(gpu.parse(["--quick", "--max-batch", "vit"]))["max_batch"] == ("vit",)
+
+
+def test_the_worker_places_arguments_where_the_executable_takes_them():
+  """A plan that keeps optimizer state in host memory compiles to an
+  executable that takes those leaves there; the worker is handed device
+  arrays (as a deserialized executable is) and moves them, and sums up
+  the update from the step's outputs in host memory."""
+  import jax
+  import jax.numpy as jnp
+  import gpu_worker
+  device = jax.devices()[0]
+  host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
+  step = jax.jit(lambda state, x: ((state[0], state[1] + x.sum()), x.sum()),
+                 in_shardings=((host, None), None), out_shardings=((host, None), None))
+  state, batch = (jnp.ones(4), jnp.ones(2)), jnp.ones(4)
+  compiled = step.lower((jax.device_put(state[0], host), state[1]), batch).compile()
+  record = gpu_worker._execute(compiled, (state, batch), 2, None)
+  assert record["update_norms"] == pytest.approx([0.0, 0.0, 32**0.5, record["update_norms"][3], 4.0])
+
+
 # Two dry runs at ResNet-18's edge size, planned on the T4 and on the CPU:
 # about four minutes on two cores.
 @pytest.mark.slow
