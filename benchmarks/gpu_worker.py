@@ -17,9 +17,10 @@ Jobs (``job["kind"]``):
   execute    a serialized executable run in a fresh process (the peak of a
              process that compiled includes autotuning's buffers).
 
-Several workers plan and compile at once; only one runs on the GPU at a
-time (a file lock around warm-up, peak reading and timing), so step times
-are not measured against each other's kernels.
+Several workers plan and compile at once; a timed run has the GPU alone
+(a file lock around warm-up, peak reading and timing, which compilations,
+autotuning on the GPU, share), so step times are not measured against
+each other's kernels.
 """
 
 from __future__ import annotations
@@ -81,13 +82,22 @@ def _analysis(compiled, job) -> dict:
 
 
 @contextlib.contextmanager
-def _gpu_lock(path: str | None):
-  """Holds ``path``'s lock (one process on the GPU at a time)."""
+def _gpu_lock(path: str | None, shared: bool = False):
+  """Holds the GPU through ``path``'s lock: alone for a timed run, or
+  (``shared``) beside other compilations, which autotune kernels on the
+  GPU and would otherwise run inside another worker's timed steps. A run
+  that waits goes before compilations that start after it (it holds the
+  turnstile file while it waits), so it waits for the compilations under
+  way, not for every later one."""
   if not path:
     yield
     return
-  with open(path, "a") as handle:
-    fcntl.flock(handle, fcntl.LOCK_EX)
+  with open(path + ".turnstile", "a") as turnstile, open(path, "a") as handle:
+    fcntl.flock(turnstile, fcntl.LOCK_EX)
+    if shared:
+      fcntl.flock(turnstile, fcntl.LOCK_UN)
+    fcntl.flock(handle, fcntl.LOCK_SH if shared else fcntl.LOCK_EX)
+    fcntl.flock(turnstile, fcntl.LOCK_UN)
     try:
       yield
     finally:
@@ -321,7 +331,8 @@ def measure(job) -> dict:
   task = _task(job)
   args = _arguments(task, job)
   start = time.perf_counter()
-  compiled = _compile(job, task.step, args, record)
+  with _gpu_lock(job.get("lock"), shared=True):
+    compiled = _compile(job, task.step, args, record)
   if compiled is None:
     return record
   record["compile_s"] = time.perf_counter() - start
@@ -361,19 +372,19 @@ def max_batch(job) -> dict:
   footprints; then, on a device, that batch run once for its peak."""
   unit, limit = job["step"], job["limit"]
   low, high, probes, best = 0, limit // unit + 1, [], None
-  while high - low > 1:
-    mid = (low + high) // 2
-    task, stepper = _stepper(job, mid * unit)
-    shapes = _arguments(task, dict(job, dry_run=True))
-    ok = _fits(stepper, shapes, job["budget_bytes"])
-    probes.append((mid * unit, ok))
-    low, high = (mid, high) if ok else (low, mid)
-    best = (stepper, shapes) if ok else best
+  with _gpu_lock(job.get("lock"), shared=True):
+    while high - low > 1:
+      mid = (low + high) // 2
+      task, stepper = _stepper(job, mid * unit)
+      shapes = _arguments(task, dict(job, dry_run=True))
+      ok = _fits(stepper, shapes, job["budget_bytes"])
+      probes.append((mid * unit, ok))
+      low, high = (mid, high) if ok else (low, mid)
+      best = (stepper, shapes) if ok else best
+    compiled = best and not job["dry_run"] and best[0].lower(*best[1]).compile()
   record = {"status": "ok", "max_batch": low * unit, "probes": probes}
-  if best and not job["dry_run"]:
-    stepper, shapes = best
-    record.update(_run_fresh(stepper.lower(*shapes).compile(), dict(job, repeats=3),
-                             low * unit))
+  if compiled:
+    record.update(_run_fresh(compiled, dict(job, repeats=3), low * unit))
     record["status"] = "ok" if record.get("status", "ok") == "ok" else record["status"]
   if record.get("peak_bytes") is not None:
     record["fits_measured"] = record["peak_bytes"] <= job["budget_bytes"]

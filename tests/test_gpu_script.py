@@ -158,6 +158,40 @@ def test_the_worker_sums_up_a_step_by_update_norms_and_probes():
   assert permuted[0] == 5.0 and abs(permuted[1] - got[1]) > 1e-3 * abs(got[1])
 
 
+def test_a_timed_run_waits_for_compilations_under_way_and_goes_before_later_ones(tmp_path):
+  """Compilations (autotuning on the GPU) share the lock; a timed run takes
+  it alone, after the compilation under way and before one that starts
+  while it waits."""
+  import threading
+  import time
+  import gpu_worker
+  lock, order = str(tmp_path / "gpu.lock"), []
+  compiling, waiting = threading.Event(), threading.Event()
+
+  def hold(name, shared, started=None, after=None, seconds=0.0):
+    if after:
+      after.wait()
+      time.sleep(0.2)
+    with gpu_worker._gpu_lock(lock, shared=shared):
+      if started:
+        started.set()
+      order.append(f"{name} in")
+      time.sleep(seconds)
+      order.append(f"{name} out")
+
+  threads = [threading.Thread(target=hold, args=("compile", True, compiling, None, 0.6)),
+             threading.Thread(target=hold, args=("run", False, None, compiling)),
+             threading.Thread(target=hold, args=("later compile", True, waiting, compiling))]
+  threads[0].start()
+  threads[1].start()
+  time.sleep(0.35)  # the run waits for the first compilation
+  threads[2].start()
+  for thread in threads:
+    thread.join(10)
+  assert order.index("compile out") < order.index("run in") < order.index("run out") \
+      < order.index("later compile in"), order
+
+
 def test_a_run_finds_max_batch_only_for_the_models_it_names():
   assert gpu.run_plan(gpu.parse(["--models", "gpt2"]))["max_batch"] == ("gpt2",)
   assert gpu.run_plan(gpu.parse(["--models", "vit"]))["max_batch"] == ()
