@@ -105,6 +105,10 @@ def test_lowering_on_t4_plans_for_the_t4_not_for_this_machine():
   assert here.unconstrained == xla_footprint(jax.jit(task.step).lower(*args).compile())
   assert on_t4.unconstrained != here.unconstrained
   assert xla_footprint(fitted.lower(*placed(args, T4)).compile()) <= on_t4.budget
+  # The memory model is learned from XLA:GPU's program for the T4, as with
+  # target="t4", not from this machine's compiler.
+  named = jaxmem.transform(task.step, budget="100%", target=T4).fit(*args)
+  assert on_t4.memory.peak == named.memory.peak != here.memory.peak
 
 
 def _offloaded(fit) -> list:

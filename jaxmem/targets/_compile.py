@@ -156,8 +156,10 @@ class Target:
   Attributes:
     platform: the compiler's platform (``"cpu"``, ``"gpu"``, ...).
     profile: the profile plans are timed on (None: the planner's own).
-    sharding: where the fit loop places abstract copies of the arguments to
-      compile them (a compile-only device); None: the arguments as given.
+    sharding: where the fit loop places abstract copies of the arguments,
+      and the values it compiles to learn the target's buffers, to compile
+      them (a compile-only device); None: the arguments as given, the
+      values on the default backend.
     name: how reports name it (``"t4 (XLA:GPU, compile-only)"``).
     compile_only: whether its device is a compile-only one (a GPU that is
       not here).
@@ -183,6 +185,8 @@ class Target:
     sharding = getattr(leaf, "sharding", None)
     if not isinstance(sharding, jax.sharding.NamedSharding) or sharding.mesh.size < 2:
       return self.sharding
+    if all(map(_compile_only, sharding.device_set)):
+      return sharding  # on a mesh of compile-only GPUs already
     mesh = _compile_only_mesh(self.profile.description.text(), sharding.mesh.devices.shape,
                               tuple(sharding.mesh.axis_names))
     return jax.sharding.NamedSharding(mesh, sharding.spec)
@@ -223,7 +227,8 @@ def resolve(target, leaves: Sequence) -> Target:
   for leaf in leaves:
     device = _placed_device(leaf)
     if device is not None and _compile_only(device):
-      return Target(device.platform, profile_for_kind(device.device_kind), None,
+      return Target(device.platform, profile_for_kind(device.device_kind),
+                    jax.sharding.SingleDeviceSharding(device),
                     f"{device.device_kind} (compile-only device of the arguments)",
                     compile_only=True)
   platform = platform_of(leaves)
