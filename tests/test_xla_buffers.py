@@ -87,10 +87,25 @@ def test_buffers_go_to_the_values_of_equal_size_and_the_rest_is_extra():
   assert buffers.extra == {dot.index: 64}  # a copy the size of w, not an output
 
 
+def test_a_loops_buffers_beyond_its_outputs_are_not_extra():
+  """A scan's body writes temporaries under the scan's tag, and its loop
+  state passes its operands through: neither is held beside its outputs."""
+  def step(ws, x):
+    return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
+  graph = build_graph(jax.make_jaxpr(step)(jnp.ones((3, 4, 4)), jnp.ones((2, 4))))
+  scan = next(n for n in graph.nodes if n.prim.name == "scan")
+  buffers = assign(graph, {scan.index: [(8, 32), (48, 192), (8, 32)]})
+  assert buffers.materialized == {scan.outs[0]} and buffers.extra == {}
+
+
 SMALL = {
-    "mlp": dict(depth=16, width=64, batch=512, features=32),
-    "cnn": dict(widths=(8, 16), batch=8, size=16, blocks=6),
-    "transformer": dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64),
+    "mlp": ("mlp", dict(depth=16, width=64, batch=512, features=32)),
+    "cnn": ("cnn", dict(widths=(8, 16), batch=8, size=16, blocks=6)),
+    "transformer": ("transformer", dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64)),
+    # Blocks under one nn.scan: the loops' bodies write buffers that are
+    # neither their outputs nor held beside them.
+    "scanned gpt2": ("gpt2", dict(dim=64, depth=4, heads=2, seq=64, vocab=256, batch=8,
+                                  scan=True)),
 }
 
 
@@ -100,7 +115,8 @@ def test_the_learned_model_follows_xla_gpu_on_the_step_as_written(name):
   model's footprint of the step as written is within 10% of XLA:GPU's,
   the cuBLAS/cuDNN workspaces included (the model holds each while its
   call runs)."""
-  task = models.get(name, optimizer=optax.adam(1e-3, eps=1e-3), **SMALL[name])
+  model, config = SMALL[name]
+  task = models.get(model, optimizer=optax.adam(1e-3, eps=1e-3), **config)
   args = task.init()
   graph = build_graph(jax.make_jaxpr(task.step)(*args))
   target = resolve("t4", ())

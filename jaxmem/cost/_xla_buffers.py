@@ -121,19 +121,25 @@ def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:
 def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
   """The graph values that own the buffers ``written`` names: each node's
   buffers are matched to its outputs by element count; buffers left over
-  are copies made for the node (:attr:`Buffers.extra`). A view's buffer is
-  its source's."""
+  are copies made for the node (:attr:`Buffers.extra`), but for a loop or
+  a branch. A view's buffer is its source's."""
   materialized: set[int] = set()
   extra: dict[int, int] = {}
   for tag, arrays in written.items():
     if tag >= len(graph.nodes):
       continue
     node = graph.nodes[tag]
+    # A loop's or branch's buffers beyond its outputs are its body's
+    # temporaries, live only while it runs (the memory model holds the
+    # body's peak then), and its state passed through, which shares its
+    # operands' buffers: none is a copy held beside its output.
+    control = _primitives.info(node.prim.name).kind == _primitives.CONTROL
     left = list(node.outs)
     for elements, nbytes in arrays:
       match = next((v for v in left if graph.values[v].aval.size == elements), None)
       if match is None:
-        extra[tag] = extra.get(tag, 0) + nbytes
+        if not control:
+          extra[tag] = extra.get(tag, 0) + nbytes
         continue
       left.remove(match)
       materialized.add(match)
