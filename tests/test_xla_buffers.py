@@ -85,6 +85,10 @@ def test_buffers_go_to_the_values_of_equal_size_and_the_rest_is_extra():
   buffers = assign(graph, {dot.index: [(8, 32), (16, 64)], tanh.index: [(8, 32)]})
   assert buffers.materialized == {dot.outs[0], tanh.outs[0]}
   assert buffers.extra == {dot.index: 64}  # a copy the size of w, not an output
+  # A padded copy that is tanh's only buffer: tanh lives in it, and its
+  # padding is held beside it.
+  padded = assign(graph, {tanh.index: [(10, 40)]})
+  assert padded.materialized == {tanh.outs[0]} and padded.extra == {tanh.index: 8}
 
 
 def test_a_loops_buffers_beyond_its_outputs_are_not_extra():
@@ -102,6 +106,9 @@ SMALL = {
     "mlp": ("mlp", dict(depth=16, width=64, batch=512, features=32)),
     "cnn": ("cnn", dict(widths=(8, 16), batch=8, size=16, blocks=6)),
     "transformer": ("transformer", dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64)),
+    # Strided depthwise convolutions, whose inputs XLA:GPU pads once and
+    # keeps padded for the backward pass.
+    "mobilenetv2": ("mobilenetv2", dict(width=0.25, size=32, batch=8)),
     # Blocks under one nn.scan: the loops' bodies write buffers that are
     # neither their outputs nor held beside them.
     "scanned gpt2": ("gpt2", dict(dim=64, depth=4, heads=2, seq=64, vocab=256, batch=8,

@@ -121,8 +121,9 @@ def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:
 def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
   """The graph values that own the buffers ``written`` names: each node's
   buffers are matched to its outputs by element count; buffers left over
-  are copies made for the node (:attr:`Buffers.extra`), but for a loop or
-  a branch. A view's buffer is its source's."""
+  are copies made for the node (:attr:`Buffers.extra`, but for a loop or a
+  branch; a copy that is the value's only buffer counts its padding only).
+  A view's buffer is its source's."""
   materialized: set[int] = set()
   extra: dict[int, int] = {}
   for tag, arrays in written.items():
@@ -134,18 +135,26 @@ def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
     # body's peak then), and its state passed through, which shares its
     # operands' buffers: none is a copy held beside its output.
     control = _primitives.info(node.prim.name).kind == _primitives.CONTROL
-    left = list(node.outs)
+    left, copies = list(node.outs), []
     for elements, nbytes in arrays:
       match = next((v for v in left if graph.values[v].aval.size == elements), None)
       if match is None:
-        if not control:
-          extra[tag] = extra.get(tag, 0) + nbytes
+        copies += [] if control else [nbytes]
         continue
       left.remove(match)
       materialized.add(match)
-  for tag in extra:  # a copy of the node's value (padded, relaid) is its buffer too
-    if graph.nodes[tag].outs:
-      materialized.add(graph.nodes[tag].outs[0])
+    if copies and node.outs:
+      # A copy of the node's value (padded, relaid) is a buffer of it; where
+      # the value has none of its own size, the largest copy is its buffer
+      # (a padded activation the backward convolution reads too), and only
+      # the padding is held beside it.
+      first = node.outs[0]
+      if first in left:
+        largest = copies.pop(copies.index(max(copies)))
+        copies.append(max(largest - graph.values[first].nbytes, 0))
+      materialized.add(first)
+      if sum(copies):
+        extra[tag] = sum(copies)
   for node in reversed(graph.nodes):
     if (_primitives.is_view(node.prim.name) and node.outs and node.outs[0] in materialized
         and node.ins and isinstance(node.ins[0], int)):
@@ -157,7 +166,7 @@ def learn(graph: Graph, target) -> Buffers:
   """What ``target``'s compiler (a :class:`~jaxmem.targets.Target`) gives a
   buffer in ``graph`` as written: one compilation of the step with every
   equation tagged (see the module docstring)."""
-  run = emit(build_schedule(graph, Plan(), separate=False), tag=TAG)
+  run = emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=TAG)
   args = target.place([jax.ShapeDtypeStruct(graph.values[v].aval.shape,
                                             graph.values[v].aval.dtype)
                        for v in graph.inputs])

@@ -52,7 +52,7 @@ def shard_elements(graph: Graph, args) -> dict[int, int]:
   local = {v: arg.sharding.shard_shape(arg.shape) for v, arg in zip(graph.inputs, args)
            if getattr(arg, "sharding", None) is not None}
   found = {v: math.prod(shape) for v, shape in local.items()}
-  run = emit(build_schedule(graph, Plan(), separate=False), tag=TAG)
+  run = emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=TAG)
   text = jax.jit(run).lower(*args).compile().as_text()
   by_tag: dict[int, list] = {}
   for instructions in hlo.parse(text).computations.values():

@@ -14,17 +14,16 @@ and copies recomputed earlier and still in use), never from a forward value
 that happens to be at hand (that would keep it alive and save nothing).
 Intermediates rebuilt for one block's backward pass are reused by its later
 recomputations (as ``jax.checkpoint`` rebuilds a block once) and dropped when
-the backward pass moves to another block. The kept
-values enter the recomputation through one ``optimization_barrier`` together
-with an anchor, the latest backward value emitted that is read again (see
-``_Builder.anchor``), so XLA can neither merge the copy with the forward
-value (CSE) nor hoist it to the start of the backward pass. A dropped
-residual rebuilt on the way is kept for its own later backward uses; other
-forward intermediates die inside their group. The same barrier-with-anchor
-(``_Builder.pin``) keeps XLA from transposing a kernel-gradient
-convolution's inputs before the convolution runs, and, in a plan that
-changes anything, separates backward reads that XLA would otherwise share
-with the forward pass (``_Builder.separate``).
+the backward pass moves to another block. The kept values enter the
+recomputation through one ``optimization_barrier`` together with an anchor,
+the latest backward value emitted that is read again (``_Builder.anchor``),
+so XLA can neither merge the copy with the forward value (CSE) nor hoist it
+to the start of the backward pass. A dropped residual rebuilt on the way is
+kept for its own later backward uses; other forward intermediates die inside
+their group. The same barrier-with-anchor (``_Builder.pin``) keeps XLA:CPU
+from transposing a kernel-gradient convolution's inputs before it runs, and,
+in a plan that changes anything, separates backward reads that XLA would
+otherwise share with the forward pass (``_Builder.separate``).
 
 Optimizer updates move up to just after their gradient (:func:`emission_order`).
 """
@@ -81,9 +80,7 @@ class Schedule:
   sizes: dict = dataclasses.field(default_factory=dict)  # chunk key -> bytes
   # Copy back's key -> what it copies: a residual's id, or (id, chunk index).
   fetched: dict = dataclasses.field(default_factory=dict)
-  # Stacks a re-emitted loop makes in host memory, one slice per iteration
-  # (``_loop_schedule``).
-  hosted: frozenset = frozenset()
+  hosted: frozenset = frozenset()  # host stacks of a loop (``_loop_schedule``)
 
   def nbytes(self, key: Key) -> int:
     """Bytes of the buffer behind ``key`` (a chunk's own size for chunks)."""
@@ -106,9 +103,11 @@ class Schedule:
 class _Builder:
   """Walks the graph once, emitting ops; the env maps value id -> live key."""
 
-  def __init__(self, graph: Graph, plan: Plan, fused: dict, separating: bool):
+  def __init__(self, graph: Graph, plan: Plan, fused: dict, separating: bool,
+               pinning: bool):
     self.graph = graph
     self.separating = separating
+    self.pinning = pinning
     self.plan = plan
     self.saved = plan.values_with("save")
     self.fused = fused
@@ -124,18 +123,17 @@ class _Builder:
                  if graph.is_residual(vid) and vid not in self.dropped for b in bufs}
     self.ops: list[Op] = []
     self.cache: dict[int, Key] = {}  # dropped residual -> recomputed key
-    # Other recomputed values, reused by later recomputations while the
-    # backward pass stays in the block they were rebuilt for (``scope``).
+    # Other recomputed values, reused while the backward pass stays in the
+    # block they were rebuilt for (``scope``).
     self.scratch: dict[int, Key] = {}
     self.scope: str | None = None
     # Kept values a recomputation in ``scope`` read through its barrier ->
-    # the barrier copy: the block's backward equations read the copy too,
-    # as in ``jax.checkpoint``'s backward pass, so XLA can fuse what
-    # they compute from it with the recomputation (the reductions of a
-    # LayerNorm's backward with its forward statistics).
+    # the barrier copy, which the block's backward equations read too (as
+    # in ``jax.checkpoint``), so XLA can fuse what they compute from it with
+    # the recomputation (a LayerNorm's backward with its statistics).
     self.pinned: dict[int, Key] = {}
-    # Backward value -> its latest barrier copy: later readers read the copy,
-    # so XLA cannot prune it out of the barrier that orders a group.
+    # Backward value -> its latest barrier copy, which later readers read
+    # (XLA cannot prune it out of the barrier that orders a group).
     self.routed: dict[int, Key] = {}
     self._versions = itertools.count(1)
     self.recompute_flops = 0.0
@@ -209,10 +207,10 @@ class _Builder:
         ins = self.copies_read(node, ins, self.pinned)
       if node.backward and self.separating:
         ins = self.separate(node, ins)
-      if node.backward and graph.transposes_inputs(node):
-        # XLA would transpose these inputs as soon as they exist and hold
-        # the copies until here; reading them through a barrier at this
-        # point keeps the copies to the convolution itself.
+      if node.backward and self.pinning and graph.transposes_inputs(node):
+        # XLA:CPU would transpose these inputs as soon as they exist and
+        # hold the copies until here; reading them through a barrier at
+        # this point keeps the copies to the convolution itself.
         ins = self.pin(ins, node, max(graph.values[v].nbytes for v in node.outs))
       self.ops.append(Op("node", node.index, ins, tuple(map(self.key, node.outs))))
       if node.backward:
@@ -445,8 +443,8 @@ def emission_order(graph: Graph) -> tuple:
   as soon as it exists instead of waiting for the whole backward pass."""
   slot: dict[int, int] = {}
   # Update nodes that read only step inputs and constants (Adam's step
-  # count and bias corrections): placed later, just before their first
-  # reader, so they do not hold the updates that read them back.
+  # count): placed just before their first reader, so they do not hold
+  # the updates that read them back.
   floating: set[int] = set()
   for node in graph.nodes:
     if not node.update:
@@ -472,7 +470,7 @@ def emission_position(graph: Graph) -> dict[int, int]:
 
 
 def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
-                   separate: bool = True) -> Schedule:
+                   separate: bool = True, pin: bool | None = None) -> Schedule:
   """Applies ``plan`` to ``graph``; see the module docstring.
 
   Args:
@@ -485,6 +483,8 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
     separate: whether backward reads that XLA would share with the forward
       pass are separated from it (``_Builder.separate``); off, a plan that
       keeps everything gives back the step as it was.
+    pin: whether kernel gradients read their inputs through barriers
+      (XLA:CPU's rule, below; default: where ``graph`` models XLA:CPU).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -496,4 +496,5 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
     >>> [op.kind for op in s.ops].count("recompute")
     2
   """
-  return _Builder(graph, plan, fused or {}, separate).run()
+  return _Builder(graph, plan, fused or {}, separate,
+                  graph.buffers is None if pin is None else pin).run()
