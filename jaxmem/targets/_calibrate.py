@@ -31,7 +31,11 @@ from jaxmem.targets._profiles import DeviceProfile
 UNIFIED_KINDS = ("orin", "xavier", "tegra", "jetson")
 # Runs of the matmul and the elementwise op queued per timed sample.
 QUEUED = 8
-SHORT, LONG = 8, 136  # kernels in the two chains that time one kernel
+# Kernels in the two chains that time one kernel. Both chains keep the
+# device busier than the host's dispatch of a call (tens of microseconds),
+# so neither times dispatch: a chain of 8 tiny kernels did, and the slope
+# read 0.8-3.1 us on one H100 from run to run.
+SHORT, LONG = 64, 320
 
 
 def median_seconds(fn, args, repeats: int, calls: int = 1) -> float:
