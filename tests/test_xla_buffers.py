@@ -10,7 +10,8 @@ import jaxmem_models as models
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.graph._graph import build_graph
 from jaxmem.cost import _hlo as hlo
-from jaxmem.cost._xla_buffers import assign, learn, with_buffers, workspaces, written_buffers
+from jaxmem.cost._xla_buffers import (WrittenBuffer, assign, learn, with_buffers, workspaces,
+                                      written_buffers)
 from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint
 
 # A scheduled program as XLA:GPU prints it, cut to what the reader uses: a
@@ -63,11 +64,12 @@ def test_the_buffers_a_program_writes_are_read_off_its_text():
   result (its workspace is not a value), a loop by its carries and its
   body's own buffers."""
   assert written_buffers(HLO) == {
-      2: [(32, 128)],  # the GEMM's result, not its 4 MiB workspace
-      3: [(32, 128)],  # tanh, the fusion's first output
-      4: [(32, 128)],  # the reshaped product: its buffer is the multiply's
-      8: [(1, 4), (16, 64)],  # the loop's carries
-      9: [(16, 64)],  # the body's sine
+      # (elements, bytes, readers)
+      2: [(32, 128, 1)],  # the GEMM's result, not its 4 MiB workspace; the fusion reads it
+      3: [(32, 128, 1)],  # tanh, the fusion's first output: the result, through views
+      4: [(32, 128, 1)],  # the reshaped product: its buffer is the multiply's
+      8: [(1, 4, 0), (16, 64, 0)],  # the loop's carries, which nothing reads
+      9: [(16, 64, 1)],  # the body's sine, in the body's result
   }
 
 
@@ -82,13 +84,18 @@ def test_buffers_go_to_the_values_of_equal_size_and_the_rest_is_extra():
   graph = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
   dot = next(n for n in graph.nodes if n.prim.name == "dot_general")
   tanh = next(n for n in graph.nodes if n.prim.name == "tanh")
-  buffers = assign(graph, {dot.index: [(8, 32), (16, 64)], tanh.index: [(8, 32)]})
+  buffers = assign(graph, {dot.index: [WrittenBuffer(8, 32, 1), WrittenBuffer(16, 64, 2)],
+                           tanh.index: [WrittenBuffer(8, 32, 1)]})
   assert buffers.materialized == {dot.outs[0], tanh.outs[0]}
   assert buffers.extra == {dot.index: 64}  # a copy the size of w, not an output
   # A padded copy that is tanh's only buffer: tanh lives in it, and its
   # padding is held beside it.
-  padded = assign(graph, {tanh.index: [(10, 40)]})
+  padded = assign(graph, {tanh.index: [WrittenBuffer(10, 40, 1)]})
   assert padded.materialized == {tanh.outs[0]} and padded.extra == {tanh.index: 8}
+  # A copy beside tanh's own buffer that one instruction reads (a dilated
+  # input for a transposed convolution) is held only while tanh runs.
+  dilated = assign(graph, {tanh.index: [WrittenBuffer(8, 32, 3), WrittenBuffer(30, 120, 1)]})
+  assert dilated.extra == {} and dilated.transient == {tanh.index: 120}
 
 
 def test_a_loops_buffers_beyond_its_outputs_are_not_extra():
@@ -98,7 +105,8 @@ def test_a_loops_buffers_beyond_its_outputs_are_not_extra():
     return jax.lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)[0]
   graph = build_graph(jax.make_jaxpr(step)(jnp.ones((3, 4, 4)), jnp.ones((2, 4))))
   scan = next(n for n in graph.nodes if n.prim.name == "scan")
-  buffers = assign(graph, {scan.index: [(8, 32), (48, 192), (8, 32)]})
+  buffers = assign(graph, {scan.index: [WrittenBuffer(8, 32, 1), WrittenBuffer(48, 192, 1),
+                                        WrittenBuffer(8, 32, 1)]})
   assert buffers.materialized == {scan.outs[0]} and buffers.extra == {}
 
 

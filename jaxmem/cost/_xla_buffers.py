@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Mapping
+from typing import Mapping, NamedTuple
 
 import jax
 from jaxmem.cost import _hlo as hlo
@@ -44,8 +44,12 @@ class Buffers:
   Attributes:
     materialized: ids of the graph values that get a buffer.
     extra: node index -> bytes of buffers made for that node beyond its
-      outputs (a padded or relaid copy of its value for a convolution that
-      reads it), live as long as the node's first output.
+      outputs that several instructions read (a padded copy of its value
+      that a convolution and its backward pass read), live as long as the
+      node's first output.
+    transient: node index -> bytes of such buffers that one instruction
+      reads (a dilated copy for a transposed convolution), held while the
+      node runs.
     launches: indices of the nodes that end a kernel: of each kernel's
       buffers, the first one's node (a kernel writing several nodes'
       values, as a multi-output fusion does, launches once).
@@ -57,6 +61,7 @@ class Buffers:
   extra: Mapping[int, int]
   launches: frozenset = frozenset()
   workspace: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  transient: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 def tag_of(inst: hlo.Instruction) -> int | None:
@@ -66,19 +71,27 @@ def tag_of(inst: hlo.Instruction) -> int | None:
   return int(found.group(1)) if found else None
 
 
-def written_buffers(text: str) -> dict[int, list[tuple[int, int]]]:
-  """Node tag -> (elements, bytes) of each buffer the program writes for
-  it: outputs of the scheduled computations' instructions (the entry's, and
-  the bodies of its loops and conditionals), a fusion's named by the fused
-  instructions that produce them."""
+class WrittenBuffer(NamedTuple):
+  """A buffer the program writes: its elements, its bytes and how many
+  instructions read it."""
+  elements: int
+  nbytes: int
+  readers: int
+
+
+def written_buffers(text: str) -> dict[int, list[WrittenBuffer]]:
+  """Node tag -> each buffer the program writes for it: outputs of the
+  scheduled computations' instructions (the entry's, and the bodies of its
+  loops and conditionals), a fusion's named by the fused instructions that
+  produce them."""
   return _written(_kernels(hlo.parse(text)))
 
 
-def _written(kernels: list[list]) -> dict[int, list[tuple[int, int]]]:
-  written: dict[int, list[tuple[int, int]]] = {}
+def _written(kernels: list[list]) -> dict[int, list[WrittenBuffer]]:
+  written: dict[int, list[WrittenBuffer]] = {}
   for tags in kernels:
-    for tag, array in tags:
-      written.setdefault(tag, []).append((array.size, array.nbytes))
+    for tag, array, readers in tags:
+      written.setdefault(tag, []).append(WrittenBuffer(array.size, array.nbytes, readers))
   return written
 
 
@@ -89,14 +102,39 @@ def _launching(kernels: list[list]) -> frozenset:
 
 def _kernels(program: hlo.Program) -> list[list]:
   """Per instruction that writes buffers in the scheduled computations, the
-  (tag, array) of each buffer with a tag."""
+  (tag, array, readers) of each buffer with a tag: ``readers`` counts the
+  instructions reading the instruction's results."""
   found = []
   for name in program.scheduled():
-    for inst in program.computations[name]:
+    instructions = program.computations[name]
+    readers = _readers(instructions)
+    for inst in instructions:
       if inst.opcode not in hlo.NO_BUFFER:
-        found.append([(tag, array) for tag, array in _producers(inst, program)
-                      if tag is not None])
+        found.append([(tag, array, readers.get(inst.name, 0))
+                      for tag, array in _producers(inst, program) if tag is not None])
   return found
+
+
+def _readers(instructions: list) -> dict[str, int]:
+  """Instruction name -> how many instructions read its results, through
+  the views and tuple elements that write no buffer (the computation's
+  result counts as read by its caller)."""
+  users: dict[str, list] = {}
+  for inst in instructions:
+    for operand in dict.fromkeys(inst.operands()):
+      users.setdefault(operand, []).append(inst)
+  roots = {inst.name for inst in instructions if inst.root}
+  counts: dict[str, int] = {}
+
+  def count(name: str) -> int:
+    if name not in counts:
+      counts[name] = 0  # a cycle reads nothing more
+      counts[name] = (name in roots) + sum(
+          count(u.name) if u.opcode in ("get-tuple-element", "bitcast") else 1
+          for u in users.get(name, ()))
+    return counts[name]
+
+  return {inst.name: count(inst.name) for inst in instructions}
 
 
 def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:
@@ -118,7 +156,7 @@ def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:
   return [(tag_of(inst), a) for a in inst.results()]
 
 
-def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
+def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
   """The graph values that own the buffers ``written`` names: each node's
   buffers are matched to its outputs by element count; buffers left over
   are copies made for the node (:attr:`Buffers.extra`, but for a loop or a
@@ -126,6 +164,7 @@ def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
   A view's buffer is its source's."""
   materialized: set[int] = set()
   extra: dict[int, int] = {}
+  transient: dict[int, int] = {}
   for tag, arrays in written.items():
     if tag >= len(graph.nodes):
       continue
@@ -136,10 +175,10 @@ def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
     # operands' buffers: none is a copy held beside its output.
     control = _primitives.info(node.prim.name).kind == _primitives.CONTROL
     left, copies = list(node.outs), []
-    for elements, nbytes in arrays:
-      match = next((v for v in left if graph.values[v].aval.size == elements), None)
+    for buffer in arrays:
+      match = next((v for v in left if graph.values[v].aval.size == buffer.elements), None)
       if match is None:
-        copies += [] if control else [nbytes]
+        copies += [] if control else [buffer]
         continue
       left.remove(match)
       materialized.add(match)
@@ -147,19 +186,23 @@ def assign(graph: Graph, written: dict[int, list[tuple[int, int]]]) -> Buffers:
       # A copy of the node's value (padded, relaid) is a buffer of it; where
       # the value has none of its own size, the largest copy is its buffer
       # (a padded activation the backward convolution reads too), and only
-      # the padding is held beside it.
+      # the padding is held beside it. A copy one instruction reads lives
+      # only for it.
       first = node.outs[0]
       if first in left:
-        largest = copies.pop(copies.index(max(copies)))
-        copies.append(max(largest - graph.values[first].nbytes, 0))
+        largest = copies.pop(copies.index(max(copies, key=lambda c: c.nbytes)))
+        copies.append(largest._replace(
+            nbytes=max(largest.nbytes - graph.values[first].nbytes, 0), readers=2))
       materialized.add(first)
-      if sum(copies):
-        extra[tag] = sum(copies)
+      for held, into in ((True, extra), (False, transient)):
+        nbytes = sum(c.nbytes for c in copies if (c.readers > 1) == held)
+        if nbytes:
+          into[tag] = nbytes
   for node in reversed(graph.nodes):
     if (_primitives.is_view(node.prim.name) and node.outs and node.outs[0] in materialized
         and node.ins and isinstance(node.ins[0], int)):
       materialized.add(node.ins[0])
-  return Buffers(frozenset(materialized), extra)
+  return Buffers(frozenset(materialized), extra, transient=transient)
 
 
 def learn(graph: Graph, target) -> Buffers:
@@ -257,7 +300,7 @@ class LearnedFusion(Fusion):
     node = self.ops[pos].node
     if node is None:
       return 0
-    workspace = self.buffers.workspace.get(node, 0)
+    workspace = self.buffers.workspace.get(node, 0) + self.buffers.transient.get(node, 0)
     if self.graph.nodes[node].prim.name != "select_and_scatter_add":
       return workspace
     return workspace + select_and_scatter_scratch(self.graph, self.graph.nodes[node],
