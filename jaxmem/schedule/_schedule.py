@@ -20,8 +20,8 @@ the latest backward value emitted that is read again (``_Builder.anchor``),
 so XLA can neither merge the copy with the forward value (CSE) nor hoist it
 to the start of the backward pass. A dropped residual rebuilt on the way is
 kept for its own later backward uses; other forward intermediates die inside
-their group. The same barrier-with-anchor (``_Builder.pin``) keeps XLA:CPU
-from transposing a kernel-gradient convolution's inputs before it runs, and,
+their group. The same barrier-with-anchor (``_Builder.pin``) keeps XLA from
+transposing a kernel-gradient convolution's inputs before it runs, and,
 in a plan that changes anything, separates backward reads that XLA would
 otherwise share with the forward pass (``_Builder.separate``).
 
@@ -208,9 +208,9 @@ class _Builder:
       if node.backward and self.separating:
         ins = self.separate(node, ins)
       if node.backward and self.pinning and graph.transposes_inputs(node):
-        # XLA:CPU would transpose these inputs as soon as they exist and
-        # hold the copies until here; reading them through a barrier at
-        # this point keeps the copies to the convolution itself.
+        # XLA would transpose these inputs as soon as they exist and hold
+        # the copies until here; reading them through a barrier at this
+        # point keeps the copies to the convolution itself.
         ins = self.pin(ins, node, max(graph.values[v].nbytes for v in node.outs))
       self.ops.append(Op("node", node.index, ins, tuple(map(self.key, node.outs))))
       if node.backward:
@@ -484,7 +484,7 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
       pass are separated from it (``_Builder.separate``); off, a plan that
       keeps everything gives back the step as it was.
     pin: whether kernel gradients read their inputs through barriers
-      (XLA:CPU's rule, below; default: where ``graph`` models XLA:CPU).
+      (below); by default in plans, and where ``graph`` has no buffers.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -496,5 +496,5 @@ def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
     >>> [op.kind for op in s.ops].count("recompute")
     2
   """
-  return _Builder(graph, plan, fused or {}, separate,
-                  graph.buffers is None if pin is None else pin).run()
+  pin = (separate or graph.buffers is None) if pin is None else pin
+  return _Builder(graph, plan, fused or {}, separate, pin).run()
