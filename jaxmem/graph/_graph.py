@@ -193,9 +193,9 @@ class Graph:
     return self.nodes[self.values[vid].producer]
 
   def transposes_inputs(self, node: Node) -> bool:
-    """Whether XLA:CPU runs ``node`` on transposed copies of its inputs: a
+    """Whether XLA runs ``node`` on transposed copies of its inputs: a
     convolution computing a kernel gradient (an output smaller than both
-    inputs) does."""
+    inputs) does on XLA:CPU, and on XLA:GPU where its layouts ask for it."""
     if node.prim.name != "conv_general_dilated":
       return False
     out = self.values[node.outs[0]].nbytes
