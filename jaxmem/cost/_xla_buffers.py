@@ -156,12 +156,30 @@ def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:
   return [(tag_of(inst), a) for a in inst.results()]
 
 
+def _copies(copies: list[WrittenBuffer], value_bytes: int,
+            has_own: bool) -> tuple[int, int]:
+  """Bytes of ``copies`` (buffers a node writes beyond its outputs: padded
+  or relaid copies of its value) held beside the value while it lives, and
+  held only while the node runs. Where the value has no buffer of its own
+  size, the largest copy is its buffer (a padded activation the backward
+  convolution reads too) and its padding is held beside it; of the other
+  copies, one that one instruction reads (a dilated input for a transposed
+  convolution) lives only for it, one that several read lives with the
+  value."""
+  held = 0
+  if not has_own:
+    largest = max(range(len(copies)), key=lambda i: copies[i].nbytes)
+    held = max(copies[largest].nbytes - value_bytes, 0)
+    copies = copies[:largest] + copies[largest + 1:]
+  held += sum(c.nbytes for c in copies if c.readers > 1)
+  return held, sum(c.nbytes for c in copies if c.readers <= 1)
+
+
 def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
   """The graph values that own the buffers ``written`` names: each node's
   buffers are matched to its outputs by element count; buffers left over
-  are copies made for the node (:attr:`Buffers.extra`, but for a loop or a
-  branch; a copy that is the value's only buffer counts its padding only).
-  A view's buffer is its source's."""
+  are copies of its value (:func:`_copies`), but for a loop or a branch. A
+  view's buffer is its source's."""
   materialized: set[int] = set()
   extra: dict[int, int] = {}
   transient: dict[int, int] = {}
@@ -183,19 +201,10 @@ def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
       left.remove(match)
       materialized.add(match)
     if copies and node.outs:
-      # A copy of the node's value (padded, relaid) is a buffer of it; where
-      # the value has none of its own size, the largest copy is its buffer
-      # (a padded activation the backward convolution reads too), and only
-      # the padding is held beside it. A copy one instruction reads lives
-      # only for it.
-      first = node.outs[0]
-      if first in left:
-        largest = copies.pop(copies.index(max(copies, key=lambda c: c.nbytes)))
-        copies.append(largest._replace(
-            nbytes=max(largest.nbytes - graph.values[first].nbytes, 0), readers=2))
+      first = node.outs[0]  # a copy of the node's value is a buffer of it
+      held, brief = _copies(copies, graph.values[first].nbytes, first not in left)
       materialized.add(first)
-      for held, into in ((True, extra), (False, transient)):
-        nbytes = sum(c.nbytes for c in copies if (c.readers > 1) == held)
+      for nbytes, into in ((held, extra), (brief, transient)):
         if nbytes:
           into[tag] = nbytes
   for node in reversed(graph.nodes):
