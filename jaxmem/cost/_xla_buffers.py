@@ -214,11 +214,18 @@ def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
   return Buffers(frozenset(materialized), extra, transient=transient)
 
 
+def tagged(graph: Graph):
+  """``graph``'s step as written, each equation under the name scope
+  ``jaxmem#<node>``: what is compiled to read the target's program back
+  (without the barriers a plan adds, kernel gradients' pins among them)."""
+  return emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=TAG)
+
+
 def learn(graph: Graph, target) -> Buffers:
   """What ``target``'s compiler (a :class:`~jaxmem.targets.Target`) gives a
   buffer in ``graph`` as written: one compilation of the step with every
   equation tagged (see the module docstring)."""
-  run = emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=TAG)
+  run = tagged(graph)
   args = target.place([jax.ShapeDtypeStruct(graph.values[v].aval.shape,
                                             graph.values[v].aval.dtype)
                        for v in graph.inputs])

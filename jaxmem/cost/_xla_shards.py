@@ -29,12 +29,9 @@ from typing import Mapping
 
 import jax
 
-from jaxmem._decisions import Plan
 from jaxmem.cost import _hlo as hlo
-from jaxmem.cost._xla_buffers import TAG, tag_of
+from jaxmem.cost._xla_buffers import tag_of, tagged
 from jaxmem.graph._graph import Graph, residuals_of
-from jaxmem.schedule._emit import emit
-from jaxmem.schedule._schedule import build_schedule
 
 
 def _shard_of(shape: tuple, arrays) -> int | None:
@@ -52,7 +49,7 @@ def shard_elements(graph: Graph, args) -> dict[int, int]:
   local = {v: arg.sharding.shard_shape(arg.shape) for v, arg in zip(graph.inputs, args)
            if getattr(arg, "sharding", None) is not None}
   found = {v: math.prod(shape) for v, shape in local.items()}
-  run = emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=TAG)
+  run = tagged(graph)
   text = jax.jit(run).lower(*args).compile().as_text()
   by_tag: dict[int, list] = {}
   for instructions in hlo.parse(text).computations.values():
