@@ -91,11 +91,17 @@ def test_a_long_search_says_so_before_it_starts(mlp, monkeypatch, caplog):
   with caplog.at_level("WARNING", logger="jaxmem"):
     jaxmem.transform(task.step, budget="60%").fit(*args)
   assert not [r for r in caplog.records if "may take" in r.getMessage()]
-  estimate = forewarn.forewarn(graph, "cpu")
+  from jaxmem.planners import Greedy, ILP
+  estimate = forewarn.forewarn(graph, "cpu", ILP())
   assert 0 < estimate < forewarn.LONG
+  # The estimate is the planner's: the exact planner prices each of its
+  # choices once, the greedy weighs plans residual by residual.
+  assert len(ILP().table(graph).choices) <= ILP().weighs(graph) < Greedy().weighs(graph)
+  assert Greedy().weighs(graph) >= 8 * len(graph.residuals)
   monkeypatch.setattr(forewarn, "LONG", 0.0)
   with caplog.at_level("WARNING", logger="jaxmem"):
     jaxmem.transform(task.step, budget="60%").fit(*args)
   said = [r.getMessage() for r in caplog.records if "may take" in r.getMessage()]
   assert len(said) == 1
   assert f"({len(graph.residuals)} residuals)" in said[0] and "plan_cache=dir" in said[0]
+  assert "planner 'auto'" in said[0]

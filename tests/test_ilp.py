@@ -198,8 +198,11 @@ def test_lazy_pricing_finds_what_pricing_every_choice_finds(request, model):
     assert got.fits == want.fits
     if want.fits and want.details.status == "optimal":
       assert lazy.cost(got.schedule) == pytest.approx(eager.cost(want.schedule), rel=1e-4)
-    if fraction == 0.9:  # only what the solutions took is priced
-      assert 0 < lazy.table(graph).priced < len(lazy.table(graph).choices) / 2
+    if got.fits:  # proved against the bound of its program, priced or not
+      assert got.details.bound <= lazy.cost(got.schedule) - lazy.table(graph).base_cost + 1e-6
+      assert got.details.gap <= lazy.mip_gap
+    if fraction == 0.9:  # at most what the solutions took is priced
+      assert lazy.table(graph).priced < len(lazy.table(graph).choices) / 2
 
 
 def test_estimated_columns_are_optimistic(blocks):

@@ -231,7 +231,7 @@ class Fitter:
       aim = int(self._model_part(self.budget) * scale)
       if self.needs_plan(aim):
         if rounds == 1 and self.smallest_from is None:  # the first search only
-          forewarn(self.graph, self.where)
+          forewarn(self.graph, self.where, self.planner)
         candidate = self.plan(aim, start=previous)
         if trial is not None and candidate.plan == trial.candidate.plan:
           return trial, rounds - 1

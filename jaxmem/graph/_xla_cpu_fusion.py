@@ -49,17 +49,19 @@ class Fusion:
     self.backward = backward
     # Per op: its non-literal inputs, and whether XLA fuses into it as an
     # elementwise op or a reduction (asked once per read, so kept).
-    self._operands = [[k for k in op.ins if not isinstance(k, jex.Literal)]
-                      for op in self.ops]
-    self._elementwise = [_primitives.fuses_elementwise(n) for n in names]
-    self._reduction = [_primitives.is_reduction(n) for n in names]
-    self.producer_of: dict = {}
+    literal = jex.Literal
+    self._operands = [[k for k in op.ins if not isinstance(k, literal)] for op in self.ops]
+    kinds = {n: _primitives.classify(n) for n in set(names)}
+    self._elementwise = [kinds[n] == _primitives.ELEMENTWISE for n in names]
+    self._reduction = [kinds[n] == _primitives.REDUCTION for n in names]
+    self.producer_of: dict = {key: pos for pos, op in enumerate(self.ops) for key in op.outs}
     self.readers: dict = {}
-    for pos, op in enumerate(self.ops):
-      for key in op.outs:
-        self.producer_of[key] = pos
-      for key in self._operands[pos]:
-        self.readers.setdefault(key, []).append(pos)
+    for pos, operands in enumerate(self._operands):
+      for key in operands:
+        if key in self.readers:
+          self.readers[key].append(pos)
+        else:
+          self.readers[key] = [pos]
     self.outputs = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
     self._decided: dict = {}
     self._unfusible: dict = {}
@@ -102,11 +104,12 @@ class Fusion:
 
   def fused_into(self, key, reader: int) -> bool:
     """Whether XLA computes ``key`` inside ``reader`` (no buffer there)."""
-    if not self.fuses(reader, key):
+    if not (self._elementwise[reader] or self._reduction[reader] and self.fuses(reader, key)):
       return False
-    if key not in self._decided:
-      self._decided[key] = self.duplicable(key)
-    return self._decided[key]
+    decided = self._decided.get(key)
+    if decided is None:
+      decided = self._decided[key] = self.duplicable(key)
+    return decided
 
   def duplicable(self, key) -> bool:
     """Whether XLA fuses ``key`` into every reader that can fuse it, after
@@ -180,13 +183,17 @@ class Fusion:
   def reads_through(self, key, root: dict) -> list:
     """The buffers a fused ``key`` is computed from where it is read (a
     fused operand of its producer read through in turn)."""
-    if key not in self._through:
+    through = self._through.get(key)
+    if through is None:
       pos = self.producer_of[key]
-      self._through[key] = list(dict.fromkeys(
-          b for k in self.operands(pos)
-          for b in (self.reads_through(k, root) if self.fused_into(k, pos)
-                    else [root.get(k, k)])))
-    return self._through[key]
+      through = []
+      for k in self._operands[pos]:
+        for b in (self.reads_through(k, root) if self.fused_into(k, pos)
+                  else (root.get(k, k),)):
+          if b not in through:
+            through.append(b)
+      self._through[key] = through
+    return through
 
   def buffer_reads(self, root: dict) -> tuple[dict, frozenset, dict]:
     """Buffer -> positions of the ops that read it (a fused key read as
@@ -194,15 +201,19 @@ class Fusion:
     fused key -> the buffers it reads where it is consumed."""
     reads: dict = {}
     materialized: set = set()
-    for pos in range(len(self.ops)):
-      for key in self.operands(pos):
-        if self.fused_into(key, pos):
-          bufs = self.reads_through(key, root)
+    fused_into, through = self.fused_into, self.reads_through
+    for pos, operands in enumerate(self._operands):
+      for key in operands:
+        if fused_into(key, pos):
+          for buf in through(key, root):
+            reads.setdefault(buf, []).append(pos)
         else:
-          bufs = [root.get(key, key)]
           materialized.add(key)
-        for buf in bufs:
-          reads.setdefault(buf, []).append(pos)
+          buf = root.get(key, key)
+          if buf in reads:
+            reads[buf].append(pos)
+          else:
+            reads[buf] = [pos]
     # Values nobody reads still get a buffer at their producer; values read
     # only through fusion get none.
     fused = frozenset(k for k in self.readers if k not in materialized)

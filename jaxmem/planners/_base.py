@@ -21,6 +21,12 @@ from jaxmem.schedule._schedule import Schedule
 DEFAULT_TARGET = "t4"
 
 
+# Plans a residual-by-residual search evaluates per residual of the step:
+# 8-13 on the zoo's test models and a small GPT-2 (a budget planned toward,
+# then the smallest).
+EVALUATIONS_PER_RESIDUAL = 10
+
+
 class Planner:
   """Base class of every planner.
 
@@ -63,6 +69,13 @@ class Planner:
     """Plans XLA follows closely (shaped like per-block remat), cheapest
     first; the fit loop compiles those cheaper than its plan."""
     return []
+
+  def weighs(self, graph: Graph) -> int:
+    """About how many plans a search for one budget evaluates at most
+    (each a whole-schedule evaluation): what the fit loop's warning of a
+    long planning time multiplies. By default ``EVALUATIONS_PER_RESIDUAL``
+    per residual of ``graph``."""
+    return EVALUATIONS_PER_RESIDUAL * len(graph.residuals)
 
   def may_offload(self) -> bool:
     """Whether its plans may put residuals in host memory (the fit loop

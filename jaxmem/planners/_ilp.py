@@ -189,6 +189,12 @@ class ILP(Planner):
   def may_offload(self) -> bool:
     return self.fallback is not None and self.fallback.may_offload()
 
+  def weighs(self, graph: Graph) -> int:
+    """Each choice priced once (at most), and per program solved a plan
+    judged whole and the refinement's first: the fallback's search is
+    asked only where no combination fits."""
+    return len(self.table(graph).choices) + 2 * (self.rounds + _SOLVES_PRICED)
+
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
     """The program's candidates for the lowest footprint
     (:meth:`_own_lowest`), then the fallback's (the recompute greedy's
@@ -331,6 +337,17 @@ class ILP(Planner):
           continue
         return None
       chosen = [i for i in range(n) if x[i] > 0.5]
+      if limit == aim and not table.exact[chosen].all():
+        # Taken on estimates, whose program bounds the exact one: where the
+        # plan itself fits and costs within the gap of that bound, it is
+        # proved good enough without pricing its columns; where it does
+        # not fit, the combination is left out of later programs.
+        found = self._weighed(graph, table, chosen, aim, (bound - _TIE * (n + 1)) * unit,
+                              solves, spent)
+        if found.fits and found.details.gap <= self.mip_gap:
+          return found
+        if not found.fits:
+          refused.append(chosen)
       if table.price(chosen if _lazy(table, solves) else range(n)):
         continue  # taken on estimates: solved again with their exact columns
       rounds += 1
@@ -350,6 +367,19 @@ class ILP(Planner):
       if rounds >= 2:
         limit -= found.peak - aim
     return None
+
+  def _weighed(self, graph: Graph, table: Table, chosen: list, aim: int, bound: float,
+               solves: int, seconds: float) -> Candidate:
+    """The plan of ``chosen`` judged against ``aim`` by the memory model,
+    its cost (the plan's own, not its columns') against ``bound``, a bound
+    on every plan of the program's choices that fits."""
+    found = candidate(graph, table.plan(graph, chosen), aim)
+    cost = self.cost(found.schedule) - table.base_cost
+    bound = min(float(bound), cost)
+    close = cost <= 0 or cost - bound <= _OPTIMAL_GAP * cost
+    found.details = Solution([table.choices[i].describe(graph) for i in chosen], cost, bound,
+                             "optimal" if close else "near-optimal", solves, seconds)
+    return found
 
   def gap(self, graph: Graph, found: Candidate) -> Gap:
     """``found`` (any planner's plan for ``graph``) against the cheapest

@@ -16,7 +16,8 @@ class Solution(Details):
     chosen: ``(block, policy)`` of each block the plan checkpoints.
     cost: the program's cost of the chosen blocks over the step as written
       (recomputed FLOPs, or with a target predicted seconds in FLOPs of the
-      target).
+      target); the plan's own cost where it was taken before its columns
+      were priced.
     bound: the solver's lower bound on that cost (equal to ``cost`` when
       the program was solved to optimality).
     refined: the plan's cost after the refinement (at most ``cost`` where

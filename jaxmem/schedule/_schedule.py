@@ -194,7 +194,7 @@ class _Builder:
           if isinstance(a, int) and a in self.chunked:
             self.merge(a, node)
         missing = [a for a in node.ins if isinstance(a, int)
-                   and a in self.dropped and a not in self.cache]
+                   and a in self.dropped and a not in self.cache] if self.dropped else ()
         if missing:
           self.recompute(missing, node)
         if self.separating:
@@ -319,7 +319,7 @@ class _Builder:
     ``consumer``. Their host copies pass through one barrier with an anchor
     (``pin``) first, so XLA cannot issue the copies earlier than here and
     hold the device buffers from the start of the backward pass."""
-    units = [u for u in dict.fromkeys(units) if u not in self.fetched]
+    units = [u for u in dict.fromkeys(units) if u not in self.fetched] if units else ()
     if not units:
       return
     size = max(self.nbytes(self.host[u]) for u in units)
@@ -372,9 +372,9 @@ class _Builder:
     """Backward reads that XLA would otherwise share with the forward pass go
     through a barrier copy, one per value (which reads, and why:
     ``_xla_cpu_fusion.separated_reads``)."""
-    read_as = {a: k for a, k in zip(node.ins, ins) if isinstance(a, int)}
-    missing = sorted(a for a in self.to_separate.get(node.index, ())
-                     if read_as[a] == self.key(a) and a not in self.separated)
+    wanted = self.to_separate.get(node.index, ())
+    read_as = {a: k for a, k in zip(node.ins, ins) if isinstance(a, int)} if wanted else {}
+    missing = sorted(a for a in wanted if read_as[a] == self.key(a) and a not in self.separated)
     if missing:
       size = self.graph.values[node.outs[0]].nbytes
       copies = self.pin(tuple(map(self.key, missing)), node, size)
@@ -384,7 +384,7 @@ class _Builder:
   def copies_read(self, node, ins: tuple, copies: dict) -> tuple:
     """``node``'s input keys ``ins`` with each original value that has a
     barrier copy in ``copies`` read through the copy."""
-    if not any(isinstance(a, int) and a in copies for a in node.ins):
+    if not copies or not any(isinstance(a, int) and a in copies for a in node.ins):
       return ins
     return tuple(copies.get(a, k) if isinstance(a, int) and k == self.key(a)
                  else k for a, k in zip(node.ins, ins))
