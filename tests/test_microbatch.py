@@ -161,6 +161,18 @@ def test_unmeetable_budget_names_smallest_with_micro_batches():
   assert fit.footprint <= err.value.smallest
 
 
+def test_can_fit_answers_false_where_no_number_of_chunks_fits():
+  """``can_fit`` answers, never raises, for a budget neither a plan, the
+  region around the peak in chunks nor micro-batches meet (a VGG at batch 4
+  against its footprint at batch 2: the error of the first that fails
+  was raised)."""
+  config = dict(depth=11, width=2, size=32, hidden=8)
+  small = M.get("vgg", batch=2, **config)
+  budget = xla_footprint(jax.jit(small.step).lower(*jax.eval_shape(small.init)).compile())
+  task = M.get("vgg", batch=4, **config)
+  assert not jaxmem.transform(task.step, budget=budget).can_fit(*jax.eval_shape(task.init))
+
+
 def test_batchnorm_budget_error_says_why():
   task = M.get("cnn", batch=4, widths=(8, 16), size=16, blocks=1)
   state, batch = task.init()

@@ -241,7 +241,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
     found = fit(traced, micro, find_smallest, measured)
   except BudgetError as err:
     raise err if error is None or err.smallest < error.smallest else error
-  if found is None and error is not None:
+  if found is None and error is not None and find_smallest:
     raise error
   return found
 
