@@ -264,11 +264,18 @@ def _source(source_info) -> str:
     return ""
   frame = next((f for f in frames if not any(d in f.file_name for d in _LIBRARY_DIRS)),
                frames[0])
-  name = frame.file_name
-  if os.path.isabs(name) and name.startswith(os.getcwd() + os.sep):
-    name = os.path.relpath(name)
+  name = _shown_path(frame.file_name, os.getcwd())
   column = f":{frame.start_column}" if frame.start_column else ""
   return f"{name}:{frame.start_line}{column} ({frame.function_name})"
+
+
+@functools.lru_cache(maxsize=4096)
+def _shown_path(name: str, cwd: str) -> str:
+  """A source file as reports name it: relative to ``cwd`` where it lies
+  under it (asked once per file, not once per equation)."""
+  if os.path.isabs(name) and name.startswith(cwd + os.sep):
+    return os.path.relpath(name, cwd)
+  return name
 
 
 def _join(outer: str, inner: str) -> str:
