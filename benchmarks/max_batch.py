@@ -9,7 +9,8 @@ machine's XLA:CPU). For one zoo model:
   ``nn.remat`` with each per-block policy;
 * ``jaxmem.transform`` with each planner (``--planners``), planning and
   judging on the target: a batch counts where its fit meets the budget
-  (``Transformed.can_fit``, which never overstates it).
+  (``Transformed.can_fit``, which never overstates it); ``ilp@1`` is the
+  planner with ``micro_batches=1`` (no gradient accumulation).
 
 The budget is a size (``2GiB``) or a share of the step as written's
 footprint at the configured batch (``100%``). The search doubles the batch
@@ -67,9 +68,10 @@ def fits(name: str, config: dict, target: str, budget: int, method: str) -> bool
   kind, _, option = method.partition(":")
   if kind != "jaxmem":
     return footprint(name, config, target, option or None) <= budget
+  planner, _, micro = option.partition("@")  # ``ilp@1``: micro_batches=1
   task = zoo_task(name, config)
-  fitted = jaxmem.transform(task.step, budget=budget, target=_on(target), planner=option,
-                            reserve=0)
+  fitted = jaxmem.transform(task.step, budget=budget, target=_on(target), planner=planner,
+                            reserve=0, micro_batches=int(micro) if micro else "auto")
   shapes = jax.eval_shape(task.init)
   return fitted.can_fit(*(shapes if _on(target) is None else placed(shapes, target)))
 
@@ -111,7 +113,9 @@ def main(argv=None) -> None:
   parser.add_argument("--config", nargs="*", default=[], metavar="KEY=JSON")
   parser.add_argument("--target", default="t4", help="a GPU preset, or cpu (XLA:CPU here)")
   parser.add_argument("--budget", default="100%")
-  parser.add_argument("--planners", nargs="+", default=["ilp", "recompute"])
+  parser.add_argument("--planners", nargs="+", default=["ilp", "recompute"],
+                      help="planner names; NAME@K fits in K micro-batches (@1: the "
+                      "batch whole, plans of residuals alone)")
   parser.add_argument("--limit", type=int, default=16,
                       help="largest batch tried, as a multiple of the configured one")
   parser.add_argument("--out", required=True)
