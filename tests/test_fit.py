@@ -13,6 +13,7 @@ from jaxmem._decisions import RECOMPUTE, Plan
 from jaxmem.cost._evaluate import candidate, unplanned
 from jaxmem.fit._fit import Fitter
 from jaxmem.graph._graph import build_graph
+from jaxmem.planners import Greedy, ILP
 
 
 def _step(w, x):
@@ -91,7 +92,6 @@ def test_a_long_search_says_so_before_it_starts(mlp, monkeypatch, caplog):
   with caplog.at_level("WARNING", logger="jaxmem"):
     jaxmem.transform(task.step, budget="60%").fit(*args)
   assert not [r for r in caplog.records if "may take" in r.getMessage()]
-  from jaxmem.planners import Greedy, ILP
   estimate = forewarn.forewarn(graph, "cpu", ILP())
   assert 0 < estimate < forewarn.LONG
   # The estimate is the planner's: the exact planner prices each of its

@@ -58,10 +58,7 @@ class Fusion:
     self.readers: dict = {}
     for pos, operands in enumerate(self._operands):
       for key in operands:
-        if key in self.readers:
-          self.readers[key].append(pos)
-        else:
-          self.readers[key] = [pos]
+        self.readers.setdefault(key, []).append(pos)
     self.outputs = {k for k in schedule.outputs if not isinstance(k, jex.Literal)}
     self._decided: dict = {}
     self._unfusible: dict = {}
@@ -104,7 +101,7 @@ class Fusion:
 
   def fused_into(self, key, reader: int) -> bool:
     """Whether XLA computes ``key`` inside ``reader`` (no buffer there)."""
-    if not (self._elementwise[reader] or self._reduction[reader] and self.fuses(reader, key)):
+    if not self.fuses(reader, key):
       return False
     decided = self._decided.get(key)
     if decided is None:
@@ -205,15 +202,12 @@ class Fusion:
     for pos, operands in enumerate(self._operands):
       for key in operands:
         if fused_into(key, pos):
-          for buf in through(key, root):
-            reads.setdefault(buf, []).append(pos)
+          bufs = through(key, root)
         else:
+          bufs = (root.get(key, key),)
           materialized.add(key)
-          buf = root.get(key, key)
-          if buf in reads:
-            reads[buf].append(pos)
-          else:
-            reads[buf] = [pos]
+        for buf in bufs:
+          reads.setdefault(buf, []).append(pos)
     # Values nobody reads still get a buffer at their producer; values read
     # only through fusion get none.
     fused = frozenset(k for k in self.readers if k not in materialized)

@@ -373,12 +373,12 @@ class ILP(Planner):
                solves: int, seconds: float) -> Candidate:
     """The plan of ``chosen`` judged against ``aim`` by the memory model, its
     own cost against ``bound`` (on every plan of the program's that fits)."""
-    found = candidate(graph, table.plan(graph, chosen), aim)
+    found = self._candidate(graph, table, chosen, aim, bound, "", solves, seconds)
     cost = self.cost(found.schedule) - table.base_cost
     bound = min(float(bound), cost)
     close = cost <= 0 or cost - bound <= _OPTIMAL_GAP * cost
-    found.details = Solution([table.choices[i].describe(graph) for i in chosen], cost, bound,
-                             "optimal" if close else "near-optimal", solves, seconds)
+    found.details = dataclasses.replace(found.details, cost=cost, bound=bound,
+                                        status="optimal" if close else "near-optimal")
     return found
 
   def gap(self, graph: Graph, found: Candidate) -> Gap:

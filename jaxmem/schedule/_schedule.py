@@ -319,7 +319,7 @@ class _Builder:
     ``consumer``. Their host copies pass through one barrier with an anchor
     (``pin``) first, so XLA cannot issue the copies earlier than here and
     hold the device buffers from the start of the backward pass."""
-    units = [u for u in dict.fromkeys(units) if u not in self.fetched] if units else ()
+    units = [u for u in dict.fromkeys(units) if u not in self.fetched]
     if not units:
       return
     size = max(self.nbytes(self.host[u]) for u in units)
