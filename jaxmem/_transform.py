@@ -140,11 +140,10 @@ class Transformed:
   def _runner(self, fit: Fit, args, kwargs):
     """The fit's ``jax.jit`` for the platform these arguments are on or
     placed on (a fit for a target runs here as it lowers there)."""
-    _, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
-    where = resolve(None, jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
+    leaves = jax.tree_util.tree_leaves(self.arguments.split(args, kwargs)[1:])
+    where = resolve(None, leaves)
     if where.name not in fit.runners:
-      fit.runners[where.name] = self._jit(fit.run, fit.out_tree, where.options(), fit.graph,
-                                          jax.tree_util.tree_leaves((dyn_args, dyn_kwargs)))
+      fit.runners[where.name] = self._jit(fit.run, fit.out_tree, where, fit.graph, leaves)
     return fit.runners[where.name]
 
   def report(self, *args, **kwargs) -> str:
@@ -226,7 +225,7 @@ class Transformed:
     if self._known_to_fail(memo, planner, target, find_smallest):
       return None
     graph = build_graph(closed)
-    fittable(graph, self.__name__, target)
+    fittable(graph, self.__name__)
     fitting = functools.partial(self._fit_traced, out_tree=out_tree, step=step,
                                 target=target, args=args, kwargs=kwargs, leaves=leaves,
                                 start=start, find_smallest=find_smallest, graph=graph)
@@ -277,7 +276,6 @@ class Transformed:
     (:class:`~jaxmem.fit._fit.Fitter`) against the budget of the step as
     ``written``."""
     here = resolve(None, leaves)  # where the step runs, which the target may not be
-    options = here.options()
     graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves)
     own = own or written
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
@@ -290,8 +288,8 @@ class Transformed:
       if own.in_place and not candidate.changes_step:  # compiled as it runs, then run
         return own.baseline if own.one_program else own.jitted.lower(
             *placed_args, **placed_kwargs).compile()
-      measuring = self._jit(emitter(candidate), out_tree, target.options(measuring=True),
-                            candidate.schedule.graph, target.place(leaves))
+      measuring = self._jit(emitter(candidate), out_tree, target, candidate.schedule.graph,
+                            target.place(leaves), measuring=True)
       return compile_placed(measuring, target, candidate.schedule.graph, self.arguments,
                             placed_args, placed_kwargs)
 
@@ -316,11 +314,11 @@ class Transformed:
     trial, attempts = found
     run_flat = emitter(trial.candidate)
     jitted = (own.jitted if own.in_place and not trial.candidate.changes_step
-              else self._jit(run_flat, out_tree, options, planned, leaves))
+              else self._jit(run_flat, out_tree, here, planned, leaves))
     fit = Fit(planned, trial.candidate, planner, budget, target, unconstrained,
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
-               jitted, self._jit(run_flat, out_tree, {}) if options else jitted,
+               jitted, self._jit(run_flat, out_tree, None) if here.options() else jitted,
                reserve, None if loop is None or micro else body_of(graph, loop), out_tree,
                run_flat, {here.name: jitted}, trial.seconds,
                None if clock is None else clock(written.baseline), step,
@@ -334,7 +332,7 @@ class Transformed:
     here = resolve(None, leaves)
     run = jex.jaxpr_as_fun(closed)
     donates = bool(self.arguments.donate_argnums or self.arguments.donate_argnames)
-    return as_written(run, self._jit(run, out_tree, here.options()), target, here, leaves,
+    return as_written(run, self._jit(run, out_tree, here, leaves=leaves), target, here, leaves,
                       self._placed(target, args, kwargs), donates)
 
   def _cache_entry(self, step: str, leaves, target: Target, budget: int, reserve: int,
@@ -399,14 +397,16 @@ class Transformed:
       return self.reserve
     return 0 if self.budget.fraction is not None else target.reserve()
 
-  def _jit(self, run_flat: Callable, out_tree, options: dict, graph: Graph | None = None,
-           leaves=()):
-    """The ``jax.jit`` of an emitted step (``run_flat`` over flat leaves);
-    ``options`` (compiler options that keep recomputation,
-    :meth:`~jaxmem.targets.Target.options`) go under any the user passed.
-    Where ``graph`` keeps optimizer state on the host, the outputs' memory
-    kinds are given (``_host_state.output_kinds``)."""
-    arguments = self.arguments
+  def _jit(self, run_flat: Callable, out_tree, where: Target | None,
+           graph: Graph | None = None, leaves=(), measuring: bool = False):
+    """The ``jax.jit`` of an emitted step (``run_flat`` over flat
+    ``leaves``) as compiled for ``where``: its compiler options (which keep
+    recomputation, :meth:`~jaxmem.targets.Target.options`) go under any the
+    user passed, its meshes are the target's (``Target.compiles``); None:
+    neither. Where ``graph`` keeps optimizer state on the host, the
+    outputs' memory kinds are given (``_host_state.output_kinds``)."""
+    arguments, options = self.arguments, {} if where is None else where.options(measuring)
+    run_flat = run_flat if where is None else where.compiles(run_flat, leaves)
 
     def run(*args, **kwargs):
       _, dyn_args, dyn_kwargs = arguments.split(args, kwargs)

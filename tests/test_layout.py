@@ -12,7 +12,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 # Lowest first: a module imports only from layers below its own.
 LAYERS = [
     {"_flags", "_provenance", "_budget", "graph._primitives", "_decisions", "fit._arguments",
-     "fit._batching", "targets._description", "targets._host_args", "cost._hlo",
+     "fit._batching", "targets._description", "targets._host_args", "targets._remesh",
+     "cost._hlo",
      "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code
     {"fit._saved", "targets._profiles"},
     {"fit._plan_cache"},

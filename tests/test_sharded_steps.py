@@ -16,8 +16,9 @@ a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
   again by the plan (the transformed step runs as many as the step); and a step whose forward pass calls a ``shard_map`` that
   ``pmean``s (a normalization by the batch's statistics), planned as a
   whole: the ``shard_map``'s outputs are never rebuilt.
-* the data-parallel MLP planned for 8 T4s: compiled by XLA:GPU for a
-  compile-only topology of 8 T4s with the arguments' mesh and specs, and
+* the data-parallel MLP planned for 8 T4s, under ``jax.jit`` and as the
+  ``shard_map`` step: compiled by XLA:GPU for a compile-only topology of 8
+  T4s with the arguments' (and the ``shard_map``'s) mesh and specs, and
   within a 70% budget per device there;
 * (slow) a Flax language model with a large vocabulary under
   ``shard_map``, at 80%, 50% and 35%: its loss head in chunks of each
@@ -160,9 +161,29 @@ _SMALL = textwrap.dedent("""
                   devices=len(jax.tree.leaves(placed(batch, "t4"))[0].sharding.device_set),
                   target=fit.target.name)
 
+    def shard_map_on_eight_t4s():  # the shard_map over the same mesh of 8 T4s
+      from tests.test_microbatch import _mlp_step
+      from jaxmem.targets import placed
+      mesh = Mesh(np.array(jax.devices()), ("data",))
+      local = lambda ws, batch: jax.lax.pmean(_mlp_step(ws, batch), "data")  # noqa: E731
+      step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")),
+                           out_specs=(P(), P()))
+      args = data_parallel_args(mesh)
+      fitted = jaxmem.transform(step, budget="70%", target="t4")
+      fit = fitted.fit(*args)
+      compiled = fitted.lower(*placed(args, "t4")).compile()
+      error = max(float(jnp.max(jnp.abs(a - b))) for a, b in
+                  zip(jax.tree.leaves(fitted(*args)), jax.tree.leaves(jax.jit(step)(*args))))
+      return dict(budget=fit.budget, own=fit.unconstrained, footprint=xla_footprint(compiled),
+                  error=error, all_reduce="all-reduce" in compiled.as_text(),
+                  devices=len({d for s in jax.tree.leaves(compiled.input_shardings)
+                               for d in s.device_set}),
+                  kinds=sorted({d.device_kind for s in jax.tree.leaves(compiled.input_shardings)
+                                for d in s.device_set}))
+
     print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel(),
                           inside=inside_the_forward(), jit=data_parallel_jit(),
-                          t4=on_eight_t4s())))
+                          t4=on_eight_t4s(), mapped_t4=shard_map_on_eight_t4s())))
 """)
 
 _TRANSFORMER = textwrap.dedent("""
@@ -248,6 +269,10 @@ def test_shard_map_steps_are_planned_per_device():
   t4 = out["t4"]  # judged per device by XLA:GPU for a topology of 8 T4s
   assert t4["devices"] == 8 and "t4" in t4["target"]
   assert t4["footprint"] <= t4["budget"] <= 0.7 * t4["own"] + 1, t4
+  mapped = out["mapped_t4"]  # a shard_map, moved onto the 8 T4s' mesh
+  assert mapped["devices"] == 8 and mapped["kinds"] == ["Tesla T4"] and mapped["all_reduce"]
+  assert mapped["footprint"] <= mapped["budget"] <= 0.7 * mapped["own"] + 1, mapped
+  assert mapped["error"] < 1e-5, mapped
   chunked = out["tensor"]["rows"]["50%"]["report"]
   assert any("micro-batches of" in line and "each device's batch" in line for line in chunked)
 
@@ -287,19 +312,44 @@ def test_calls_inside_a_shard_map_body_are_inlined():
   assert not any(n.prim.name in ("jit", "pjit") for n in body.nodes)
 
 
-def test_a_shard_map_step_for_gpus_not_here_is_refused_with_a_way_out():
+def test_a_shard_map_step_is_planned_for_gpus_not_here():
+  """A ``shard_map`` step fitted for a T4 is compiled by XLA:GPU over a mesh
+  of compile-only T4s of its mesh's shape and axis names, within the budget
+  there; called here, it runs on its own mesh with the step's numbers."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from jax.sharding import Mesh, PartitionSpec as P
 
   import jaxmem
+  from jaxmem.targets import placed, xla_footprint
 
   mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
 
-  def local(w, x):
-    return w - jax.lax.pmean(jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w), "data")
+  def local(ws, x):
+    def loss(ws):
+      h = x
+      for w in ws:
+        h = h + jnp.tanh(h @ w)
+      return jnp.mean(h ** 2)
+    grads = jax.lax.pmean(jax.grad(loss)(ws), "data")
+    return [w - 0.1 * g for w, g in zip(ws, grads)]
 
   step = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=P())
-  with pytest.raises(NotImplementedError, match=r"cannot be compiled for target t4.*jax.jit"):
-    jaxmem.transform(step, budget="70%", target="t4").fit(jnp.eye(4), jnp.ones((8, 4)))
+  keys = jax.random.split(jax.random.key(0), 7)
+  ws = [jax.random.normal(k, (256, 256)) / 16 for k in keys[:6]]
+  x = jax.random.normal(keys[6], (2048, 256))
+  on_t4 = placed((ws, x), "t4")
+  # The step written for the compile-only T4 itself: its footprint there.
+  t4_mesh = Mesh(on_t4[1].sharding.mesh.devices, ("data",))
+  own = xla_footprint(jax.jit(jax.shard_map(local, mesh=t4_mesh, in_specs=(P(), P("data")),
+                                            out_specs=P())).lower(*on_t4).compile())
+  fitted = jaxmem.transform(step, budget="70%", target="t4")
+  fit = fitted.fit(ws, x)
+  assert "t4" in fit.target.name and fit.budget <= 0.7 * own + 1
+  compiled = fitted.lower(*on_t4).compile()
+  assert xla_footprint(compiled) <= fit.budget
+  kinds = {d.device_kind for s in jax.tree.leaves(compiled.input_shardings) for d in s.device_set}
+  assert kinds == {"Tesla T4"}  # XLA:GPU's program for the T4 mesh
+  for got, want in zip(fitted(ws, x), jax.jit(step)(ws, x)):
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -28,7 +28,7 @@ import jax
 from jaxmem.cost import _hlo as hlo
 from jaxmem.graph import _primitives
 from jaxmem._decisions import Plan
-from jaxmem.schedule._emit import emit
+from jaxmem.schedule._emit import UNTYPED, emit
 from jaxmem.graph._graph import Graph, Residual, residual_of
 from jaxmem.schedule._schedule import build_schedule
 from jaxmem.graph._xla_cpu_fusion import Fusion, select_and_scatter_scratch
@@ -214,21 +214,28 @@ def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
   return Buffers(frozenset(materialized), extra, transient=transient)
 
 
-def tagged(graph: Graph):
+def tagged(graph: Graph, binds=None):
   """``graph``'s step as written, each equation under the name scope
   ``jaxmem#<node>``: what is compiled to read the target's program back
   (without the barriers a plan adds, kernel gradients' pins among them)."""
-  return emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=TAG)
+  return emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=TAG,
+              binds=binds or {})
 
 
-def learn(graph: Graph, target) -> Buffers:
+def learn(graph: Graph, target, mesh=None) -> Buffers:
   """What ``target``'s compiler (a :class:`~jaxmem.targets.Target`) gives a
   buffer in ``graph`` as written: one compilation of the step with every
-  equation tagged (see the module docstring)."""
-  run = tagged(graph)
-  args = target.place([jax.ShapeDtypeStruct(graph.values[v].aval.shape,
-                                            graph.values[v].aval.dtype)
-                       for v in graph.inputs])
+  equation tagged (see the module docstring). ``mesh``: the mesh of the
+  ``shard_map`` whose body ``graph`` is; each of its devices then runs the
+  body on its own copy of the inputs, with the body's collectives."""
+  avals = [jax.ShapeDtypeStruct(graph.values[v].aval.shape, graph.values[v].aval.dtype)
+           for v in graph.inputs]
+  if mesh is None:
+    run, args = target.compiles(tagged(graph), avals, one_device=True), target.place(avals)
+  else:
+    run = target.compiles(_on_every_device(tagged(graph, UNTYPED), mesh), avals)
+    replicated = jax.sharding.NamedSharding(target.mesh_like(mesh), jax.sharding.PartitionSpec())
+    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in avals]
   text = jax.jit(run, compiler_options=target.options(measuring=True) or None
                  ).lower(*args).compile().as_text()
   program = hlo.parse(text)
@@ -237,6 +244,14 @@ def learn(graph: Graph, target) -> Buffers:
   return dataclasses.replace(found, launches=frozenset(
       t for t in _launching(kernels) if t < len(graph.nodes)),
       workspace={t: b for t, b in workspaces(program).items() if t < len(graph.nodes)})
+
+
+def _on_every_device(run, mesh):
+  """``run`` under a ``shard_map`` over ``mesh`` that gives every device
+  the whole of each input."""
+  spec = jax.sharding.PartitionSpec()
+  return jax.shard_map(lambda *ins: list(run(*ins)), mesh=mesh, in_specs=spec,
+                       out_specs=spec, check_vma=False)
 
 
 def workspaces(program: hlo.Program) -> dict[int, int]:

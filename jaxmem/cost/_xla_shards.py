@@ -42,15 +42,15 @@ def _shard_of(shape: tuple, arrays) -> int | None:
   return max(found, default=None)
 
 
-def shard_elements(graph: Graph, args) -> dict[int, int]:
+def shard_elements(graph: Graph, args, target) -> dict[int, int]:
   """Value id -> its elements on one device, for the values of ``graph``'s
-  step as written that XLA's program for ``args`` (the step's flat
+  step as written that the program ``target`` (a
+  :class:`~jaxmem.targets.Target`) compiles for ``args`` (the step's flat
   arguments, placed with their shardings) shows, its inputs included."""
   local = {v: arg.sharding.shard_shape(arg.shape) for v, arg in zip(graph.inputs, args)
            if getattr(arg, "sharding", None) is not None}
   found = {v: math.prod(shape) for v, shape in local.items()}
-  run = tagged(graph)
-  text = jax.jit(run).lower(*args).compile().as_text()
+  text = jax.jit(target.compiles(tagged(graph), args)).lower(*args).compile().as_text()
   by_tag: dict[int, list] = {}
   for instructions in hlo.parse(text).computations.values():
     for inst in instructions:

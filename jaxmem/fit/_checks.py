@@ -18,12 +18,10 @@ def no_backward(graph: Graph) -> None:
         "is compiled unchanged.", stacklevel=5)
 
 
-def fittable(graph: Graph, name: str, target) -> None:
-  """Refuses, with a way out, a step jaxmem cannot measure on ``target``
-  (a :class:`~jaxmem.targets.Target`): one that runs collectives over mesh
-  axes bound outside it (``psum`` in a function that ``shard_map`` calls;
-  the ``shard_map`` itself can be fitted), and a ``shard_map`` step planned
-  for GPUs that are not here (its mesh is this machine's devices)."""
+def fittable(graph: Graph, name: str) -> None:
+  """Refuses, with a way out, a step jaxmem cannot measure: one that runs
+  collectives over mesh axes bound outside it (``psum`` in a function that
+  ``shard_map`` calls; the ``shard_map`` itself can be fitted)."""
   found = sorted({n.prim.name for n in graph.nodes
                   if _primitives.classify(n.prim.name) == _primitives.COLLECTIVE})
   if found:
@@ -34,9 +32,3 @@ def fittable(graph: Graph, name: str, target) -> None:
         "shard_map instead: jaxmem.transform(jax.shard_map(per_device_step, mesh=mesh, "
         "in_specs=..., out_specs=...), budget=...), which plans each device's part "
         "with its collectives, against a budget per device.")
-  if target.compile_only and any(n.prim.name == "shard_map" for n in graph.nodes):
-    raise NotImplementedError(
-        f"jaxmem: step {name} runs a shard_map over a mesh of this machine's devices, "
-        f"which cannot be compiled for target {target.name}, whose GPUs are not here. "
-        "Fit it without target= on the devices it runs on, or write it with jax.jit "
-        "over sharded arguments, which jaxmem places on as many target GPUs.")

@@ -31,7 +31,7 @@ from typing import Callable, Mapping
 import jax
 from jax.extend import core as jex
 
-from jaxmem.schedule._emit import emit
+from jaxmem.schedule._emit import UNTYPED, emit
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.graph._graph import Graph, analysis, build_graph
 from jaxmem.schedule._schedule import Schedule
@@ -109,21 +109,6 @@ def body_of(graph: Graph, path: tuple[int, ...]) -> Body:
   for depth in range(1, len(path)):
     nodes.append(body_graph(graph, path[:depth]).nodes[path[depth]])
   return Body(tuple(n.prim.name for n in nodes), tuple(n.source for n in nodes))
-
-
-# A planned body runs under ``shard_map(..., check_vma=False)``: its
-# barriers join values that vary over mesh axes with values that do not,
-# which the varying-axes typing refuses. Its equations that exist only for
-# that typing run as their untyped forms (the same collectives, or nothing).
-UNTYPED = {
-    "pvary": lambda node, args: list(args),
-    "pbroadcast": lambda node, args: list(args),
-    "psum_invariant": lambda node, args: [jax.lax.psum(a, node.params["axes"]) for a in args],
-    "psum2": lambda node, args: [jax.lax.psum(a, node.params["axes"]) for a in args],
-    "all_gather_invariant": lambda node, args: [jax.lax.all_gather(
-        a, node.params["axis_name"], axis=node.params["all_gather_dimension"],
-        tiled=node.params["tiled"]) for a in args],
-}
 
 
 def on_each_device(params: dict, run_body: Callable) -> Callable:

@@ -36,8 +36,9 @@ from jaxmem._budget import BudgetError
 from jaxmem.fit._arguments import Arguments
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch, split_region, where
-from jaxmem.fit._inner import UNTYPED, mapped_step, on_each_device
+from jaxmem.fit._inner import mapped_step, on_each_device
 from jaxmem.graph._graph import build_graph
+from jaxmem.schedule._emit import UNTYPED
 from jaxmem.schedule._microbatch import micro_batched
 
 _log = logging.getLogger("jaxmem")

@@ -66,7 +66,7 @@ def as_written(run: Callable, jitted, target: Target, here: Target, leaves, plac
   if one_program:
     baseline = jitted.lower(*placed[0], **placed[1]).compile()
   else:
-    baseline = jax.jit(run, compiler_options=target.options() or None
+    baseline = jax.jit(target.compiles(run, leaves), compiler_options=target.options() or None
                        ).lower(*target.place(leaves)).compile()
   return Written(run, jitted, baseline, xla_footprint(baseline), in_place, one_program)
 
@@ -81,11 +81,13 @@ def graphs(closed, target: Target, planner, name: str, graph: Graph | None = Non
   several: the target compiler's partition of them) and
   the planner (a given plan's host placements moved onto the graph)."""
   graph = build_graph(closed) if graph is None else graph
-  fittable(graph, name, target)
+  fittable(graph, name)
   loop = inner_body(graph)
-  planned = modelled(graph if loop is None else body_graph(graph, loop), target)
+  mapped = loop is not None and graph.nodes[loop[0]].prim.name == "shard_map"
+  planned = modelled(graph if loop is None else body_graph(graph, loop), target,
+                     graph.nodes[loop[0]].params["mesh"] if mapped else None)
   if loop is None and devices_of(leaves) > 1:
-    planned = per_device(planned, shard_elements(planned, target.place(leaves)))
+    planned = per_device(planned, shard_elements(planned, target.place(leaves), target))
   if loop is None:
     graph = planned
     if isinstance(planner, Fixed):
@@ -106,10 +108,13 @@ def emitted(written: Written, graph: Graph, loop: tuple[int, ...] | None,
   return emit(schedule if loop is None else embedded(graph, loop, schedule))
 
 
-def modelled(graph: Graph, target: Target) -> Graph:
-  """``graph`` with the buffers its target's compiler gives it where the
-  target is a GPU; on XLA:CPU the memory model emulates its fusion."""
-  return graph if target.platform == "cpu" else with_buffers(graph, learn(graph, target))
+def modelled(graph: Graph, target: Target, mesh=None) -> Graph:
+  """``graph`` (the body of a ``shard_map`` over ``mesh``, where given) with
+  the buffers its target's compiler gives it where the target is a GPU; on
+  XLA:CPU the memory model emulates its fusion."""
+  if target.platform == "cpu":
+    return graph
+  return with_buffers(graph, learn(graph, target, mesh))
 
 
 def target_clock(target: Target) -> Callable | None:

@@ -49,6 +49,21 @@ def at(node, name_stack=None):
       name_stack=node.source_info.name_stack if name_stack is None else name_stack)
 
 
+# A planned body runs under ``shard_map(..., check_vma=False)``: its
+# barriers join values that vary over mesh axes with values that do not,
+# which the varying-axes typing refuses. Its equations that exist only for
+# that typing run as their untyped forms (the same collectives, or nothing).
+UNTYPED = {
+    "pvary": lambda node, args: list(args),
+    "pbroadcast": lambda node, args: list(args),
+    "psum_invariant": lambda node, args: [jax.lax.psum(a, node.params["axes"]) for a in args],
+    "psum2": lambda node, args: [jax.lax.psum(a, node.params["axes"]) for a in args],
+    "all_gather_invariant": lambda node, args: [jax.lax.all_gather(
+        a, node.params["axis_name"], axis=node.params["all_gather_dimension"],
+        tiled=node.params["tiled"]) for a in args],
+}
+
+
 def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callable] = {}):
   """Returns ``run(*flat_inputs) -> list of flat outputs`` for ``schedule``.
   With ``tag``, each equation runs under one more name scope, ``tag``

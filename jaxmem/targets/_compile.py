@@ -21,11 +21,12 @@ import dataclasses
 import functools
 import math
 import re
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 
 from jaxmem import _flags
+from jaxmem.targets._remesh import retargeted
 from jaxmem.targets._profiles import PROFILES, DeviceProfile, get_profile, profile_for_kind
 
 # Bytes the GPU runtime allocates beyond XLA's compiled footprint (cuDNN and
@@ -106,18 +107,23 @@ def holds_host_memory(compiled) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _compile_only_sharding(description_text: str) -> jax.sharding.NamedSharding:
-  """A sharding on one compile-only GPU made from its description."""
+def _topology(description_text: str, count: int):
+  """A compile-only host of ``count`` GPUs made from their description."""
   from jax.experimental import topologies
   try:
-    topology = topologies.get_topology_desc(
-        platform="cuda", target_config=description_text, topology="1x1x1")
+    return topologies.get_topology_desc(
+        platform="cuda", target_config=description_text, topology=f"1x1x{count}")
   except Exception as err:  # the plugin raises several types
     raise RuntimeError(
         f"jaxmem: cannot make a compile-only GPU device ({type(err).__name__}: "
         f"{str(err).splitlines()[0] if str(err) else ''}); to plan for a GPU "
         f"target, {PLUGIN_HINT}.") from err
-  mesh = topologies.make_mesh(topology, (1,), ("x",))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_only_sharding(description_text: str) -> jax.sharding.NamedSharding:
+  """A sharding on one compile-only GPU made from its description."""
+  mesh = _compile_only_mesh(description_text, (1,), ("x",))
   return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
 
@@ -127,9 +133,7 @@ def _compile_only_mesh(description_text: str, shape: tuple[int, ...],
   """A mesh of ``shape`` over a compile-only host of that many GPUs of the
   description's kind (a topology ``1x1xN``)."""
   from jax.experimental import topologies
-  topology = topologies.get_topology_desc(
-      platform="cuda", target_config=description_text, topology=f"1x1x{math.prod(shape)}")
-  return topologies.make_mesh(topology, shape, names)
+  return topologies.make_mesh(_topology(description_text, math.prod(shape)), shape, names)
 
 
 def _compile_only(device) -> bool:
@@ -187,9 +191,35 @@ class Target:
       return self.sharding
     if all(map(_compile_only, sharding.device_set)):
       return sharding  # on a mesh of compile-only GPUs already
-    mesh = _compile_only_mesh(self.profile.description.text(), sharding.mesh.devices.shape,
-                              tuple(sharding.mesh.axis_names))
-    return jax.sharding.NamedSharding(mesh, sharding.spec)
+    return jax.sharding.NamedSharding(self.mesh_like(sharding.mesh), sharding.spec)
+
+  def mesh_like(self, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """The mesh of the target's GPUs that stands for ``mesh`` (of this
+    machine's devices) in what is compiled for it: on a compile-only
+    target, as many compile-only GPUs in the same shape, with the same
+    axis names; else ``mesh`` itself."""
+    if not self.compile_only:
+      return mesh
+    if self.profile is None or self.profile.description is None:
+      raise ValueError(
+          f"jaxmem: target {self.name} has no GPU description to make a mesh of its "
+          f"GPUs from (profile {self.profile and self.profile.name!r}); pass target= a "
+          "profile with one (a name in jaxmem.PROFILES, or jaxmem.calibrate()'s).")
+    return _compile_only_mesh(self.profile.description.text(), mesh.devices.shape,
+                              tuple(mesh.axis_names))
+
+  def compiles(self, fun: Callable, leaves: Sequence, one_device: bool = False) -> Callable:
+    """``fun`` (over flat leaves ``leaves``) as compiled for this target:
+    on a compile-only target, with the meshes it names of this machine's
+    devices moved onto the target's GPUs (``_remesh``), or with
+    ``one_device``, onto the one GPU its arguments are placed on (each mesh
+    axis of size 1: every shard whole); else ``fun``."""
+    if not self.compile_only:
+      return fun
+    if not one_device:
+      return retargeted(fun, leaves, self.mesh_like)
+    return retargeted(fun, leaves, lambda mesh: self.mesh_like(jax.sharding.Mesh(
+        mesh.devices.flat[:1].reshape((1,) * mesh.devices.ndim), mesh.axis_names)))
 
   def options(self, measuring: bool = False) -> dict:
     """Compiler options for this target's compilations (see ``_flags``).
