@@ -17,9 +17,10 @@ a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
   ``pmean``s (a normalization by the batch's statistics), planned as a
   whole: the ``shard_map``'s outputs are never rebuilt.
 * the data-parallel MLP planned for 8 T4s, under ``jax.jit`` and as the
-  ``shard_map`` step: compiled by XLA:GPU for a compile-only topology of 8
-  T4s with the arguments' (and the ``shard_map``'s) mesh and specs, and
-  within a 70% budget per device there;
+  ``shard_map`` step, and a ``jax.jit`` step that constrains its
+  activations' sharding: compiled by XLA:GPU for a compile-only topology of
+  8 T4s with the arguments' (the ``shard_map``'s, the constraints') mesh
+  and specs, and within a 70% budget per device there;
 * (slow) a Flax language model with a large vocabulary under
   ``shard_map``, at 80%, 50% and 35%: its loss head in chunks of each
   device's batch, then micro-batches; a Flax transformer under ``jax.jit`` with its parameters and Adam
@@ -181,9 +182,31 @@ _SMALL = textwrap.dedent("""
                   kinds=sorted({d.device_kind for s in jax.tree.leaves(compiled.input_shardings)
                                 for d in s.device_set}))
 
+    def constrained_on_eight_t4s():  # a jax.jit step that constrains its activations
+      from jaxmem.targets import placed
+      mesh = Mesh(np.array(jax.devices()), ("data",))
+      rows = NamedSharding(mesh, P("data"))
+      def step(ws, x):
+        def loss(ws):
+          h = x
+          for w in ws:
+            h = jax.lax.with_sharding_constraint(h + jnp.tanh(h @ w), rows)
+          return jnp.mean(h ** 2)
+        return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
+      ws = jax.device_put([jnp.eye(128) * 0.1] * 6, NamedSharding(mesh, P()))
+      x = jax.device_put(jax.random.normal(jax.random.key(3), (4096, 128)), rows)
+      fitted = jaxmem.transform(step, budget="70%", target="t4")
+      fit = fitted.fit(ws, x)
+      compiled = fitted.lower(*placed((ws, x), "t4")).compile()
+      error = max(float(jnp.max(jnp.abs(a - b)))
+                  for a, b in zip(fitted(ws, x), jax.jit(step)(ws, x)))
+      return dict(budget=fit.budget, own=fit.unconstrained, footprint=xla_footprint(compiled),
+                  error=error)
+
     print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel(),
                           inside=inside_the_forward(), jit=data_parallel_jit(),
-                          t4=on_eight_t4s(), mapped_t4=shard_map_on_eight_t4s())))
+                          t4=on_eight_t4s(), mapped_t4=shard_map_on_eight_t4s(),
+                          constrained_t4=constrained_on_eight_t4s())))
 """)
 
 _TRANSFORMER = textwrap.dedent("""
@@ -273,6 +296,9 @@ def test_shard_map_steps_are_planned_per_device():
   assert mapped["devices"] == 8 and mapped["kinds"] == ["Tesla T4"] and mapped["all_reduce"]
   assert mapped["footprint"] <= mapped["budget"] <= 0.7 * mapped["own"] + 1, mapped
   assert mapped["error"] < 1e-5, mapped
+  constrained = out["constrained_t4"]  # its constraints' mesh moved onto the T4s too
+  assert constrained["footprint"] <= constrained["budget"] <= 0.7 * constrained["own"] + 1
+  assert constrained["error"] < 1e-5, constrained
   chunked = out["tensor"]["rows"]["50%"]["report"]
   assert any("micro-batches of" in line and "each device's batch" in line for line in chunked)
 
