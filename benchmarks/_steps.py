@@ -8,7 +8,7 @@ import time
 import jax
 
 from jaxmem._zoo import models
-from jaxmem.targets import Target, placed, resolve
+from jaxmem.targets import Target, resolve
 
 
 def task(name: str, config: dict, remat: str | None = None):
@@ -22,12 +22,18 @@ def task(name: str, config: dict, remat: str | None = None):
 def compile_for(step, shapes, target: str | None, measuring: bool = False,
                 **options) -> tuple[object, Target, float]:
   """``step`` compiled with ``jax.jit`` for ``target`` (a preset name: its
-  compile-only device; None: this machine's XLA:CPU) on abstract arguments
-  ``shapes``, with the target's compiler options and ``options`` over them:
+  compile-only device, with the meshes the step names moved onto as many of
+  its GPUs; None: this machine's XLA:CPU) on arguments ``shapes`` (abstract
+  or not), with the target's compiler options and ``options`` over them:
   the executable, the target and the seconds compiling took."""
-  where = resolve(target, jax.tree_util.tree_leaves(shapes))
-  args = shapes if target is None else placed(shapes, target)
+  leaves, tree = jax.tree_util.tree_flatten(shapes)
+  where = resolve(target, leaves)
+
+  def flat(*args):
+    return jax.tree_util.tree_leaves(step(*tree.unflatten(args)))
+
   start = time.perf_counter()
-  compiled = jax.jit(step, compiler_options={**where.options(measuring), **options} or None
-                     ).lower(*args).compile()
+  compiled = jax.jit(where.compiles(flat, leaves),
+                     compiler_options={**where.options(measuring), **options} or None
+                     ).lower(*where.place(leaves)).compile()
   return compiled, where, time.perf_counter() - start

@@ -1,5 +1,7 @@
 """Sharded steps on 8 emulated CPU devices: per-device footprint and FLOPs,
-jaxmem against the step as written and against per-block remat.
+jaxmem against the step as written and against per-block remat; with
+``--target``, each compiled by XLA:GPU for 8 such GPUs (compile-only, the
+same mesh shape and axis names) and timed by the clock.
 
 Meshes (each step's budget is per device, a share of its own per-device
 footprint):
@@ -18,6 +20,7 @@ per-device program, as a ratio to the step as written (none for a step in
 micro-batches: the analysis counts a loop's body once).
 
     PYTHONPATH=. python benchmarks/sharded.py --out benchmarks/results/sharded-cpu8
+    PYTHONPATH=. python benchmarks/sharded.py --target t4 --out benchmarks/results/sharded-t4x8
 """
 
 from __future__ import annotations
@@ -41,9 +44,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jaxmem  # noqa: E402
 from jaxmem._benchmark import compiled_flops  # noqa: E402
 from jaxmem._zoo import models  # noqa: E402
-from jaxmem.targets import xla_footprint  # noqa: E402
+from jaxmem.cost._xla_clock import program_time  # noqa: E402
+from jaxmem.targets import get_profile, placed, xla_footprint  # noqa: E402
 
 from benchmarks import _results  # noqa: E402
+from benchmarks._steps import compile_for  # noqa: E402
 
 MIB = 2**20
 POLICIES = ("nothing_saveable", "dots_with_no_batch_dims_saveable")
@@ -124,21 +129,34 @@ MESHES = {"dp-mlp": dp_mlp, "shard_map-mlp": shard_map_mlp,
           "fsdp-transformer": fsdp_transformer, "dxm-transformer": dxm_transformer}
 
 
-def rows_for(name: str) -> list[dict]:
+def _ms(compiled, target: str | None) -> float | None:
+  """The clock's predicted milliseconds of ``compiled`` on ``target``."""
+  return None if target is None else program_time(compiled.as_text(),
+                                                  get_profile(target)).seconds * 1e3
+
+
+def _ratio(flops: float | None, own: float | None) -> float | None:
+  """FLOPs as a ratio to the step's (None where XLA gives no cost analysis:
+  a compile-only GPU's program)."""
+  return None if flops is None or not own else flops / own
+
+
+def rows_for(name: str, target: str | None = None) -> list[dict]:
   make = MESHES[name]
   step, args = make(None)
-  written = jax.jit(step).lower(*args).compile()
+  written = compile_for(step, args, target)[0]
   own, own_flops = xla_footprint(written), compiled_flops(written)
-  rows = [dict(mesh=name, method="as written", footprint=own, flops=1.0, seconds=0.0)]
+  rows = [dict(mesh=name, method="as written", footprint=own, seconds=0.0,
+               flops=_ratio(own_flops, own_flops), ms=_ms(written, target))]
   for policy in POLICIES:
     remat_step, remat_args = make(policy)
-    compiled = jax.jit(remat_step).lower(*remat_args).compile()
+    compiled = compile_for(remat_step, remat_args, target)[0]
     rows.append(dict(mesh=name, method=f"per-block remat: {policy}",
-                     footprint=xla_footprint(compiled),
-                     flops=compiled_flops(compiled) / own_flops, seconds=0.0))
+                     footprint=xla_footprint(compiled), ms=_ms(compiled, target),
+                     flops=_ratio(compiled_flops(compiled), own_flops), seconds=0.0))
   for budget in BUDGETS:
     start = time.perf_counter()
-    fitted = jaxmem.transform(step, budget=budget)
+    fitted = jaxmem.transform(step, budget=budget, target=target)
     try:
       fit = fitted.fit(*args)
     except jaxmem.BudgetError as err:
@@ -146,9 +164,10 @@ def rows_for(name: str) -> list[dict]:
                        seconds=time.perf_counter() - start,
                        smallest=err.smallest))
       continue
-    compiled = fitted.lower(*args).compile()
+    compiled = fitted.lower(*(args if target is None else placed(args, target))).compile()
     rows.append(dict(mesh=name, method=f"jaxmem {budget}", footprint=xla_footprint(compiled),
-                     flops=compiled_flops(compiled) / own_flops,
+                     ms=_ms(compiled, target),
+                     flops=_ratio(compiled_flops(compiled), own_flops),
                      seconds=time.perf_counter() - start, budget=fit.budget,
                      micro=None if fit.micro is None else fit.micro.count))
   for row in rows:
@@ -157,34 +176,41 @@ def rows_for(name: str) -> list[dict]:
 
 
 def table(rows) -> str:
+  timed = any(r.get("ms") is not None for r in rows)
   lines = ["| mesh | method | per-device footprint MiB (share) | FLOPs per device (ratio) | "
-           "fit s |", "|---|---|---|---|---|"]
+           + ("predicted ms | " if timed else "") + "fit s |",
+           "|---|---|---|---|" + ("---|" if timed else "") + "---|"]
   for r in rows:
     if r["footprint"] is None:
       cell = f"not met; smallest {r['smallest'] / MIB:.2f} MiB"
       flops = "-"
     else:
       cell = f"{r['footprint'] / MIB:.2f} ({r['share']:.0%})"
-      flops = f"{r['flops']:.2f}x"
+      flops = "-" if r["flops"] is None else f"{r['flops']:.2f}x"
       if r.get("micro"):  # XLA's cost analysis counts a loop's body once
         cell += f", {r['micro']} micro-batches"
         flops = "- (a loop)"
-    lines.append(f"| {r['mesh']} | {r['method']} | {cell} | {flops} | {r['seconds']:.1f} |")
+    ms = (f" {r['ms']:.3g} |" if r.get("ms") is not None else " - |") if timed else ""
+    lines.append(f"| {r['mesh']} | {r['method']} | {cell} | {flops} |{ms} {r['seconds']:.1f} |")
   return "\n".join(lines)
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--meshes", nargs="+", default=list(MESHES))
+  parser.add_argument("--target", default=None,
+                      help="a GPU profile (t4, h100, ...): compile for 8 of them")
   parser.add_argument("--out", required=True)
   opts = parser.parse_args(argv)
+  where = ("XLA:CPU, 8 emulated devices" if opts.target is None else
+           f"XLA:GPU for 8 compile-only {opts.target} GPUs, planned on 8 emulated CPU devices")
   rows = []
   for name in opts.meshes:
-    rows += rows_for(name)
+    rows += rows_for(name, opts.target)
     print(table(rows), flush=True)
     _results.write(opts.out, "benchmarks/sharded.py", sys.argv[1:] if argv is None else argv,
-                   "Sharded steps: per-device footprint and FLOPs on 8 emulated CPU devices",
-                   "XLA:CPU, 8 emulated devices", table(rows), rows)
+                   "Sharded steps: per-device footprint and FLOPs on 8 devices", where,
+                   table(rows), rows)
 
 
 if __name__ == "__main__":
