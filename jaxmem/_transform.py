@@ -307,7 +307,7 @@ class Transformed:
     saved = None if cached is None else _plan_cache.get(*cached, step)
     planned, planner, found = search(
         fitter, planned, planner, find_smallest,
-        self.host_state and loop is None and target.may_host_state(),
+        self.host_state and loop is None and target.may_host_state() and devices_of(leaves) < 2,
         None if saved is None else (saved, _plan_cache.path(*cached)), target.profile)
     if found is None:
       return None

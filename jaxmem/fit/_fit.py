@@ -225,10 +225,14 @@ class Fitter:
     # The first aim keeps FIRST_MARGIN under the budget's share: the model
     # tracks XLA within about that much, and a first plan that fits saves
     # a compilation.
-    graph, scale, previous = self.graph, self.model_scale * (1 - FIRST_MARGIN), None
-    trial = None
+    graph, previous, trial = self.graph, None, None
+    room = self._model_part(self.budget)
+    aim = int(room * self.model_scale * (1 - FIRST_MARGIN))
+    # (model peak, XLA's footprint less ``fixed``) of each step compiled;
+    # the first, the step as written's (which ``model_scale`` is of).
+    written = unplanned_liveness(graph).peak
+    points = [(written, written / self.model_scale)]
     for rounds in itertools.count(1):
-      aim = int(self._model_part(self.budget) * scale)
       if self.needs_plan(aim):
         if rounds == 1 and self.smallest_from is None:  # the first search only
           forewarn(self.graph, self.where, self.planner)
@@ -242,11 +246,8 @@ class Fitter:
       if (trial.measured <= self.budget or not candidate.fits
           or rounds >= self.max_rounds):
         return trial, rounds
-      # The next aim lies under the plan just compiled (scaled by how far
-      # XLA's footprint overshot), not only under the last aim: a plan well
-      # within its aim would otherwise come back unchanged.
-      scale = (min(scale, candidate.peak / self._model_part(self.budget))
-               * self._model_part(self.budget) / self._model_part(trial.measured) * 0.99)
+      points.append((candidate.peak, self._model_part(trial.measured)))
+      aim = reaim(points, room, aim)
 
   def needs_plan(self, aim: int) -> bool:
     """Whether the step must be planned: it has a backward pass, the budget
@@ -344,6 +345,29 @@ class Fitter:
     """The error for a budget under ``smallest``, the least reached."""
     return budget_error(self.budget + self.reserve, self.reserve, self.unconstrained,
                         smallest, self.planner.name, self.where)
+
+
+def reaim(points: list[tuple[float, int]], room: int, aim: int) -> int:
+  """The next model aim where the plan of the last point was over ``room``
+  (the budget less what the model does not hold) in XLA's footprint:
+  where that footprint falls with the model's peak between the last two
+  points, the peak at which the line through them meets 1% under
+  ``room`` (XLA keeps some bytes whatever a plan does, so a plan
+  recomputing more saves less than its model peak says); else the last
+  peak scaled by how far XLA overshot. Always under the last peak and
+  ``aim``: a plan well within its aim would otherwise come back unchanged.
+
+  Example:
+    >>> reaim([(100, 110), (80, 95)], 90, 90)  # XLA = 35 + 0.75 x model
+    72
+  """
+  (before, over_before), (peak, over) = points[-2:]
+  under = min(aim, peak)
+  scaled = under * room / over * 0.99
+  if before > peak and over_before > over:
+    slope = (over_before - over) / (before - peak)
+    return int(min(peak - (over - 0.99 * room) / slope, under * 0.999))
+  return int(scaled)
 
 
 def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
