@@ -13,7 +13,9 @@ a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
   planned per device inside the map (the report says so), and a
   ``data x model`` MLP whose forward pass ``psum``s over ``model``, whose
   50% only micro-batches of each device's batch meet: no collective is run
-  again by the plan (the transformed step runs as many as the step); and a step whose forward pass calls a ``shard_map`` that
+  again by the plan (the transformed step runs as many as the step); an
+  FSDP MLP that all-gathers each layer's weights, whose 70% only gathering
+  some again meets (its reduce-scatters run once); and a step whose forward pass calls a ``shard_map`` that
   ``pmean``s (a normalization by the batch's statistics), planned as a
   whole: the ``shard_map``'s outputs are never rebuilt.
 * the data-parallel MLP planned for 8 T4s, under ``jax.jit`` and as the
@@ -162,6 +164,38 @@ _SMALL = textwrap.dedent("""
                   devices=len(jax.tree.leaves(placed(batch, "t4"))[0].sharding.device_set),
                   target=fit.target.name)
 
+    def fsdp_gathered_again():  # weights sharded, all-gathered per layer
+      from jax.extend.core import jaxprs_in_params
+      mesh = Mesh(np.array(jax.devices()), ("data",))
+      def local(ws, batch):
+        def loss(ws):
+          h = batch["x"]
+          for w in ws:
+            h = h + jnp.tanh(h @ jax.lax.all_gather(w, "data", tiled=True))
+          return jnp.mean((h - batch["y"]) ** 2)
+        return [w - 0.1 * g for w, g in zip(ws, jax.grad(loss)(ws))]
+      step = jax.shard_map(local, mesh=mesh, in_specs=(P("data"), P("data")),
+                           out_specs=P("data"))
+      keys = jax.random.split(jax.random.key(4), 10)
+      ws = jax.device_put([jax.random.normal(k, (256, 256)) / 16 for k in keys[:8]],
+                          NamedSharding(mesh, P("data")))
+      batch = jax.device_put({n: jax.random.normal(k, (1024, 256))
+                              for n, k in zip("xy", keys[8:])}, NamedSharding(mesh, P("data")))
+      def count(jaxpr, names):
+        return sum((e.primitive.name in names)
+                   + sum(count(j, names) for j in jaxprs_in_params(e.params))
+                   for e in jaxpr.eqns)
+      own = jax.make_jaxpr(step)(ws, batch).jaxpr
+      fitted = jaxmem.transform(step, budget="70%")
+      fit = fitted.fit(ws, batch)
+      ran = jax.make_jaxpr(fitted)(ws, batch).jaxpr
+      error = max(float(jnp.max(jnp.abs(a - b)))
+                  for a, b in zip(fitted(ws, batch), jax.jit(step)(ws, batch)))
+      return dict(budget=fit.budget, own=fit.unconstrained, error=error,
+                  footprint=xla_footprint(fitted.lower(ws, batch).compile()),
+                  gathers=[count(own, ("all_gather",)), count(ran, ("all_gather",))],
+                  scatters=[count(own, ("reduce_scatter",)), count(ran, ("reduce_scatter",))])
+
     def shard_map_on_eight_t4s():  # the shard_map over the same mesh of 8 T4s
       from tests.test_microbatch import _mlp_step
       from jaxmem.targets import placed
@@ -206,7 +240,8 @@ _SMALL = textwrap.dedent("""
     print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel(),
                           inside=inside_the_forward(), jit=data_parallel_jit(),
                           t4=on_eight_t4s(), mapped_t4=shard_map_on_eight_t4s(),
-                          constrained_t4=constrained_on_eight_t4s())))
+                          constrained_t4=constrained_on_eight_t4s(),
+                          fsdp=fsdp_gathered_again())))
 """)
 
 _TRANSFORMER = textwrap.dedent("""
@@ -296,6 +331,10 @@ def test_shard_map_steps_are_planned_per_device():
   assert mapped["devices"] == 8 and mapped["kinds"] == ["Tesla T4"] and mapped["all_reduce"]
   assert mapped["footprint"] <= mapped["budget"] <= 0.7 * mapped["own"] + 1, mapped
   assert mapped["error"] < 1e-5, mapped
+  fsdp = out["fsdp"]  # at 70%, gathered weights are gathered again, nothing else runs twice
+  assert fsdp["footprint"] <= fsdp["budget"] <= 0.7 * fsdp["own"] + 1, fsdp
+  assert fsdp["error"] < 1e-5 and fsdp["scatters"][0] == fsdp["scatters"][1] > 0, fsdp
+  assert fsdp["gathers"][1] > fsdp["gathers"][0] > 0, fsdp
   constrained = out["constrained_t4"]  # its constraints' mesh moved onto the T4s too
   assert constrained["footprint"] <= constrained["budget"] <= 0.7 * constrained["own"] + 1
   assert constrained["error"] < 1e-5, constrained

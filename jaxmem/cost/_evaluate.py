@@ -17,7 +17,7 @@ import gc
 from jaxmem._decisions import Keep, Plan
 from jaxmem.targets._profiles import DeviceProfile
 from jaxmem.graph._graph import Graph, Residual, analysis
-from jaxmem.graph._primitives import communicates
+from jaxmem.graph._primitives import rebuildable
 from jaxmem.graph._state import hosted_state
 from jaxmem.cost._memory import Liveness, simulate
 from jaxmem.cost._perf import schedule_costs
@@ -151,7 +151,7 @@ def recomputable(graph: Graph) -> dict[int, Residual]:
 
   The chain of a residual runs back through forward intermediates to other
   residuals and step inputs; any equation with effects on it, or a
-  collective that communicates, rules it out.
+  collective other than a gather, rules it out.
   """
   ok = {}
   for r in graph.residuals:
@@ -166,7 +166,7 @@ def recomputable(graph: Graph) -> dict[int, Residual]:
       if graph.is_residual(vid):
         continue  # another residual: its own entry decides
       node = graph.producer(vid)
-      pure = not node.effects and not communicates(node.prim.name)
+      pure = not node.effects and rebuildable(node.prim.name)
       stack.extend(a for a in node.ins if isinstance(a, int))
     if pure:
       ok[r.value] = r

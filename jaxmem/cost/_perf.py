@@ -32,18 +32,21 @@ _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
 class OpCost:
   """One op on the compute stream: a label, its FLOPs and the bytes it
   moves; whether its FLOPs are a matrix product's or a convolution's (they
-  run at the profile's matmul throughput) and whether it ends a kernel (it
-  pays the profile's kernel latency)."""
+  run at the profile's matmul throughput), whether it ends a kernel (it
+  pays the profile's kernel latency) and the bytes a collective moves
+  between devices (on the profile's interconnect)."""
   label: str
   flops: float
   nbytes: int
   matmul: bool = False
   launch: bool = False
+  exchanged: int = 0
 
   def seconds(self, profile: DeviceProfile) -> float:
     """Its roofline time on ``profile``."""
     rate = profile.matmul_throughput if self.matmul else profile.flops
-    return (max(self.flops / rate, self.nbytes / profile.memory_bandwidth)
+    return (max(self.flops / rate, self.nbytes / profile.memory_bandwidth,
+                profile.collective_seconds(self.exchanged))
             + (profile.kernel_latency if self.launch else 0.0))
 
 
@@ -145,9 +148,12 @@ def schedule_costs(schedule) -> list[OpCost]:
     if _primitives.is_free(node.prim.name):
       costs.append(OpCost(node.prim.name, 0.0, 0))
       continue
+    exchanged = (sum(schedule.nbytes(k) for k in op.outs)
+                 if _primitives.communicates(node.prim.name) else 0)
     costs.append(OpCost(node.prim.name, node.flops, moved(op),
                         matmul=node.prim.name in _MATMULS,
-                        launch=buffers is not None and op.node in buffers.launches))
+                        launch=buffers is not None and op.node in buffers.launches,
+                        exchanged=exchanged))
   return costs
 
 

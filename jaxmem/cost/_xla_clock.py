@@ -20,8 +20,9 @@ prices the optimized HLO (``compiled.as_text()``) kernel by kernel on a
 * a loop runs its body its known trip count times; a conditional its
   slowest branch.
 
-Collectives are priced as kernels moving their bytes through memory (one
-device's view; no interconnect model yet).
+A collective is a kernel that also moves its result's bytes between the
+GPUs, on the profile's interconnect (``DeviceProfile.collective_seconds``),
+whichever takes longer.
 
 Example:
   >>> from jaxmem.targets import get_profile
@@ -53,6 +54,9 @@ _FREE = hlo.NO_BUFFER | {
     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
     "async-update", "add-dependency", "domain"}
 _SLICES = frozenset({"slice", "dynamic-slice", "gather"})
+_COLLECTIVES = frozenset({
+    "all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "reduce-scatter",
+    "all-to-all", "collective-permute", "collective-permute-start"})
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
@@ -172,8 +176,10 @@ def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
   body = program.fused_body(inst)
   nbytes = _bytes(inst, shapes, body)
   flops = _matmul_flops(inst, shapes, body)
+  exchanged = (sum(a.nbytes for a in inst.results()) if inst.opcode in _COLLECTIVES else 0)
   return profile.kernel_latency + max(nbytes / profile.memory_bandwidth,
-                                      flops / profile.matmul_throughput)
+                                      flops / profile.matmul_throughput,
+                                      profile.collective_seconds(exchanged))
 
 
 def _bytes(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instruction]) -> int:

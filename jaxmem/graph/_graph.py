@@ -364,8 +364,8 @@ class _Builder:
 def _ordering(effects) -> frozenset:
   """An equation's effects less the names of mesh axes its collectives use
   (JAX's ``NamedAxisEffect``, matched by name: its home module moves
-  between releases): they order nothing, and a collective is never rebuilt
-  for what it communicates (``_primitives.communicates``)."""
+  between releases): they order nothing, and only a gather's value is
+  rebuilt by running its collective again (``_primitives.rebuildable``)."""
   return frozenset(e for e in effects if type(e).__name__ != "NamedAxisEffect")
 
 
@@ -470,7 +470,7 @@ def residual_of(nodes, values, vid: int, node, first: int, last: int) -> Residua
       last_forward_use=max(fwd, default=node.index),
       first_backward_use=first, last_backward_use=last,
       recompute_flops=node.flops, needs=tuple(a for a in node.ins if isinstance(a, int)),
-      recomputable=not node.effects and not _primitives.communicates(node.prim.name))
+      recomputable=not node.effects and _primitives.rebuildable(node.prim.name))
 
 
 def trace(jitted, *args, **kwargs):

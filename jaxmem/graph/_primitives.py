@@ -137,8 +137,9 @@ TABLE: dict[str, Primitive] = {
     # pvary / psum_invariant (pbroadcast / psum2 in older JAX): what
     # shard_map's varying-axes typing inserts between replicated and
     # per-device values.
-    **_rows("psum pmax pmin ppermute all_gather all_to_all reduce_scatter "
-            "psum_scatter pvary psum_invariant pbroadcast psum2", kind=COLLECTIVE),
+    **_rows("psum pmax pmin ppermute all_gather all_gather_invariant all_to_all "
+            "reduce_scatter psum_scatter pvary psum_invariant pbroadcast psum2",
+            kind=COLLECTIVE),
     "jit": Primitive(CALL, body="jaxpr", flops=_calls),
     "pjit": Primitive(CALL, body="jaxpr", flops=_calls),
     "closed_call": Primitive(CALL, body="call_jaxpr", flops=_calls),
@@ -176,12 +177,26 @@ def is_free(name: str) -> bool:
 
 
 def communicates(name: str) -> bool:
-  """Whether the primitive may move data between devices: a value it makes
-  is never rebuilt, which would run its collectives again (the varying-axes
+  """Whether the primitive may move data between devices (the varying-axes
   casts ``pvary`` / ``pbroadcast`` move nothing; a ``shard_map`` planned as
   one equation may run collectives inside)."""
   return name == "shard_map" or (classify(name) == COLLECTIVE
                                  and name not in ("pvary", "pbroadcast"))
+
+
+# Collectives whose value a plan may make again: an all-gather makes the
+# whole of a value each device holds a shard of (FSDP's weights), and
+# gathering it again costs the interconnect's time, as keeping it costs
+# memory. Every other collective's value is kept: running it again would
+# change what it sums, or repeat what the step does once.
+GATHERS = frozenset({"all_gather", "all_gather_invariant"})
+
+
+def rebuildable(name: str) -> bool:
+  """Whether a value the primitive makes may be rebuilt by running it again
+  (with no effects of its own): it moves no data between devices, or it is
+  a gather (:data:`GATHERS`)."""
+  return not communicates(name) or name in GATHERS
 
 
 def is_matmul(name: str) -> bool:

@@ -57,6 +57,11 @@ class DeviceProfile:
     kernel_latency: the least time one kernel of a compiled program takes,
       launch and tail included, seconds (what the clock charges a kernel
       beyond its roofline time).
+    interconnect_bandwidth: bytes/s one GPU sends to the others in one
+      direction (NVLink, or PCIe where the GPUs have none): what a
+      collective of a sharded step, an FSDP weight gathered again among
+      them, takes (None: one GPU; collectives are priced at memory
+      bandwidth).
   """
   name: str
   flops: float
@@ -70,6 +75,7 @@ class DeviceProfile:
   description: GpuDescription | None = dataclasses.field(default=None, repr=False)
   matmul_flops: float | None = None
   kernel_latency: float = 2e-6
+  interconnect_bandwidth: float | None = None
 
   @property
   def matmul_throughput(self) -> float:
@@ -107,6 +113,12 @@ class DeviceProfile:
     bandwidth = self.d2h_bandwidth if direction == "d2h" else self.h2d_bandwidth
     return self.link_latency + nbytes / bandwidth
 
+  def collective_seconds(self, nbytes: int) -> float:
+    """Time of a collective that moves ``nbytes`` between the GPUs (its
+    result's bytes): over the interconnect where the profile gives one,
+    else at memory bandwidth."""
+    return nbytes / (self.interconnect_bandwidth or self.memory_bandwidth)
+
   def efficiency(self, nbytes: int, direction: str = "d2h") -> float:
     """Share of the link's bandwidth a copy of ``nbytes`` achieves (falls off
     for small copies, where the latency dominates)."""
@@ -122,13 +134,13 @@ _KIB = 2**10
 
 def _profile(name: str, description: GpuDescription, *, link: float, latency: float = 10e-6,
              unified: bool = False, matmul: float | None = None,
-             source: str) -> DeviceProfile:
+             interconnect: float | None = None, source: str) -> DeviceProfile:
   """A preset whose compute, memory and size figures are its description's."""
   return DeviceProfile(
       name, flops=description.fp32_flops, memory_bandwidth=description.memory_bandwidth,
       h2d_bandwidth=link, d2h_bandwidth=link, link_latency=latency,
       memory=description.device_memory_size, unified=unified, source=source,
-      description=description, matmul_flops=matmul)
+      description=description, matmul_flops=matmul, interconnect_bandwidth=interconnect)
 
 
 # Per compute capability, from the CUDA C++ Programming Guide's technical
@@ -161,23 +173,25 @@ PROFILES: dict[str, DeviceProfile] = {
             "Tesla T4", (7, 5), core_count=40, fpus_per_core=64, clock_rate_ghz=1.59,
             device_memory_size=15360 * _MIB, memory_bandwidth=320 * _GB,
             l2_cache_size=4 * _MIB),
-        link=12 * _GB,
+        link=12 * _GB, interconnect=12 * _GB,
         source="NVIDIA T4 datasheet (40 Turing SMs x 64 FP32 units at 1.59 GHz boost = "
                "8.1 TFLOPS fp32, 16 GB GDDR6 (15,360 MiB as the driver reports it), "
                "320 GB/s, 4 MB L2, PCIe Gen3 x16); SM limits: CUDA programming guide, "
                "compute capability 7.5; link: typical pinned bandwidthTest on PCIe Gen3 "
-               "x16 (~12 GB/s of the 15.75 GB/s line rate), ~10 us per copy"),
+               "x16 (~12 GB/s of the 15.75 GB/s line rate), ~10 us per copy; between T4s (no "
+               "NVLink) the same PCIe"),
     "rtx3060": _profile(
         "rtx3060", _gpu(
             "NVIDIA GeForce RTX 3060", (8, 6), core_count=28, fpus_per_core=128,
             clock_rate_ghz=1.777, device_memory_size=12288 * _MIB,
             memory_bandwidth=360 * _GB, l2_cache_size=3 * _MIB),
-        link=24 * _GB,
+        link=24 * _GB, interconnect=24 * _GB,
         source="NVIDIA GeForce RTX 3060 specifications (28 Ampere SMs x 128 FP32 units "
                "at 1.777 GHz boost = 12.7 TFLOPS fp32; 12 GB GDDR6, 192-bit at 15 Gbps = "
                "360 GB/s; 3 MB L2; PCIe Gen4 x16); SM limits: CUDA programming guide, "
                "compute capability 8.6; link: typical pinned bandwidthTest on PCIe Gen4 "
-               "x16 (~24 GB/s of 31.5 GB/s), ~10 us per copy"),
+               "x16 (~24 GB/s of 31.5 GB/s), ~10 us per copy; between GPUs (no NVLink) "
+               "the same PCIe"),
     "orin-nano": _profile(
         "orin-nano", _gpu(
             "Orin", (8, 7), core_count=8, fpus_per_core=128, clock_rate_ghz=0.625,
@@ -193,34 +207,36 @@ PROFILES: dict[str, DeviceProfile] = {
             "NVIDIA A100-SXM4-80GB", (8, 0), core_count=108, fpus_per_core=64,
             clock_rate_ghz=1.41, device_memory_size=81920 * _MIB,
             memory_bandwidth=2039 * _GB, l2_cache_size=40 * _MIB),
-        link=24 * _GB, matmul=156e12,
+        link=24 * _GB, matmul=156e12, interconnect=300 * _GB,
         source="NVIDIA A100 datasheet and Ampere whitepaper (SXM4 80GB: 108 SMs x 64 "
                "FP32 units at 1.41 GHz boost = 19.5 TFLOPS fp32, TF32 tensor cores "
                "156 TFLOPS dense, 80 GB HBM2e at 2,039 "
                "GB/s, 40 MB L2, PCIe Gen4 x16); SM limits: CUDA programming guide, "
                "compute capability 8.0; link: typical pinned bandwidthTest on Gen4 "
-               "(~24 GB/s)"),
+               "(~24 GB/s); NVLink 3: 600 GB/s both ways, 300 GB/s each way"),
     "h100": _profile(
         "h100", _gpu(
             "NVIDIA H100 80GB HBM3", device_memory_size=81559 * _MIB,
             memory_bandwidth=3350 * _GB, **_HOPPER),
-        link=50 * _GB, matmul=494.7e12,
+        link=50 * _GB, matmul=494.7e12, interconnect=450 * _GB,
         source="NVIDIA H100 datasheet and Hopper whitepaper (SXM5: 132 SMs x 128 FP32 "
                "units at 1.98 GHz boost = 67 TFLOPS fp32, TF32 tensor cores 989 TFLOPS "
                "with sparsity = 494.7 dense, 80 GB HBM3 (81,559 MiB as the "
                "driver reports it) at 3.35 TB/s, 50 MB L2, PCIe Gen5 x16); SM limits: "
                "CUDA programming guide, compute capability 9.0; link: typical pinned "
-               "bandwidthTest on Gen5 (~50 GB/s)"),
+               "bandwidthTest on Gen5 (~50 GB/s); NVLink 4: 900 GB/s both ways, 450 GB/s "
+               "each way"),
     "h200": _profile(
         "h200", _gpu(
             "NVIDIA H200", device_memory_size=143771 * _MIB,
             memory_bandwidth=4800 * _GB, **_HOPPER),
-        link=50 * _GB, matmul=494.7e12,
+        link=50 * _GB, matmul=494.7e12, interconnect=450 * _GB,
         source="NVIDIA H200 datasheet (SXM: the H100's 132 Hopper SMs = 67 TFLOPS fp32, "
                "TF32 tensor cores 494.7 TFLOPS dense; "
                "141 GB HBM3e (143,771 MiB as the driver reported it on the H200 the GPU "
                "check ran on) at 4.8 TB/s, 50 MB L2, PCIe Gen5 x16); link: typical "
-               "pinned bandwidthTest on Gen5 (~50 GB/s)"),
+               "pinned bandwidthTest on Gen5 (~50 GB/s); NVLink 4: 900 GB/s both ways, "
+               "450 GB/s each way"),
 }
 
 
