@@ -20,6 +20,7 @@ Example:
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 import jax
@@ -28,7 +29,9 @@ from jax.extend import core as jex
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 
 
+@functools.lru_cache(maxsize=None)
 def _devices_here() -> frozenset:
+  """This process's devices (fixed once its backends start)."""
   return frozenset(jax.devices()) | frozenset(jax.devices("cpu"))
 
 
@@ -101,14 +104,24 @@ class _Moved:
   def atom(self, atom):
     """``atom`` with its aval's mesh moved (what a nested jaxpr's variables
     say is what its equation's abstract evaluation gives); a literal's
-    value as a NumPy array (an array type of JAX's tracing carries its
-    own aval)."""
+    value too where it carries an aval (JAX's typed host arrays)."""
     if isinstance(atom, jex.Literal):
-      return jex.Literal(np.asarray(atom.val), self.aval(atom.aval))
+      return jex.Literal(self.literal(atom.val), self.aval(atom.aval))
     if atom not in self.vars:
       aval = self.aval(atom.aval)
       self.vars[atom] = atom if aval is atom.aval else type(atom)(aval)
     return self.vars[atom]
+
+  def literal(self, val):
+    """A literal's value with the aval it carries moved, its type and weak
+    type kept (a plain NumPy array where its type takes no aval)."""
+    carried = getattr(val, "aval", None)
+    if not isinstance(val, np.ndarray) or carried is None or self.aval(carried) is carried:
+      return val
+    try:
+      return type(val)(np.asarray(val), self.aval(carried))
+    except TypeError:
+      return np.asarray(val)
 
   def context(self, ctx):
     """An equation's context under the moved abstract mesh (the one its
