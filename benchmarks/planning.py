@@ -113,6 +113,8 @@ def table(rows) -> str:
   lines += [f"| {r['model']} | {r['budget']} | {'yes' if r['fits'] else 'NO'} | "
             f"{r['jit_s']:.2f} | {r['seconds']:.2f} | {r['ratio']:.2f} | {r['compiles']} |"
             for r in rows if r["kind"] == "transform"]
+  if not any(r["kind"] == "sweep" for r in rows):
+    return "\n".join(lines)
   lines += ["", "| model | planner | budgets fitted | first budget s | median s after | "
             "slowest s (at) | sweep total s | FLOPs / ILP's (median, min) | gap to ILP bound "
             "(median, max; known) |", "|---|---|---|---|---|---|---|---|---|"]
@@ -131,7 +133,8 @@ def main(argv=None) -> None:
   parser.add_argument("--models", nargs="+", default=["gpt2", "resnet18"])
   parser.add_argument("--budgets", nargs="+", default=["100%", "70%"])
   parser.add_argument("--planners", nargs="+", default=["ilp", "recompute"])
-  parser.add_argument("--sweep", type=int, default=20)
+  parser.add_argument("--sweep", type=int, default=20,
+                      help="budgets each planner plans (0: none, the transforms only)")
   parser.add_argument("--out", required=True)
   opts = parser.parse_args(argv)
   if "ilp" not in opts.planners:
@@ -140,7 +143,8 @@ def main(argv=None) -> None:
   for name in opts.models:
     config = models().CPU_SIZES.get(name, {})
     rows += transforms(name, config, opts.budgets)
-    rows += sweep(name, config, opts.planners, opts.sweep)
+    if opts.sweep:  # 0: the transforms' rows only
+      rows += sweep(name, config, opts.planners, opts.sweep)
     print(table(rows), flush=True)
   _results.write(opts.out, "benchmarks/planning.py", sys.argv[1:] if argv is None else argv,
                  "What planning costs", "XLA:CPU on this machine", table(rows), rows)
