@@ -159,11 +159,11 @@ class ILP(Planner):
       found = self._solve(graph, aim)
       if found is None:
         # Beyond the program's reach (a residual rebuilt through another
-        # dropped one, or offloaded): the fallback's plan where it fits, else the
-        # lowest (at once under the recompute greedy's lowest, from its kept ladder).
-        lowest, beyond = self._own_lowest(graph)[0], self._beyond()
-        reach = None if self.fallback else min(beyond.lowest(graph), key=lambda c: c.peak)
-        found = reach.aimed(aim) if reach and reach.peak > aim else beyond.plan(graph, aim)
+        # dropped one, or offloaded): the fallback's plan where it fits,
+        # else the lowest.
+        lowest = self._own_lowest(graph)[0]
+        beyond = self._beyond()
+        found = beyond.plan(graph, aim)
         outside = Solution([], self.cost(found.schedule) - self.table(graph).base_cost,
                            0.0, "fallback", 0, 0.0, fallback=beyond.name)
         if not found.fits and lowest.peak <= found.peak:
