@@ -41,6 +41,7 @@ from jaxmem.cost._evaluate import candidate, fused_values
 from jaxmem.graph._graph import Graph
 from jaxmem.cost._memory import Liveness
 from jaxmem.planners._choices import Drop, levels, plan_of
+from jaxmem.schedule._schedule import readable
 
 
 @dataclasses.dataclass
@@ -223,14 +224,8 @@ class _Estimator:
   def _rebuild_flops(self, rebuilt: frozenset, dropped: set, saved: frozenset) -> float:
     """FLOPs of the equations that rebuild the residuals in ``rebuilt``,
     with those in ``dropped`` recomputed, from values the backward pass
-    may read (``_schedule``'s rule: step
-    inputs, saved values, kept residuals with a buffer, buffers kept
-    fused residuals are computed from)."""
-    graph, fused = self.graph, self.fused
-    held = {b for v, bufs in fused.items()
-            if v not in dropped and graph.is_residual(v) for b in bufs}
-    available = lambda v: (not graph.is_forward_value(v) or v in held or v in saved
-                           or (graph.is_residual(v) and v not in dropped and v not in fused))
+    may read (the schedule builder's rule, :func:`readable`)."""
+    graph, available = self.graph, readable(self.graph, self.fused, dropped, saved)
     run, stack = set(), [v for v in rebuilt if graph.is_residual(v)]
     while stack:
       vid = stack.pop()

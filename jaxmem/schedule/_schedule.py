@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Callable
 
 from jax.extend import core as jex
 
@@ -117,10 +118,7 @@ class _Builder:
     self.offloaded = plan.with_kind("offload")
     self.chunked = plan.with_kind("chunked")
     self.dropped = plan.values_with("recompute") | rebuilt_in_readers(graph, plan, fused)
-    # Buffers that kept fused residuals are computed from stay alive for
-    # their backward reads, so recomputation may read them too.
-    self.held = {b for vid, bufs in fused.items()
-                 if graph.is_residual(vid) and vid not in self.dropped for b in bufs}
+    self.available = readable(graph, fused, self.dropped, self.saved)
     self.ops: list[Op] = []
     self.cache: dict[int, Key] = {}  # dropped residual -> recomputed key
     # Other recomputed values, reused while the backward pass stays in the
@@ -167,17 +165,6 @@ class _Builder:
 
   def fresh(self, vid: int) -> Key:
     return (vid, next(self._versions))
-
-  def available(self, vid: int) -> bool:
-    """Whether the original value may be read in the backward pass."""
-    if not self.graph.is_forward_value(vid):
-      return True  # step input, constant or backward value
-    # A forward value may be read only if it is a kept residual with a
-    # buffer of its own: reading a pure forward intermediate, or a residual
-    # XLA computes inside its readers, would give it a buffer kept alive
-    # until here, and save nothing.
-    return vid in self.held or vid in self.saved or (
-        self.graph.is_residual(vid) and vid not in self.dropped and vid not in self.fused)
 
   def run(self) -> Schedule:
     graph = self.graph
@@ -434,6 +421,19 @@ class _Builder:
                                         for u in graph.values[vid].uses):
         return vid
     return None
+
+
+def readable(graph: Graph, fused: dict, dropped, saved) -> Callable[[int], bool]:
+  """Whether the backward pass may read a value as the forward pass made it,
+  with the residuals ``dropped`` rebuilt and the values ``saved`` kept:
+  step inputs, constants and backward values; of the forward values only a
+  kept residual with a buffer of its own (reading a pure intermediate, or a
+  residual XLA computes inside its readers, would keep a buffer alive until
+  there), a saved value, or a buffer a kept fused residual is computed from."""
+  held = {b for vid, bufs in fused.items()
+          if graph.is_residual(vid) and vid not in dropped for b in bufs}
+  return lambda vid: (not graph.is_forward_value(vid) or vid in held or vid in saved or (
+      graph.is_residual(vid) and vid not in dropped and vid not in fused))
 
 
 @analysis
