@@ -355,18 +355,23 @@ def reaim(points: list[tuple[float, int]], room: int, aim: int) -> int:
   ``room`` (XLA keeps some bytes whatever a plan does, so a plan
   recomputing more saves less than its model peak says); else the last
   peak scaled by how far XLA overshot. Always under the last peak and
-  ``aim``: a plan well within its aim would otherwise come back unchanged.
+  ``aim`` (a plan well within its aim would otherwise come back unchanged),
+  and not under half the scaled aim: a line that XLA's footprint barely
+  follows reaches far, past where two points say anything.
 
   Example:
     >>> reaim([(100, 110), (80, 95)], 90, 90)  # XLA = 35 + 0.75 x model
     72
+    >>> reaim([(100, 110), (80, 109)], 90, 90)  # XLA follows the model little
+    32
   """
   (before, over_before), (peak, over) = points[-2:]
   under = min(aim, peak)
   scaled = under * room / over * 0.99
   if before > peak and over_before > over:
     slope = (over_before - over) / (before - peak)
-    return int(min(peak - (over - 0.99 * room) / slope, under * 0.999))
+    line = min(peak - (over - 0.99 * room) / slope, under * 0.999)
+    return int(max(line, scaled / 2))
   return int(scaled)
 
 
