@@ -193,11 +193,12 @@ class Target:
       return sharding  # on a mesh of compile-only GPUs already
     return jax.sharding.NamedSharding(self.mesh_like(sharding.mesh), sharding.spec)
 
-  def mesh_like(self, mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+  def mesh_like(self, mesh: jax.sharding.Mesh,
+                shape: tuple[int, ...] | None = None) -> jax.sharding.Mesh:
     """The mesh of the target's GPUs that stands for ``mesh`` (of this
     machine's devices) in what is compiled for it: on a compile-only
-    target, as many compile-only GPUs in the same shape, with the same
-    axis names; else ``mesh`` itself."""
+    target, as many compile-only GPUs in the same shape (or ``shape``),
+    with the same axis names; else ``mesh`` itself."""
     if not self.compile_only:
       return mesh
     if self.profile is None or self.profile.description is None:
@@ -205,7 +206,7 @@ class Target:
           f"jaxmem: target {self.name} has no GPU description to make a mesh of its "
           f"GPUs from (profile {self.profile and self.profile.name!r}); pass target= a "
           "profile with one (a name in jaxmem.PROFILES, or jaxmem.calibrate()'s).")
-    return _compile_only_mesh(self.profile.description.text(), mesh.devices.shape,
+    return _compile_only_mesh(self.profile.description.text(), shape or mesh.devices.shape,
                               tuple(mesh.axis_names))
 
   def compiles(self, fun: Callable, leaves: Sequence, one_device: bool = False) -> Callable:
@@ -218,8 +219,7 @@ class Target:
       return fun
     if not one_device:
       return retargeted(fun, leaves, self.mesh_like)
-    return retargeted(fun, leaves, lambda mesh: self.mesh_like(jax.sharding.Mesh(
-        mesh.devices.flat[:1].reshape((1,) * mesh.devices.ndim), mesh.axis_names)))
+    return retargeted(fun, leaves, lambda mesh: self.mesh_like(mesh, (1,) * mesh.devices.ndim))
 
   def options(self, measuring: bool = False) -> dict:
     """Compiler options for this target's compilations (see ``_flags``).

@@ -14,7 +14,11 @@ Example:
   >>> mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
   >>> step = jax.shard_map(lambda x: jax.lax.psum(x, "data"), mesh=mesh,
   ...                      in_specs=P("data"), out_specs=P())
-  >>> names_local_mesh(jax.make_jaxpr(step)(jnp.ones(4)).jaxpr)
+  >>> one = Mesh(np.array(jax.devices()[:1]), ("data",))  # stands for a target's
+  >>> closed = moved(jax.make_jaxpr(step)(jnp.ones(4)), lambda m: one)
+  >>> closed.eqns[0].params["mesh"] is one
+  True
+  >>> moved(jax.make_jaxpr(jnp.sin)(jnp.ones(4)), lambda m: one) is None  # no mesh
   True
 """
 
@@ -52,13 +56,6 @@ def _params_values(jaxpr: jex.Jaxpr):
           yield item
 
 
-def names_local_mesh(jaxpr: jex.Jaxpr) -> bool:
-  """Whether an equation of ``jaxpr`` names a mesh of this machine's devices
-  (a ``shard_map``'s, or a sharding constraint's)."""
-  return any(_local(v) or (isinstance(v, NamedSharding) and _local(v.mesh))
-             for v in _params_values(jaxpr))
-
-
 class _Moved:
   """The rule that moves one jaxpr's meshes: each mesh of this machine's
   devices to ``mesh_like(mesh)``, each abstract mesh of the same axes to
@@ -67,7 +64,9 @@ class _Moved:
 
   def __init__(self, mesh_like: Callable[[Mesh], Mesh], jaxpr: jex.Jaxpr):
     self.mesh_like = mesh_like
-    self.abstract: dict = {}  # (axis names, sizes) -> the target's abstract mesh
+    # (axis names, sizes) -> the target's abstract mesh, for each mesh of
+    # this machine's devices the jaxpr names (none: nothing to move).
+    self.abstract: dict = {}
     self.vars: dict = {}  # a variable -> the same with its aval's mesh moved
     for value in _params_values(jaxpr):  # every mesh known before any is moved
       self.value(value)
@@ -142,10 +141,15 @@ class _Moved:
                          outvars=atoms(jaxpr.outvars), eqns=eqns)
 
 
-def moved(closed: jex.ClosedJaxpr, mesh_like: Callable[[Mesh], Mesh]) -> jex.ClosedJaxpr:
-  """``closed`` with each mesh of this machine's devices replaced by
-  ``mesh_like(mesh)`` (:meth:`~jaxmem.targets.Target.mesh_like`)."""
-  return jex.ClosedJaxpr(_Moved(mesh_like, closed.jaxpr).jaxpr(closed.jaxpr), closed.consts)
+def moved(closed: jex.ClosedJaxpr,
+          mesh_like: Callable[[Mesh], Mesh]) -> jex.ClosedJaxpr | None:
+  """``closed`` with each mesh of this machine's devices (a ``shard_map``'s,
+  or a sharding constraint's) replaced by ``mesh_like(mesh)``
+  (:meth:`~jaxmem.targets.Target.mesh_like`); None where it names none."""
+  mover = _Moved(mesh_like, closed.jaxpr)
+  if not mover.abstract:
+    return None
+  return jex.ClosedJaxpr(mover.jaxpr(closed.jaxpr), closed.consts)
 
 
 def retargeted(fun: Callable, leaves: Sequence, mesh_like: Callable[[Mesh], Mesh]) -> Callable:
@@ -155,7 +159,5 @@ def retargeted(fun: Callable, leaves: Sequence, mesh_like: Callable[[Mesh], Mesh
   moved jaxpr; else ``fun`` itself."""
   avals = [jax.ShapeDtypeStruct(np.shape(x), jax.typeof(x).dtype,
                                 weak_type=jax.typeof(x).weak_type) for x in leaves]
-  closed = jax.make_jaxpr(fun)(*avals)
-  if not names_local_mesh(closed.jaxpr):
-    return fun
-  return jex.jaxpr_as_fun(moved(closed, mesh_like))
+  closed = moved(jax.make_jaxpr(fun)(*avals), mesh_like)
+  return fun if closed is None else jex.jaxpr_as_fun(closed)
