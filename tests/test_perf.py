@@ -91,3 +91,12 @@ def test_calibrate_measures_this_device():
   assert profile.link_latency >= 0 and profile.memory > 0
   assert profile.unified == (jax.devices()[0].platform == "cpu")
   assert "calibrate" in profile.source
+
+
+def test_a_collective_takes_its_exchanged_bytes_over_the_interconnect():
+  h100 = get_profile("h100")
+  gather = OpCost("all_gather", 0.0, 2 * 2**20, exchanged=2**30)
+  assert gather.seconds(h100) == pytest.approx(2**30 / h100.interconnect_bandwidth)
+  alone = DeviceProfile("one", flops=1e12, memory_bandwidth=1e11, h2d_bandwidth=1e10,
+                        d2h_bandwidth=1e10, link_latency=0.0, memory=2**30)
+  assert gather.seconds(alone) == pytest.approx(2**30 / 1e11)  # no interconnect: memory

@@ -171,3 +171,22 @@ def test_the_planners_cost_follows_the_clock_on_a_gpu_target(name, config):
   graph = with_buffers(graph, learn(graph, target))
   modelled = predict_schedule(unplanned(graph, 0).schedule, target.profile).seconds
   assert 0.75 < modelled / clock < 1.25, (modelled, clock)
+
+
+GATHER = """\
+HloModule m, is_scheduled=true
+
+ENTRY %main (x: f32[31250]) -> f32[250000] {
+  %x = f32[31250]{0} parameter(0)
+  ROOT %g = f32[250000]{0} all-gather(%x), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}, use_global_device_ids=true
+}
+"""
+
+
+def test_a_collective_moves_its_result_over_the_interconnect():
+  # 1 MB gathered at 0.1 GB/s between GPUs: 10 ms, where its memory traffic
+  # (at most 1.125 MB at 1 GB/s) takes about 1 ms.
+  linked = dataclasses.replace(TOY, interconnect_bandwidth=1e8)
+  assert program_time(GATHER, linked).seconds == pytest.approx(1e-2)
+  alone = dataclasses.replace(TOY, interconnect_bandwidth=None)  # one GPU: memory only
+  assert program_time(GATHER, alone).seconds <= 1.125e-3 + 1e-9
