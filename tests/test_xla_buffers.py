@@ -165,3 +165,47 @@ def test_a_max_pool_gradient_holds_what_xla_expands_it_to(shape, target):
   operand = 4 * jnp.prod(jnp.array(shape))
   assert xla > 3 * operand  # the expansion is most of the footprint
   assert abs(model / xla - 1) <= 0.05, (model, xla)
+
+
+def test_a_padded_copy_lives_with_the_forward_reads_of_a_block_checkpointed_whole():
+  """XLA:GPU pads a convolution's input once and keeps the copy for the
+  backward pass; behind a barrier (a block checkpointed whole reads its
+  input through one) it pads again. The model holds the copy beside the
+  value until the last op that reads the value itself, and no longer."""
+  import dataclasses
+  import flax.linen as nn
+  from jaxmem.cost._xla_buffers import Buffers
+  from jaxmem.planners._blocks import block_plans
+  from jaxmem.cost._evaluate import candidate
+
+  class Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x + nn.Dense(16)(jnp.tanh(nn.Dense(16)(x)))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return jnp.sum(Block()(Block()(x)) ** 2)
+
+  # A batch whose activations are larger than any gradient, so that no
+  # output buffer holds them.
+  net, x = Net(), jnp.ones((64, 16))
+  params = net.init(jax.random.key(0), x)
+  graph = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(params))
+  # The first block's output (its residual add): the second block's input.
+  made = next(n for n in graph.nodes if not n.backward and n.prim.name == "add"
+              and n.label.split()[0] in ("Net/Block_0", "Net/Block_1"))
+  copy = 1 << 20
+  everything = frozenset(range(len(graph.values)))
+  plain = with_buffers(graph, Buffers(everything, {}))
+  padded = with_buffers(graph, Buffers(everything, {made.index: copy}))
+  plan = block_plans(plain, "nothing_saveable")[0]
+  without, held = candidate(plain, plan).memory, candidate(padded, plan).memory
+  ops, key = held.schedule.ops, (made.outs[0], 0)
+  assert any(op.kind == "barrier" and key in op.ins for op in ops)  # checkpointed
+  start = next(i for i, op in enumerate(ops) if key in op.outs)
+  last = max(i for i, op in enumerate(ops) if op.kind != "barrier" and key in op.ins)
+  assert not ops[last].kind == "node" or not graph.nodes[ops[last].node].backward
+  extra = [a - b for a, b in zip(held.timeline, without.timeline)]
+  assert extra == [0] * start + [copy] * (last + 1 - start) + [0] * (len(ops) - last - 1)

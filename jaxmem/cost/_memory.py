@@ -161,12 +161,13 @@ class _Prepared:
   start: int  # device bytes held from the start
   on_host: int  # host bytes held from the start
   loops: dict  # op position -> what the loop it runs holds while it runs
+  copies_free_at: dict  # op position -> the keys whose copies beside it free there
 
   @property
   def walk_args(self) -> tuple:
     """:func:`_walk`'s arguments after the schedule."""
     return (self.fusion, self.owned_by, self.free_at, self.host, self.in_outputs,
-            self.start, self.on_host, self.loops)
+            self.start, self.on_host, self.loops, self.copies_free_at)
 
 
 def _prepare(schedule: Schedule) -> _Prepared:
@@ -223,7 +224,27 @@ def _prepare(schedule: Schedule) -> _Prepared:
            if op.kind == "node" and graph.nodes[op.node].prim.name == "scan"}
   return _Prepared(arguments, reads, root, fused_reads, fused, fusion, owned_by, free_at,
                    host, in_outputs, arguments + out_bytes,
-                   sum(nbytes(k) for k in hosted_in), loops)
+                   sum(nbytes(k) for k in hosted_in), loops, _copies_free_at(ops, fusion))
+
+
+def _copies_free_at(ops, fusion: Fusion) -> dict[int, list]:
+  """Op position -> the keys whose copies beside their buffer
+  (:meth:`Fusion.beside`: the padded copy a convolution and its backward
+  pass share) free there: after the last op that reads the key itself.
+  A read through a barrier's output is not one: XLA pads the value again
+  behind the barrier (a block checkpointed whole reads its input that
+  way), so the copy made for the forward pass dies with it."""
+  last: dict = {}
+  for pos, op in enumerate(ops):
+    if op.kind == "barrier":
+      continue
+    for key in fusion.operands(pos):
+      last[key] = pos
+  free_at: dict[int, list] = {}
+  for key, pos in fusion.producer_of.items():
+    if fusion.beside(key):
+      free_at.setdefault(max(last.get(key, pos), pos), []).append(key)
+  return free_at
 
 
 @analysis
@@ -267,11 +288,12 @@ KINDS = ("residuals", "recomputed", "copied back", "temporaries")
 
 def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
           in_outputs: set, start: int, on_host: int = 0, loops: dict | None = None,
-          classify=None) -> _Walk:
-  """Walks the ops in order: each op's own buffers are allocated (host
-  copies on the host; temporaries placed in output buffers add nothing),
-  the timeline records the live bytes with the op's scratch, and buffers
-  whose last reader it is are freed. ``start`` device bytes and ``on_host``
+          copies_free_at: dict | None = None, classify=None) -> _Walk:
+  """Walks the ops in order: each op's own buffers are allocated with the
+  copies beside them (host copies on the host; temporaries placed in
+  output buffers add nothing), the timeline records the live bytes with
+  the op's scratch, and buffers whose last reader it is are freed, and
+  copies at ``copies_free_at``. ``start`` device bytes and ``on_host``
   host bytes are held from the start; ``loops`` holds, per op that runs a
   loop, what its body holds while it runs (:func:`loop_scratch`). With ``classify`` (key -> one of
   :data:`KINDS`), ``kinds`` splits the timeline less ``start`` by kind (an
@@ -281,6 +303,15 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
   live_set: set = set()
   walk = _Walk(live, 0, [], [], [], {k: [] for k in KINDS} if classify else {})
   held = dict.fromkeys(KINDS, 0)
+  besides: dict = {}  # key -> bytes of its copies still held
+
+  def release(key, copies_only: bool = False) -> None:
+    nonlocal live
+    freed = besides.pop(key, 0) + (0 if copies_only else nbytes(key))
+    live -= freed
+    if classify:
+      held[classify(key)] -= freed
+
   for pos in range(len(ops)):
     for key in owned_by.get(pos, ()):
       if key in host:
@@ -288,10 +319,11 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
         continue
       if key in in_outputs:
         continue
-      live += nbytes(key) + fusion.beside(key)
+      besides[key] = fusion.beside(key)
+      live += nbytes(key) + besides[key]
       live_set.add(key)
       if classify:
-        held[classify(key)] += nbytes(key) + fusion.beside(key)
+        held[classify(key)] += nbytes(key) + besides[key]
     scratch = fusion.scratch(pos) + (loops or {}).get(pos, 0)
     walk.timeline.append(live + scratch)
     walk.host_timeline.append(on_host)
@@ -299,14 +331,15 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       series.append(held[kind] + (scratch if kind == "temporaries" else 0))
     if walk.timeline[-1] > walk.peak:
       walk.peak, walk.peak_op, walk.live_at_peak = walk.timeline[-1], pos, list(live_set)
+    for key in (copies_free_at or {}).get(pos, ()):
+      if key in live_set:
+        release(key, copies_only=True)
     for key in free_at.get(pos, ()):
       if key in host:
         on_host -= nbytes(key)
       elif key in live_set:
-        live -= nbytes(key) + fusion.beside(key)
+        release(key)
         live_set.discard(key)
-        if classify:
-          held[classify(key)] -= nbytes(key) + fusion.beside(key)
   return walk
 
 
