@@ -16,7 +16,7 @@ from jaxmem.fit._arguments import Arguments, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
-from jaxmem.cost._evaluate import Candidate, evaluate
+from jaxmem.cost._evaluate import Candidate, unplanned
 from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter, budget_error, remember, remembered, search
 from jaxmem.fit._fitted import Fit
@@ -279,7 +279,7 @@ class Transformed:
     graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves)
     own = own or written
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
-    base_memory = evaluate(graph, Plan())[1]
+    base_memory = unplanned(graph, 0).memory  # the step as written
     unconstrained = written.footprint or base_memory.peak
     emitter = functools.partial(emitted, own, graph, loop)
     no_backward(planned)
@@ -294,7 +294,7 @@ class Transformed:
                             placed_args, placed_kwargs)
 
     budget, reserve = self._budget_bytes(unconstrained, target)
-    model = base_memory if loop is None else evaluate(planned, Plan())[1]
+    model = base_memory if loop is None else unplanned(planned, 0).memory
     fixed = 0 if graph.buffers and graph.buffers.workspace else workspace_bytes(own.baseline)
     clock = target_clock(target)
     fitter = functools.partial(Fitter, budget=budget - reserve,

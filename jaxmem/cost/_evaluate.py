@@ -82,8 +82,14 @@ class Candidate:
 
   @property
   def changes_step(self) -> bool:
-    """Whether the step differs from the step as written."""
-    return bool(len(self.plan)) or bool(self.schedule.graph.hosted)
+    """Whether the step differs from the step as written: a plan with
+    decisions, state kept in host memory, or backward reads separated
+    from the forward pass (the schedule of an empty plan a planner starts
+    from, :func:`unplanned_liveness`: on XLA:GPU, a padded copy that the
+    forward and backward convolutions share as written is then made
+    twice and held half as long)."""
+    return (bool(len(self.plan)) or bool(self.schedule.graph.hosted)
+            or any(op.kind != "node" for op in self.schedule.ops))
 
   def __repr__(self) -> str:
     mib = lambda n: f"{n / 2**20:.2f} MiB"

@@ -178,6 +178,7 @@ class Fitter:
     trial = self._compiled(candidate)
     _log.info("jaxmem: compiled %s: footprint %s against the budget %s%s in %.1f s",
               f"a plan of {len(candidate.plan)} decisions" if len(candidate.plan)
+              else "the step with its backward reads separated" if candidate.changes_step
               else "the step as written", format_bytes(trial.measured),
               format_bytes(self.budget),
               "" if trial.seconds is None else f", predicted {trial.seconds * 1e3:.3g} ms",
@@ -190,7 +191,7 @@ class Fitter:
     if candidate.uses_host and not holds_host_memory(compiled):
       return Trial(candidate, int(candidate.peak / self.model_scale) + self.fixed, seconds)
     trial = Trial(candidate, xla_footprint(compiled), seconds)
-    if trial.footprint is not None and len(candidate.plan):
+    if trial.footprint is not None and candidate.changes_step:
       self._ratios.append(candidate.peak / self._model_part(trial.footprint))
     return trial
 
@@ -230,7 +231,7 @@ class Fitter:
     aim = int(room * self.model_scale * (1 - FIRST_MARGIN))
     # (model peak, XLA's footprint less ``fixed``) of each step compiled;
     # the first, the step as written's (which ``model_scale`` is of).
-    written = unplanned_liveness(graph).peak
+    written = unplanned(graph, 0).peak
     points = [(written, written / self.model_scale)]
     for rounds in itertools.count(1):
       if self.needs_plan(aim):
@@ -241,7 +242,7 @@ class Fitter:
           return trial, rounds - 1
         previous = candidate.plan
       else:
-        candidate = unplanned(graph, aim)
+        candidate = self.start(aim)
       trial = self.compile(candidate)
       if (trial.measured <= self.budget or not candidate.fits
           or rounds >= self.max_rounds):
@@ -255,6 +256,15 @@ class Fitter:
     ``aim``."""
     return (self.graph.has_backward and self.budget < self.unconstrained
             and unplanned_liveness(self.graph).peak > aim)
+
+  def start(self, aim: int) -> Candidate:
+    """Where no plan is needed for ``aim``: the step as written where the
+    budget is not under its footprint, else the planners' starting point
+    (every residual kept, the backward reads separated), which XLA:GPU
+    may compile smaller than the step as written."""
+    if self.graph.has_backward and self.budget < self.unconstrained:
+      return candidate(self.graph, Plan(), aim)
+    return unplanned(self.graph, aim)
 
   def loosen(self, found: Trial, rounds: int = 2) -> Trial:
     """A fitting plan well under the budget, where the model rates the

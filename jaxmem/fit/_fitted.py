@@ -205,6 +205,10 @@ class Fit:
          "the step fits the budget" if not len(self.plan) and self.hosted else
          "decisions         none on residuals: in chunks the step fits the budget"
          if not len(self.plan) and self.micro else
+         "decisions         none on residuals: with its backward reads separated from "
+         "the forward pass (values padded or laid out again for the backward pass "
+         "instead of one copy held between them) the step fits the budget"
+         if not len(self.plan) and self.result.changes_step else
          "decisions         none: the step as written fits the budget, nothing needed "
          "planning" if not len(self.plan) else
          f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
