@@ -86,8 +86,8 @@ class Candidate:
     decisions, state kept in host memory, or backward reads separated
     from the forward pass (the schedule of an empty plan a planner starts
     from, :func:`unplanned_liveness`: on XLA:GPU, a padded copy that the
-    forward and backward convolutions share as written is then made
-    twice and held half as long)."""
+    forward and backward convolutions share as written is then made again
+    for the backward pass, and the forward pass's copy dies with it)."""
     return (bool(len(self.plan)) or bool(self.schedule.graph.hosted)
             or any(op.kind != "node" for op in self.schedule.ops))
 

@@ -234,16 +234,12 @@ def _copies_free_at(ops, fusion: Fusion) -> dict[int, list]:
   A read through a barrier's output is not one: XLA pads the value again
   behind the barrier (a block checkpointed whole reads its input that
   way), so the copy made for the forward pass dies with it."""
-  last: dict = {}
-  for pos, op in enumerate(ops):
-    if op.kind == "barrier":
-      continue
-    for key in fusion.operands(pos):
-      last[key] = pos
   free_at: dict[int, list] = {}
   for key, pos in fusion.producer_of.items():
     if fusion.beside(key):
-      free_at.setdefault(max(last.get(key, pos), pos), []).append(key)
+      last = max((p for p in fusion.readers.get(key, ()) if ops[p].kind != "barrier"),
+                 default=pos)
+      free_at.setdefault(max(last, pos), []).append(key)
   return free_at
 
 

@@ -42,8 +42,7 @@ from jaxmem.planners import Fixed, Planner
 from jaxmem.targets import DeviceProfile, holds_host_memory, xla_footprint
 
 # How many plans shaped like the per-block policies a fit compiles on a
-# target with a clock, to rank them by predicted time (each is one
-# compilation of the step).
+# target with a clock, to rank them by predicted time (one compilation each).
 STRUCTURED_COMPILES = 4
 
 # Each plan and each compilation of a fit, at INFO level:
@@ -251,18 +250,19 @@ class Fitter:
       aim = reaim(points, room, aim)
 
   def needs_plan(self, aim: int) -> bool:
-    """Whether the step must be planned: it has a backward pass, the budget
-    is under its footprint and the planners' starting point is over
-    ``aim``."""
-    return (self.graph.has_backward and self.budget < self.unconstrained
-            and unplanned_liveness(self.graph).peak > aim)
+    """Whether the step must be planned: :meth:`_under_written`, and the
+    planners' starting point is over ``aim``."""
+    return self._under_written() and unplanned_liveness(self.graph).peak > aim
+
+  def _under_written(self) -> bool:
+    """A backward pass, and a budget under the step's footprint as written."""
+    return self.graph.has_backward and self.budget < self.unconstrained
 
   def start(self, aim: int) -> Candidate:
-    """Where no plan is needed for ``aim``: the step as written where the
-    budget is not under its footprint, else the planners' starting point
-    (every residual kept, the backward reads separated), which XLA:GPU
-    may compile smaller than the step as written."""
-    if self.graph.has_backward and self.budget < self.unconstrained:
+    """Where no plan is needed for ``aim``: the step as written, or under its
+    footprint the planners' starting point (every residual kept, backward
+    reads separated), which XLA:GPU may compile smaller."""
+    if self._under_written():
       return candidate(self.graph, Plan(), aim)
     return unplanned(self.graph, aim)
 

@@ -3,9 +3,9 @@
 Planning time grows with the step: each plan a planner weighs is a full
 evaluation (the rewritten schedule and its liveness walk), and a search
 weighs many (the planner says about how many). Before the first search, an
-evaluation is timed (the faster of two); where the search it implies would take longer than ``LONG``
-seconds, a warning (shown without any logging set up) says how long, why,
-and what saves the wait next time.
+evaluation is timed (the faster of two); where the search it implies would
+take longer than ``LONG`` seconds, a warning (shown without any logging set
+up) says how long, why, and what saves the wait next time.
 """
 
 from __future__ import annotations
