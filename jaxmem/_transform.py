@@ -27,7 +27,7 @@ from jaxmem.fit._micro import (AUTO, MicroBatches, argument_groups, cheaper, che
                                devices_of, fit_chunked, fit_micro_batches, spread)
 from jaxmem.fit._saved import fingerprint, loads, micro_batches_of
 from jaxmem.planners import Fixed, get_planner
-from jaxmem.targets import Target, resolve, workspace_bytes
+from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
 from jaxmem.targets._host_args import device_aval
 from jaxmem.fit._host_state import (
     compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state)
@@ -214,7 +214,7 @@ class Transformed:
     start = time.perf_counter()
     self.arguments = self.arguments.with_donations(
         *inherited_donations(self.fun, args, kwargs, self.arguments))
-    planner = get_planner(self._planner_spec, target.profile)
+    planner = get_planner(self._planner_spec, timing_profile(target))
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
     step = fingerprint(closed)
     count, region = self.micro_batches, False
@@ -308,7 +308,7 @@ class Transformed:
     planned, planner, found = search(
         fitter, planned, planner, find_smallest,
         self.host_state and loop is None and target.may_host_state() and devices_of(leaves) < 2,
-        None if saved is None else (saved, _plan_cache.path(*cached)), target.profile)
+        None if saved is None else (saved, _plan_cache.path(*cached)), timing_profile(target))
     if found is None:
       return None
     trial, attempts = found
@@ -344,7 +344,7 @@ class Transformed:
       return None
     return where, _plan_cache.key(
         step, shardings=[str(getattr(x, "sharding", None)) for x in leaves], budget=budget,
-        reserve=reserve, target=target.name, profile=target.profile,
+        reserve=reserve, target=target.name, profile=timing_profile(target),
         description=None if target.profile is None else target.profile.description,
         planner=planner.describe(), max_rounds=self.max_rounds, host_state=self.host_state)
 

@@ -18,6 +18,7 @@ LAYERS = [
     {"fit._saved", "targets._profiles"},
     {"fit._plan_cache"},
     {"targets._compile", "targets._calibrate"},
+    {"targets._copy_schedule"},
     {"targets"},
     {"graph._graph"},
     {"graph._xla_cpu_fusion", "graph._loops", "graph._state", "graph._axis_rules",

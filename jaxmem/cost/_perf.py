@@ -5,8 +5,11 @@ throughput, bytes read and written against memory bandwidth; views and
 barriers are free). Copies between device and host run on two more streams,
 one each way, in the order they are issued: a copy starts when its stream is
 free and its value exists, and an op that needs a prefetched value waits
-until the copy is done (``ready <= start``; the wait is a *stall*). The step
-time is when the last op or copy finishes.
+until the copy is done (``ready <= start``; the wait is a *stall*). Where
+the target's compiler waits for each copy where it issues it
+(``DeviceProfile.copies_wait``, XLA:GPU's default schedule), the compute
+stream waits there for the copy, one copy after another: the whole copy is
+a stall. The step time is when the last op or copy finishes.
 
 Example:
   >>> from jaxmem.targets._profiles import get_profile
@@ -14,6 +17,13 @@ Example:
   >>> t = predict(ops, [], get_profile("t4"))
   >>> round(t.seconds * 1e3, 3), t.stall
   (0.246, 0.0)
+  >>> import dataclasses
+  >>> copy = [Transfer("d2h", 2**20, 0)]  # 1 MiB down after op a: 97 us at 12 GB/s
+  >>> round(predict(ops, copy, get_profile("t4")).seconds * 1e3, 3)
+  0.246
+  >>> waits = dataclasses.replace(get_profile("t4"), copies_wait=True)
+  >>> round(predict(ops, copy, waits).seconds * 1e3, 3), round(predict(ops, copy, waits).stall * 1e6)
+  (0.343, 97)
 """
 
 from __future__ import annotations
@@ -72,7 +82,7 @@ class Transfer:
 @dataclasses.dataclass
 class Timing:
   """A predicted step: total seconds, the part spent computing, the time
-  ops waited for prefetches, and each copy's (start, end)."""
+  ops waited for copies, and each copy's (start, end)."""
   seconds: float
   compute: float
   stall: float
@@ -98,16 +108,22 @@ def predict(ops: list[OpCost], transfers: list[Transfer],
   stream_free = {"d2h": 0.0, "h2d": 0.0}
   span: list = [None] * len(transfers)
 
-  def issue(after: int, now: float) -> None:
+  def issue(after: int, now: float) -> float:
+    """Starts the copies issued after op ``after`` at ``now``; returns when
+    the compute stream goes on: at once, or where copies wait, when the
+    last of them ends."""
     for i in by_issue.get(after, ()):
       t = transfers[i]
       start = max(now, stream_free[t.direction])
       end = start + profile.transfer_seconds(t.nbytes, t.direction)
       stream_free[t.direction] = end
       span[i] = (start, end)
+      if profile.copies_wait:
+        now = end
+    return now
 
-  clock, stall, op_end = 0.0, 0.0, []
-  issue(-1, 0.0)
+  clock = stall = issue(-1, 0.0)
+  op_end = []
   for pos, seconds in enumerate(durations):
     ready = max((span[i][1] for i in waits.get(pos, ())), default=0.0)
     if ready > clock:
@@ -115,7 +131,8 @@ def predict(ops: list[OpCost], transfers: list[Transfer],
       clock = ready
     clock += seconds
     op_end.append(clock)
-    issue(pos, clock)
+    went_on = issue(pos, clock)
+    stall, clock = stall + went_on - clock, went_on
   end = max([clock] + [s[1] for s in span if s is not None])
   return Timing(end, sum(durations), stall, span, op_end)
 

@@ -101,10 +101,12 @@ class Planner:
     profile = self.target_profile
     if profile is None:
       return f"{self.name} (cost: recomputed FLOPs)"
+    waits = (", its compiler waiting for each host copy (priced as a stall)"
+             if profile.copies_wait and self.may_offload() else "")
     if self.assumed_target:
-      return (f"{self.name} on {profile.name} (assumed: no target given; pass "
+      return (f"{self.name} on {profile.name}{waits} (assumed: no target given; pass "
               f"target=<a name in jaxmem.PROFILES> or jaxmem.calibrate())")
-    return f"{self.name} on {profile.name}"
+    return f"{self.name} on {profile.name}{waits}"
 
 
 def with_target(target) -> tuple[object, bool]:

@@ -8,7 +8,9 @@
   description on a GPU);
 * :class:`Target` and :func:`resolve`: the device a fit compiles for (a
   compile-only GPU made from a description, or the device present) and how
-  its footprint is read (:func:`xla_footprint`, :func:`host_bytes`).
+  its footprint is read (:func:`xla_footprint`, :func:`host_bytes`);
+* :func:`timing_profile`: the profile plans are timed on, with how the
+  target's compiler schedules host copies (:func:`copies_wait`).
 
 Example:
   >>> from jaxmem.targets import PROFILES
@@ -17,6 +19,7 @@ Example:
 """
 
 from jaxmem.targets._calibrate import calibrate
+from jaxmem.targets._copy_schedule import copies_wait, timing_profile
 from jaxmem.targets._compile import (
     GPU_RUNTIME_RESERVE, Target, holds_host_memory, host_bytes, placed,
     platform_of, resolve, runtime_reserve, workspace_bytes, xla_footprint)
@@ -25,7 +28,7 @@ from jaxmem.targets._profiles import PROFILES, DeviceProfile, get_profile, profi
 
 __all__ = [
     "DeviceProfile", "GPU_RUNTIME_RESERVE", "GpuDescription", "PROFILES",
-    "Target", "calibrate", "get_profile", "holds_host_memory", "host_bytes",
+    "Target", "calibrate", "copies_wait", "get_profile", "holds_host_memory", "host_bytes",
     "parse", "placed", "platform_of", "profile_for_kind", "resolve",
-    "runtime_reserve", "workspace_bytes", "xla_footprint",
+    "runtime_reserve", "timing_profile", "workspace_bytes", "xla_footprint",
 ]

@@ -62,6 +62,12 @@ class DeviceProfile:
       collective of a sharded step, an FSDP weight gathered again among
       them, takes (None: one GPU; collectives are priced at memory
       bandwidth).
+    copies_wait: the step's compiler waits for each host copy right where
+      it issues it (XLA:GPU's default schedule, which puts every
+      ``copy-done`` right after its ``copy-start``), so a copy adds its
+      time to the step instead of running beside the kernels. A fit learns
+      it from the target's compiler (``targets.timing_profile``); False in
+      the presets: what the hardware allows.
   """
   name: str
   flops: float
@@ -76,6 +82,7 @@ class DeviceProfile:
   matmul_flops: float | None = None
   kernel_latency: float = 2e-6
   interconnect_bandwidth: float | None = None
+  copies_wait: bool = False
 
   @property
   def matmul_throughput(self) -> float:

@@ -1,0 +1,70 @@
+"""Host copies are timed as the target's compiler schedules them: XLA:GPU's
+default schedule waits for each copy where it is issued, so a plan's copies
+are stalls, and a planner that may offload or recompute takes the one that
+costs less as the program runs."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jaxmem
+import jaxmem_models as models
+from jaxmem.cost._perf import predict_schedule
+from jaxmem.planners import hybrid
+from jaxmem.targets import get_profile, resolve, timing_profile
+from jaxmem.targets import _copy_schedule
+
+T4 = "t4"
+
+
+def _copies(schedule) -> list[tuple[str, int]]:
+  """(direction, bytes) of each copy a schedule makes."""
+  return [("d2h" if op.kind == "offload" else "h2d", schedule.nbytes(op.outs[0]))
+          for op in schedule.ops if op.kind in ("offload", "prefetch")]
+
+
+def _probe_text(**options) -> str:
+  target = resolve(T4, ())
+  avals = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+  return jax.jit(_copy_schedule._probe, compiler_options={**target.options(), **options}).lower(
+      *target.place(avals)).compile().as_text()
+
+
+def test_xla_gpu_waits_for_each_host_copy_unless_latency_hiding_schedules_it():
+  # The default schedule: each copy-done right after its copy-start.
+  assert _copy_schedule.waits_for_copies(_probe_text()) is True
+  assert timing_profile(resolve(T4, ())).copies_wait is True
+  # The latency-hiding scheduler puts the matrix products between them.
+  assert _copy_schedule.waits_for_copies(
+      _probe_text(xla_gpu_enable_latency_hiding_scheduler=True)) is False
+  # No GPU: nothing to learn, the profile as it is (none on CPU).
+  assert timing_profile(resolve(None, [jnp.ones(2)])) is None
+
+
+def test_a_planner_whose_copies_wait_recomputes_where_offload_only_looked_free(mlp):
+  _, _, graph, base = mlp
+  t4 = get_profile(T4)
+  waits = dataclasses.replace(t4, copies_wait=True)
+  aim = int(0.7 * base)
+  overlapped, waited = hybrid(t4).plan(graph, aim), hybrid(waits).plan(graph, aim)
+  assert overlapped.plan.uses_host and waited.fits and not waited.plan.uses_host
+  # Timed as the program runs, the overlapped plan's copies are stalls, and
+  # the plan that waits for them costs less.
+  stalled, hidden = (predict_schedule(overlapped.schedule, p) for p in (waits, t4))
+  copies = sum(t4.transfer_seconds(nbytes, d) for (d, nbytes) in _copies(overlapped.schedule))
+  assert stalled.stall == pytest.approx(copies) and hidden.stall < copies / 2
+  assert predict_schedule(waited.schedule, waits).seconds < stalled.seconds
+  assert "waiting for each host copy" in hybrid(waits).describe()
+
+
+def test_a_fit_for_a_gpu_target_times_copies_as_its_compiler_schedules_them():
+  task = models.get("mlp", optimizer=optax.sgd(1e-3), depth=6, width=32, batch=256,
+                    features=16)
+  args = task.init()
+  fitted = jaxmem.transform(task.step, budget="100%", planner="hybrid", target=T4)
+  fit = fitted.fit(*args)
+  assert fit.planner.target_profile.copies_wait is True
+  assert "waiting for each host copy" in fitted.report(*args)
