@@ -12,6 +12,7 @@ import pytest
 
 import jaxmem
 import jaxmem_models as models
+from jaxmem.cost._evaluate import first_backward_need, prefetch_point
 from jaxmem.cost._perf import predict_schedule
 from jaxmem.planners import hybrid
 from jaxmem.targets import get_profile, resolve, timing_profile
@@ -68,3 +69,24 @@ def test_a_fit_for_a_gpu_target_times_copies_as_its_compiler_schedules_them():
   fit = fitted.fit(*args)
   assert fit.planner.target_profile.copies_wait is True
   assert "waiting for each host copy" in fitted.report(*args)
+
+
+def test_a_copy_the_compiler_waits_for_comes_back_where_it_is_needed(mlp):
+  """Waited for wherever it is issued, a copy back is issued at its reader:
+  issued earlier, it only holds the device buffer longer (XLA:GPU keeps
+  the copy where the plan's barrier puts it)."""
+  _, _, graph, base = mlp
+  t4 = get_profile(T4)
+  waits = dataclasses.replace(t4, copies_wait=True)
+  schedule = hybrid(t4).plan(graph, int(0.7 * base)).schedule
+  offloaded = schedule.plan.values_with("offload")
+  assert offloaded
+  position = {op.node: pos for pos, op in enumerate(schedule.ops) if op.kind == "node"}
+  earlier = 0
+  for vid in offloaded:
+    first = first_backward_need(schedule, vid)
+    reader = next(op.node for op in schedule.ops[first:] if op.kind == "node")
+    nbytes = graph.values[vid].nbytes
+    assert prefetch_point(schedule, vid, nbytes, waits) == reader
+    earlier += position[prefetch_point(schedule, vid, nbytes, t4)] < position[reader]
+  assert earlier  # overlapped, some copy is issued ahead of its reader

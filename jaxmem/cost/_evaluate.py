@@ -212,17 +212,21 @@ def prefetch_point(schedule: Schedule, value: int, nbytes: int, profile: DeviceP
   the earliest backward node, or with ``late`` the node where it is needed
   (the copy stalls the step but holds the device buffer for the least
   time). With ``after``, no node at or before that schedule position: a
-  copy that frees memory at a peak must not come back before it.
+  copy that frees memory at a peak must not come back before it. Where the
+  target's compiler waits for each copy (``profile.copies_wait``), the copy
+  stalls the step wherever it is issued: the node where it is needed.
   """
   graph = schedule.graph
   need = profile.transfer_seconds(nbytes, "h2d")
-  costs = schedule_costs(schedule) if costs is None else costs
   ops = schedule.ops
   first = first_backward_need(schedule, value)
   if first is None:
     return None
   # The backward node whose turn emits the op at ``first``.
   reader = next(op.node for op in ops[first:] if op.kind == "node")
+  if profile.copies_wait:
+    return reader
+  costs = schedule_costs(schedule) if costs is None else costs
   covered, at = 0.0, reader
   for pos in range(first - 1, after, -1):
     op = ops[pos]
