@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
-from jaxmem.targets import DeviceProfile, get_profile  # noqa: E402
+from jaxmem.targets import DeviceProfile, get_profile, timing_profile  # noqa: E402
 from jaxmem.cost._evaluate import unplanned  # noqa: E402
 from jaxmem import _flags  # noqa: E402
 from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
@@ -218,8 +218,9 @@ def _profile(job) -> DeviceProfile:
 
 
 def _planner(job):
-  """The jaxmem planner of a ``jaxmem:<name>`` job, for the job's profile."""
-  return PLANNERS[job["method"].split(":", 1)[1]](target=_profile(job))
+  """The jaxmem planner of a ``jaxmem:<name>`` job, for the job's profile
+  with host copies timed as XLA:GPU schedules them (``timing_profile``)."""
+  return PLANNERS[job["method"].split(":", 1)[1]](target=timing_profile(_profile(job)))
 
 
 def _task(job, batch: int | None = None):

@@ -18,7 +18,7 @@ import jax
 
 from jaxmem import _zoo
 from jaxmem._budget import BudgetError
-from jaxmem.targets import get_profile
+from jaxmem.targets import timing_profile
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.cost._memory import stacked
 from jaxmem.targets import holds_host_memory, xla_footprint
@@ -169,7 +169,7 @@ class Bench:
     self.config = dict(config)
     self.repeats = repeats
     self.progress = progress
-    self.target = None if target is None else get_profile(target)
+    self.target = None if target is None else timing_profile(target)
     self.base = self.task(Method("unconstrained"))
     self.args = self.base.init()
     compiled = self.base_compiled = jax.jit(self.base.step).lower(*self.args).compile()

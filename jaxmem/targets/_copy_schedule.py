@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.cost import _hlo as hlo
-from jaxmem.targets._compile import Target
-from jaxmem.targets._profiles import DeviceProfile
+from jaxmem.targets._compile import Target, resolve
+from jaxmem.targets._profiles import DeviceProfile, get_profile
 
 _log = logging.getLogger("jaxmem")
 
@@ -108,9 +108,25 @@ def copies_wait(target: Target) -> bool | None:
   return _copies_wait(target, os.environ.get("XLA_FLAGS", ""))
 
 
-def timing_profile(target: Target) -> DeviceProfile | None:
+def timing_profile(target: Target | DeviceProfile | str) -> DeviceProfile | None:
   """The profile plans for ``target`` are timed on: its own, with
-  ``copies_wait`` as its compiler schedules copies."""
+  ``copies_wait`` as its compiler schedules copies. ``target`` is a fit's
+  :class:`Target`, or a profile (or its name in ``PROFILES``), which is
+  timed as XLA:GPU compiles for it where it has a description and JAX's
+  CUDA plugin is installed (else as it is).
+
+  Example:
+    >>> timing_profile("orin-nano").copies_wait  # unified memory: no copies
+    False
+  """
+  if not isinstance(target, Target):
+    profile = get_profile(target)
+    try:
+      target = resolve(profile, ()) if profile.description is not None else None
+    except RuntimeError:  # no compile-only GPU without JAX's CUDA plugin
+      target = None
+    if target is None:
+      return profile
   profile = target.profile
   if profile is None or profile.unified:
     return profile
