@@ -152,11 +152,15 @@ def plot(rows: list[dict], out: str) -> list[str]:
   for key in sorted({(r["model"], r["target"]) for r in rows}):
     group = [r for r in rows if (r["model"], r["target"]) == key and "ms" in r]
     fig, ax = plt.subplots(figsize=(6.5, 4))
+    points: dict = {}  # policies that compile alike share a point and a label
     for r in group:
       if r["method"] != "jaxmem":
-        ax.plot(r["footprint"] / MIB, r["ms"], "o")
-        ax.annotate(r["method"].replace("remat:", ""), (r["footprint"] / MIB, r["ms"]),
-                    fontsize=7, xytext=(3, 3), textcoords="offset points")
+        points.setdefault((r["footprint"] / MIB, r["ms"]), []).append(
+            r["method"].replace("remat:", ""))
+    for (x, y), names in points.items():
+      ax.plot(x, y, "o")
+      ax.annotate("\n".join(names), (x, y), fontsize=7, xytext=(3, 3),
+                  textcoords="offset points")
     curve = sorted((r["footprint"] / MIB, r["ms"]) for r in group if r["method"] == "jaxmem")
     if curve:
       ax.plot(*zip(*curve), "k.-", label="jaxmem over budgets")
