@@ -43,7 +43,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxmem  # noqa: E402  (sets the XLA:CPU remat flag before the backend starts)
-from jaxmem.targets import DeviceProfile, get_profile, timing_profile  # noqa: E402
+from jaxmem.targets import (  # noqa: E402
+    DeviceProfile, copies_wait, get_profile, timing_profile)
 from jaxmem.cost._evaluate import unplanned  # noqa: E402
 from jaxmem import _flags  # noqa: E402
 from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
@@ -406,8 +407,11 @@ def environment(job) -> dict:
 def calibrate(job) -> dict:
   """The calibrated profile, and XLA's own description of the device as it
   came (``target_config``: its type and text, or why it could not be read),
-  so a profile without a description says why."""
-  record = {"status": "ok", "profile": jaxmem.calibrate().to_dict()}
+  so a profile without a description says why; and whether XLA here waits
+  for each host copy where it issues it (``copies_wait``: the planners then
+  time copies as stalls; None off a GPU)."""
+  record = {"status": "ok", "profile": jaxmem.calibrate().to_dict(),
+            "copies_wait": copies_wait(resolve(None, [jax.device_put(jnp.zeros(2))]))}
   try:
     config = target_config(jax.devices()[0])
     record["target_config"] = {"type": type(config).__name__, "text": str(config)[:8000]}
