@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem.graph import _primitives
+from jaxmem.graph._graph import Graph, analysis
 from jaxmem.targets._profiles import DeviceProfile
 
 
@@ -137,6 +138,34 @@ def predict(ops: list[OpCost], transfers: list[Transfer],
   return Timing(end, sum(durations), stall, span, op_end)
 
 
+# A barrier's cost: it runs no kernel.
+_BARRIER = OpCost("optimization_barrier", 0.0, 0)
+
+
+@analysis
+def node_costs(graph: Graph) -> tuple[OpCost, ...]:
+  """Each equation's cost as an op of a schedule that reads and writes its
+  values whole (what every op running it does but where a vTensor's chunk
+  is read): its FLOPs, and the bytes of the values it reads and writes that
+  have a buffer of their own (see :func:`schedule_costs`)."""
+  buffers = graph.buffers
+  moves = ((lambda v: True) if buffers is None
+           else (lambda v: v in buffers.materialized))
+  costs = []
+  for node in graph.nodes:
+    name = node.prim.name
+    if _primitives.is_free(name):
+      costs.append(OpCost(name, 0.0, 0))
+      continue
+    outs = sum(graph.values[v].nbytes for v in node.outs)
+    moved = (sum(graph.values[a].nbytes for a in node.ins if isinstance(a, int) and moves(a))
+             + sum(graph.values[v].nbytes for v in node.outs if moves(v)))
+    costs.append(OpCost(name, node.flops, moved, matmul=name in _MATMULS,
+                        launch=buffers is not None and node.index in buffers.launches,
+                        exchanged=outs if _primitives.communicates(name) else 0))
+  return tuple(costs)
+
+
 def schedule_costs(schedule) -> list[OpCost]:
   """The compute-stream costs of a rewritten step's ops (``_schedule``):
   node FLOPs, and bytes read and written; views and barriers cost nothing.
@@ -146,31 +175,26 @@ def schedule_costs(schedule) -> list[OpCost]:
   them) and ends a kernel where its node ended one in that program; else
   every op is a kernel that reads and writes all its values."""
   graph = schedule.graph
-  buffers = graph.buffers
-  moves = ((lambda k: True) if buffers is None
-           else (lambda k: k[0] in buffers.materialized))
-  costs = []
+  buffers, sizes = graph.buffers, schedule.sizes
+  own = node_costs(graph)
+
   def moved(op) -> int:
+    moves = ((lambda k: True) if buffers is None
+             else (lambda k: k[0] in buffers.materialized))
     return (sum(schedule.nbytes(k) for k in op.ins if isinstance(k, tuple) and moves(k))
             + sum(schedule.nbytes(k) for k in op.outs if moves(k)))
 
+  costs = []
   for op in schedule.ops:
     if op.kind in ("split", "merge"):  # a vTensor's chunks copied out / in
       costs.append(OpCost(op.kind, 0.0, moved(op)))
-      continue
-    if op.node is None:
-      costs.append(OpCost("optimization_barrier", 0.0, 0))
-      continue
-    node = graph.nodes[op.node]
-    if _primitives.is_free(node.prim.name):
-      costs.append(OpCost(node.prim.name, 0.0, 0))
-      continue
-    exchanged = (sum(schedule.nbytes(k) for k in op.outs)
-                 if _primitives.communicates(node.prim.name) else 0)
-    costs.append(OpCost(node.prim.name, node.flops, moved(op),
-                        matmul=node.prim.name in _MATMULS,
-                        launch=buffers is not None and op.node in buffers.launches,
-                        exchanged=exchanged))
+    elif op.node is None:
+      costs.append(_BARRIER)
+    elif sizes and any(k in sizes for k in op.ins + op.outs if isinstance(k, tuple)):
+      cost = own[op.node]  # reads or writes a chunk: its own bytes
+      costs.append(cost if not cost.nbytes else dataclasses.replace(cost, nbytes=moved(op)))
+    else:
+      costs.append(own[op.node])
   return costs
 
 
@@ -181,7 +205,8 @@ def schedule_transfers(schedule) -> list[Transfer]:
   slices in host memory, or reads them from there, copies one slice per
   iteration beside its compute: its copies start with it and the op after
   it waits for them (the loop takes the longer of the two)."""
-  first_read = schedule.first_reads()
+  first_read = (schedule.first_reads() if any(op.kind == "prefetch" for op in schedule.ops)
+                else {})
   transfers = []
   last = len(schedule.ops) - 1
   for pos, op in enumerate(schedule.ops):
