@@ -5,7 +5,6 @@ costs less as the program runs."""
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -27,20 +26,14 @@ def _copies(schedule) -> list[tuple[str, int]]:
           for op in schedule.ops if op.kind in ("offload", "prefetch")]
 
 
-def _probe_text(**options) -> str:
-  target = resolve(T4, ())
-  avals = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
-  return jax.jit(_copy_schedule._probe, compiler_options={**target.options(), **options}).lower(
-      *target.place(avals)).compile().as_text()
-
-
 def test_xla_gpu_waits_for_each_host_copy_unless_latency_hiding_schedules_it():
   # The default schedule: each copy-done right after its copy-start.
-  assert _copy_schedule.waits_for_copies(_probe_text()) is True
+  assert _copy_schedule.waits_for_copies(_copy_schedule.probe_program(resolve(T4, ()))) is True
   assert timing_profile(resolve(T4, ())).copies_wait is True
   # The latency-hiding scheduler puts the matrix products between them.
   assert _copy_schedule.waits_for_copies(
-      _probe_text(xla_gpu_enable_latency_hiding_scheduler=True)) is False
+      _copy_schedule.probe_program(resolve(T4, ()),
+                                     xla_gpu_enable_latency_hiding_scheduler=True)) is False
   # No GPU: nothing to learn, the profile as it is (none on CPU).
   assert timing_profile(resolve(None, [jnp.ones(2)])) is None
 

@@ -217,7 +217,6 @@ def prefetch_point(schedule: Schedule, value: int, nbytes: int, profile: DeviceP
   stalls the step wherever it is issued: the node where it is needed.
   """
   graph = schedule.graph
-  need = profile.transfer_seconds(nbytes, "h2d")
   ops = schedule.ops
   first = first_backward_need(schedule, value)
   if first is None:
@@ -226,6 +225,7 @@ def prefetch_point(schedule: Schedule, value: int, nbytes: int, profile: DeviceP
   reader = next(op.node for op in ops[first:] if op.kind == "node")
   if profile.copies_wait:
     return reader
+  need = profile.transfer_seconds(nbytes, "h2d")
   costs = schedule_costs(schedule) if costs is None else costs
   covered, at = 0.0, reader
   for pos in range(first - 1, after, -1):

@@ -84,6 +84,13 @@ class Instruction:
     arrays = self.arrays()
     return arrays[:1] if self.opcode == "custom-call" and len(arrays) > 1 else arrays
 
+  def crosses_memory(self) -> bool:
+    """Whether it is a ``copy-start`` between device and host memory (its
+    destination and source arrays in different memory spaces)."""
+    arrays = self.arrays()
+    return (self.opcode == "copy-start" and len(arrays) >= 2
+            and arrays[0].host != arrays[1].host)
+
   def operands(self) -> list[str]:
     return re.findall(r"%([\w.\-]+)", self.rest[:closing(self.rest, depth=1)])
 

@@ -142,15 +142,20 @@ def predict(ops: list[OpCost], transfers: list[Transfer],
 _BARRIER = OpCost("optimization_barrier", 0.0, 0)
 
 
+def _buffered(graph: Graph):
+  """Whether a value id gets a buffer of its own: every value, or where the
+  graph carries its target compiler's buffers, those it materializes."""
+  buffers = graph.buffers
+  return (lambda v: True) if buffers is None else (lambda v: v in buffers.materialized)
+
+
 @analysis
 def node_costs(graph: Graph) -> tuple[OpCost, ...]:
   """Each equation's cost as an op of a schedule that reads and writes its
   values whole (what every op running it does but where a vTensor's chunk
   is read): its FLOPs, and the bytes of the values it reads and writes that
   have a buffer of their own (see :func:`schedule_costs`)."""
-  buffers = graph.buffers
-  moves = ((lambda v: True) if buffers is None
-           else (lambda v: v in buffers.materialized))
+  buffers, moves = graph.buffers, _buffered(graph)
   costs = []
   for node in graph.nodes:
     name = node.prim.name
@@ -174,15 +179,12 @@ def schedule_costs(schedule) -> list[OpCost]:
   values that have a buffer (the rest live inside the kernel that reads
   them) and ends a kernel where its node ended one in that program; else
   every op is a kernel that reads and writes all its values."""
-  graph = schedule.graph
-  buffers, sizes = graph.buffers, schedule.sizes
-  own = node_costs(graph)
+  graph, sizes = schedule.graph, schedule.sizes
+  own, buffered = node_costs(graph), _buffered(graph)
 
   def moved(op) -> int:
-    moves = ((lambda k: True) if buffers is None
-             else (lambda k: k[0] in buffers.materialized))
-    return (sum(schedule.nbytes(k) for k in op.ins if isinstance(k, tuple) and moves(k))
-            + sum(schedule.nbytes(k) for k in op.outs if moves(k)))
+    return (sum(schedule.nbytes(k) for k in op.ins if isinstance(k, tuple) and buffered(k[0]))
+            + sum(schedule.nbytes(k) for k in op.outs if buffered(k[0])))
 
   costs = []
   for op in schedule.ops:

@@ -122,17 +122,12 @@ def _schedule(program: hlo.Program, name: str, profile: DeviceProfile, clock: _C
       clock.compute = max(clock.compute, clock.pending.pop(inst.operands()[0], 0.0))
     elif inst.opcode in _FREE:
       continue
-    elif inst.opcode == "copy-start" and _crosses_memory(inst):
+    elif inst.crosses_memory():
       _copy(inst, profile, clock)
     elif inst.opcode in ("while", "conditional", "call"):
       _control(program, inst, profile, clock)
     else:
       clock.run(kernel_seconds(inst, shapes, program, profile))
-
-
-def _crosses_memory(inst: hlo.Instruction) -> bool:
-  arrays = inst.arrays()
-  return len(arrays) >= 2 and arrays[0].host != arrays[1].host
 
 
 def _copy(inst: hlo.Instruction, profile: DeviceProfile, clock: _Clock) -> None:

@@ -60,10 +60,8 @@ def waits_for_copies(text: str) -> bool | None:
   for instructions in program.computations.values():
     started: dict[str, bool] = {}  # copy-start -> whether a kernel ran since
     for inst in instructions:
-      if inst.opcode == "copy-start":
-        arrays = inst.arrays()
-        if len(arrays) >= 2 and arrays[0].host != arrays[1].host:
-          started[inst.name] = False
+      if inst.crosses_memory():
+        started[inst.name] = False
       elif inst.opcode == "copy-done" and inst.operands()[0] in started:
         copies += 1
         if started.pop(inst.operands()[0]):
@@ -84,19 +82,25 @@ def _probe(x, w):
   return y + jax.device_put(hosted, jax.memory.Space.Device)
 
 
+def probe_program(target: Target, **options) -> str:
+  """The probe's program as ``target``'s compiler schedules it, with the
+  step's compiler options and ``options``."""
+  avals = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
+  return jax.jit(_probe, compiler_options={**target.options(), **options}).lower(
+      *target.place(avals)).compile().as_text()
+
+
 @functools.lru_cache(maxsize=None)
 def _copies_wait(target: Target, flags: str) -> bool | None:
   del flags  # a key: XLA_FLAGS reach the target's compiler
-  avals = [jax.ShapeDtypeStruct((256, 256), jnp.float32)] * 2
   try:
-    compiled = jax.jit(_probe, compiler_options=target.options()).lower(
-        *target.place(avals)).compile()
+    text = probe_program(target)
   except Exception as err:  # a backend without host memory spaces
     _log.info("jaxmem: cannot learn how %s schedules host copies (%s: %s); plans "
               "are timed with copies beside the kernels", target.name,
               type(err).__name__, str(err).splitlines()[0] if str(err) else "")
     return None
-  return waits_for_copies(compiled.as_text())
+  return waits_for_copies(text)
 
 
 def copies_wait(target: Target) -> bool | None:
