@@ -137,16 +137,19 @@ def _in_device_memory(tree):
       lambda a: jax.device_put(a, a.sharding.with_memory_kind("device")), tree)
 
 
-def _execute(compiled, args, repeats: int, lock: str | None) -> dict:
-  """Runs a compiled step: the allocator's peak after warm-up steps and the
-  median step time. The peak before the first run (compilation's autotuning
-  allocates too) is recorded; where the step did not raise it, the step's
-  own peak is hidden under it (``peak_masked``)."""
-  given = args
+def _execute(compiled, given, repeats: int, lock: str | None) -> dict:
+  """Runs a compiled step on ``given`` (arrays on the host, from
+  :func:`_host_arguments`): the allocator's peak after warm-up steps and
+  the median step time. The peak before the first run (compilation's
+  autotuning allocates too) is recorded; where the step did not raise it,
+  the step's own peak is hidden under it (``peak_masked``). ``given``
+  stays on the host, the reference the update is summed against: a device
+  copy of it would count in the peak of a plan that keeps the state in
+  host memory."""
   # Where the plan keeps optimizer state in host memory, the executable
   # takes those leaves there (the transformed step places them itself; a
   # deserialized executable does not).
-  args = jax.device_put(tuple(args), compiled.input_shardings[0])
+  args = jax.device_put(tuple(given), compiled.input_shardings[0])
   with _gpu_lock(lock):
     before = _peak()
     for _ in range(2):  # each result dropped before the next call, as in a loop
@@ -179,7 +182,7 @@ def _run_fresh(compiled, job, batch: int | None = None) -> dict:
   try:
     payload, _, _ = serialize_executable.serialize(compiled)
   except Exception as err:  # noqa: BLE001 - the fallback is reported
-    record = _execute(compiled, _arguments(_task(job, batch), job), job["repeats"],
+    record = _execute(compiled, _host_arguments(_task(job, batch)), job["repeats"],
                       job.get("lock"))
     return dict(record, peak_in_process=True, fresh_error=f"{type(err).__name__}: {err}"[:500])
   with tempfile.NamedTemporaryFile(suffix=".xla", delete=False) as handle:
@@ -203,7 +206,7 @@ def execute(job) -> dict:
   :func:`_run_fresh`)."""
   from jax.experimental import serialize_executable
   task = _task(job, job.get("batch"))
-  args = _arguments(task, job)
+  args = _host_arguments(task)
   in_tree = jax.tree_util.tree_structure((tuple(args), {}))
   out_tree = jax.tree_util.tree_structure(jax.eval_shape(task.step, *args))
   with open(job["executable"], "rb") as handle:
@@ -242,9 +245,13 @@ def _arguments(task, job):
   if job["dry_run"]:
     shapes = jax.eval_shape(task.init)
     return placed(shapes, job["target"]) if job.get("target") else shapes
+  return jax.device_put(_host_arguments(task), jax.devices()[0])
+
+
+def _host_arguments(task):
+  """The task's arrays, made and kept on the host (numpy)."""
   with jax.default_device(jax.devices("cpu")[0]):
-    args = task.init()
-  return jax.device_put(args, jax.devices()[0])
+    return jax.device_get(task.init())
 
 
 def _predictions(schedule, graph, profile) -> dict:

@@ -5,6 +5,7 @@ costs less as the program runs."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import optax
 import pytest
@@ -24,6 +25,21 @@ def _copies(schedule) -> list[tuple[str, int]]:
   """(direction, bytes) of each copy a schedule makes."""
   return [("d2h" if op.kind == "offload" else "h2d", schedule.nbytes(op.outs[0]))
           for op in schedule.ops if op.kind in ("offload", "prefetch")]
+
+
+def test_calibrate_times_copies_that_xla_gpu_keeps():
+  """``calibrate()`` reads a program's per-copy latency from chains whose
+  links are round trips through host memory: XLA:GPU keeps both copies of
+  every link (without the barrier it folds each pair away, and the chains
+  time no copy)."""
+  from jaxmem.cost import _hlo as hlo
+  from jaxmem.targets import _calibrate
+  target = resolve("h100", ())
+  avals = target.place([jax.ShapeDtypeStruct((16, 16), jnp.float32)] * 2)
+  text = _calibrate.chain(_calibrate.round_trip, 5, compiler_options=target.options()).lower(
+      *avals).compile().as_text()
+  copies = [i for c in hlo.parse(text).computations.values() for i in c if i.crosses_memory()]
+  assert len(copies) == 10
 
 
 def test_xla_gpu_waits_for_each_host_copy_unless_latency_hiding_schedules_it():

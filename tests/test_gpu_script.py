@@ -201,9 +201,11 @@ def test_a_run_finds_max_batch_only_for_the_models_it_names():
 
 def test_the_worker_places_arguments_where_the_executable_takes_them():
   """A plan that keeps optimizer state in host memory compiles to an
-  executable that takes those leaves there; the worker is handed device
-  arrays (as a deserialized executable is) and moves them, and sums up
-  the update from the step's outputs in host memory."""
+  executable that takes those leaves there; the worker is handed the
+  arguments on the host (numpy, so that no device copy of the state beside
+  the executable's counts in the measured peak) and places them where the
+  executable takes them, and sums up the update from the step's outputs
+  in host memory."""
   import jax
   import jax.numpy as jnp
   import gpu_worker
@@ -213,7 +215,7 @@ def test_the_worker_places_arguments_where_the_executable_takes_them():
                  in_shardings=((host, None), None), out_shardings=((host, None), None))
   state, batch = (jnp.ones(4), jnp.ones(2)), jnp.ones(4)
   compiled = step.lower((jax.device_put(state[0], host), state[1]), batch).compile()
-  record = gpu_worker._execute(compiled, (state, batch), 2, None)
+  record = gpu_worker._execute(compiled, jax.device_get((state, batch)), 2, None)
   assert record["update_norms"] == pytest.approx([0.0, 0.0, 32**0.5, record["update_norms"][3], 4.0])
 
 

@@ -3,12 +3,14 @@
 It times a square matmul (compute throughput), a large elementwise op
 (memory bandwidth: one read and one write per element) and copies to and
 from ``pinned_host`` memory across transfer sizes; a least-squares line
-through (bytes, seconds) gives each direction's bandwidth (the slope) and
-the per-copy latency (the intercept, shared as the larger of the two). Two
+through (bytes, seconds) gives each direction's bandwidth (the slope). Two
 programs, one a chain of ``SHORT`` tiny matrix products and one of
 ``LONG``, give the time one more kernel of a compiled program takes (the
 clock's ``kernel_latency``: launch and the runtime's own work per kernel,
-which dominate a step of many small kernels).
+which dominate a step of many small kernels); the same chains with a round
+trip through host memory in each link give the per-copy latency of a
+program's copies (``link_latency``; on CPU, where both memories are one,
+the fitted line's intercept).
 On a GPU it also records XLA's description of the device (the
 ``GpuTargetConfig`` of its topology), so the profile can be a compilation
 target elsewhere: ``transform(..., target=profile)`` on a machine without
@@ -53,21 +55,42 @@ def median_seconds(fn, args, repeats: int, calls: int = 1) -> float:
   return statistics.median(times)
 
 
-def _kernel_latency(device, repeats: int, queued: int) -> float:
-  """Seconds one more small kernel adds to a compiled program: the slope
-  between a chain of ``SHORT`` and of ``LONG`` 16x16 matrix products (each
-  its own kernel; the programs' fixed costs cancel)."""
+def _chain_slope(device, link, repeats: int, queued: int) -> float:
+  """Seconds one more link of a compiled chain takes: the slope between a
+  chain of ``SHORT`` and of ``LONG`` links, each ``link(x)`` then a 16x16
+  matrix product (its own kernel; the programs' fixed costs cancel)."""
   w = jax.device_put(jnp.full((16, 16), 1 / 16, jnp.float32), device)
-
-  def chain(length):
-    def run(x):
-      for _ in range(length):
-        x = x @ w
-      return x
-    return jax.jit(run)
-
-  short, long = (median_seconds(chain(n), (w,), repeats, queued) for n in (SHORT, LONG))
+  short, long = (median_seconds(chain(link, n), (w, w), repeats, queued)
+                 for n in (SHORT, LONG))
   return max((long - short) / (LONG - SHORT), 0.0)
+
+
+def chain(link, length: int, **jit_options):
+  """A jitted chain of ``length`` links: ``x = link(x) @ w`` each."""
+  def run(x, w):
+    for _ in range(length):
+      x = link(x) @ w
+    return x
+  return jax.jit(run, **jit_options)
+
+
+def round_trip(x):
+  """``x`` copied to host memory and back (the barrier keeps XLA from
+  folding the pair away)."""
+  hosted = jax.lax.optimization_barrier(jax.device_put(x, jax.memory.Space.Host))
+  return jax.device_put(hosted, jax.memory.Space.Device)
+
+
+def _copy_latency(device, kernel: float, repeats: int, queued: int) -> float:
+  """Seconds one copy between device and host memory takes inside a
+  compiled program beyond its bytes (1 KiB here): chains whose links are
+  round trips through host memory, less ``kernel`` (the same chains
+  without them), over two copies a link. A copy timed from Python
+  (``jax.device_put``) pays dispatch and a wait for the host as well,
+  which a planned copy does not: on an H100 its fitted intercept read
+  135 us, and a clock pricing a host plan's 1,357 copies at it put the
+  step at 2.2 times its measured time."""
+  return max((_chain_slope(device, round_trip, repeats, queued) - kernel) / 2, 0.0)
 
 
 def _link(device, sizes, repeats) -> tuple[float, float, float]:
@@ -124,7 +147,9 @@ def calibrate(device=None, *, matmul: int | None = None,
   bandwidth = 2.0 * big.nbytes / median_seconds(jax.jit(lambda x: x * 2.0), (big,), repeats,
                                                   queued)
   d2h, h2d, latency = _link(device, sizes, repeats)
-  kernel = _kernel_latency(device, max(repeats, 10), QUEUED)
+  kernel = _chain_slope(device, lambda x: x, max(repeats, 10), QUEUED)
+  if not cpu:  # the host copies of a program (on CPU both memories are one)
+    latency = _copy_latency(device, kernel, max(repeats, 10), QUEUED)
   stats = device.memory_stats() or {}
   memory = int(stats.get("bytes_limit") or _host_memory())
   kind = device.device_kind
@@ -137,7 +162,8 @@ def calibrate(device=None, *, matmul: int | None = None,
       source=f"jaxmem.calibrate() on {kind} ({device.platform}), "
              f"{time.strftime('%Y-%m-%d')}: {n}x{n} fp32 matmul, "
              f"{elementwise}-byte elementwise op, copies of {list(sizes)} bytes, "
-             f"chains of {SHORT} and {LONG} 16x16 matmuls")
+             f"chains of {SHORT} and {LONG} 16x16 matmuls"
+             + ("" if cpu else ", with and without host round trips"))
 
 
 def described(device) -> GpuDescription | None:
