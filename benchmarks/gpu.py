@@ -294,7 +294,8 @@ def _cells(r: dict) -> list[str]:
           r["status"], _gib(r.get("footprint") or r.get("smallest")), _gib(r.get("peak_bytes")),
           "-" if within is None or not budget else ("yes" if within else "**no**"),
           _gib(r.get("host_bytes")), number("hlo_host_annotations", "d"),
-          number("step_ms", ".1f"), number("time_ratio", ".2f"),
+          f"{number('step_ms', '.1f')} / {number('call_ms', '.1f')}",
+          number("time_ratio", ".2f"),
           f"{number('clock_ms_calibrated', '.1f')} / {number('clock_ms_preset', '.1f')}",
           number("clock_ratio", ".2f"),
           number("planning_s", ".0f"),
@@ -306,7 +307,7 @@ def markdown(result: dict) -> str:
   """Tables: every measurement, max batches, and the problems found."""
   env, prov = result["environment"], result["provenance"]
   header = ["model", "method", "budget (GiB)", "status", "compiled (GiB)",
-            "measured peak (GiB)", "within budget", "host (GiB)", "S(5)", "step ms",
+            "measured peak (GiB)", "within budget", "host (GiB)", "S(5)", "step ms (queued / waited)",
             "x unmodified", "clock ms (calibrated / h100)", "clock / measured", "planning s",
             "same numbers"]
   lines = [f"# jaxmem on {env.get('device_kind')} ({env.get('backend')})", "",
@@ -314,7 +315,9 @@ def markdown(result: dict) -> str:
            f"(dirty: {prov['dirty']}); {prov['date']}; JAX {env.get('jax')}.", "",
            "Compiled: XLA's footprint (temp + arguments + outputs - aliases; for a "
            "budget jaxmem cannot meet, the smallest it reaches). Measured peak: "
-           "`peak_bytes_in_use` of a fresh process running the serialized step.", "",
+           "`peak_bytes_in_use` of a fresh process running the serialized step. "
+           "Step ms: the median step with steps queued as a training loop runs them "
+           "(ratios and the clock are judged by it) / with each step waited for.", "",
            "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   lines += ["| " + " | ".join(_cells(r)) + " |" for r in result["rows"]
             if r["kind"] == "measure"]

@@ -130,6 +130,13 @@ def _schedule(program: hlo.Program, name: str, profile: DeviceProfile, clock: _C
       clock.run(kernel_seconds(inst, shapes, program, profile))
 
 
+def launches_kernel(inst: hlo.Instruction) -> bool:
+  """Whether the clock prices ``inst`` as a kernel (or a library call) of
+  its own: not free, not a host copy's start or end, not control flow."""
+  return not (inst.opcode in _FREE or inst.opcode == "copy-done" or inst.crosses_memory()
+              or inst.opcode in ("while", "conditional", "call"))
+
+
 def _copy(inst: hlo.Instruction, profile: DeviceProfile, clock: _Clock) -> None:
   """A copy between device and host memory on the link, issued now."""
   destination = inst.arrays()[0]
