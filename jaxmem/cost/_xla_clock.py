@@ -6,10 +6,11 @@ kernel that reads its inputs once and writes its outputs once. This clock
 prices the optimized HLO (``compiled.as_text()``) kernel by kernel on a
 :class:`~jaxmem.targets.DeviceProfile`:
 
-* a kernel (a fusion, a cuBLAS/cuDNN call, an unfused instruction) takes
-  its roofline time, the larger of the bytes it moves over the memory
-  bandwidth and its matrix products' FLOPs over the matmul throughput, plus
-  the profile's per-kernel latency. The bytes are its operands' and outputs'
+* a kernel (a fusion, an unfused instruction) takes its roofline time, the
+  larger of the bytes it moves over the memory bandwidth and its matrix
+  products' FLOPs over the matmul throughput, plus the profile's per-kernel
+  latency. A cuBLAS or cuDNN call combines the two times as its kind does
+  on a GPU (:data:`LIBRARY_CALLS`). The bytes are its operands' and outputs'
   (an operand a fusion only slices counts the slice; the buffer an in-place
   update writes into counts the update), its workspace not;
 * a copy to or from host memory (``copy-start``/``copy-done`` between memory
@@ -60,6 +61,20 @@ _COLLECTIVES = frozenset({
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _TARGET = re.compile(r'custom_call_target="([^"]*)"')
+# How a library call's compute time (its FLOPs at the matmul rate) and
+# memory time (its bytes at the memory bandwidth) make its time: their
+# p-norm (1 adds them, the roofline's max is the infinite norm) over the
+# share of the rate its kind reaches. Fitted to an H100's trace of GPT-2,
+# ResNet-18 and a U-Net (``benchmarks/results/kernel-times-h100``), where
+# the roofline's max put the library calls at 0.27-0.77 of their traced
+# time while pricing XLA's own kernels within 4%: near the roofline's
+# ridge a convolution neither reaches the matmul rate nor hides its memory
+# traffic under it (the sum follows its rate from 4 to 400 TFLOP/s);
+# cuBLAS's matmuls come closer (the 2-norm); cuDNN's filter gradients run
+# at half the rate of forward and input-gradient convolutions of the same
+# arithmetic intensity. First match wins.
+LIBRARY_CALLS = (("__cublas", 2.0, 1.0), ("__cudnn$convBackwardFilter", 1.0, 0.5),
+                 ("__cudnn", 1.0, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,9 +194,22 @@ def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
   nbytes = _bytes(inst, shapes, body)
   flops = _matmul_flops(inst, shapes, body)
   exchanged = (sum(a.nbytes for a in inst.results()) if inst.opcode in _COLLECTIVES else 0)
-  return profile.kernel_latency + max(nbytes / profile.memory_bandwidth,
-                                      flops / profile.matmul_throughput,
-                                      profile.collective_seconds(exchanged))
+  compute, memory = flops / profile.matmul_throughput, nbytes / profile.memory_bandwidth
+  call = _library_call(inst)
+  if call is not None:
+    norm, rate = call
+    return profile.kernel_latency + (compute**norm + memory**norm) ** (1 / norm) / rate
+  return profile.kernel_latency + max(memory, compute, profile.collective_seconds(exchanged))
+
+
+def _library_call(inst: hlo.Instruction) -> tuple[float, float] | None:
+  """(norm, rate) of a cuBLAS or cuDNN call (:data:`LIBRARY_CALLS`), None
+  for XLA's own kernels."""
+  target = _TARGET.search(inst.rest) if inst.opcode == "custom-call" else None
+  if target is None:
+    return None
+  return next(((norm, rate) for prefix, norm, rate in LIBRARY_CALLS
+               if target.group(1).startswith(prefix)), None)
 
 
 def _bytes(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instruction]) -> int:
