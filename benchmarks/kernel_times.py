@@ -32,7 +32,6 @@ import glob
 import gzip
 import json
 import os
-import re
 import sys
 import time
 
@@ -140,8 +139,7 @@ def compare(text: str, events: list, profile: DeviceProfile) -> dict:
 
 
 def _targets(run) -> str:
-  return ",".join(re.search(r'custom_call_target="([^"]+)"', inst.rest).group(1).split("$")[-1]
-                  for inst in run)
+  return ",".join(inst.call_target().split("$")[-1] for inst in run)
 
 
 def profile_from(path: str | None) -> DeviceProfile:

@@ -79,6 +79,29 @@ def test_a_library_calls_workspace_is_scratch_of_its_equation():
   assert workspaces(hlo.parse(HLO)) == {2: 4194304}
 
 
+def test_each_equation_knows_the_library_call_it_runs_as():
+  """A small CNN's step compiled for a T4: its convolution equations run as
+  cuDNN calls of each kind (the forward pass, the input and the filter
+  gradients), and the planners' cost of each gives it that kind's time,
+  the clock's (a filter gradient at half the rate of the others)."""
+  from jaxmem.cost._perf import node_costs
+  from jaxmem.cost._xla_clock import library_seconds
+  task = models.get("cnn", widths=(8, 16), batch=8, size=16, blocks=2)
+  graph = build_graph(jax.make_jaxpr(task.step)(*jax.eval_shape(task.init)))
+  graph = with_buffers(graph, learn(graph, resolve("t4", ())))
+  kinds = set(graph.buffers.library.values())
+  assert {"__cudnn$convBackwardFilter", "__cudnn$convBackwardInput"} <= kinds, kinds
+  assert kinds & {"__cudnn$convForward", "__cudnn$convBiasActivationForward"}, kinds
+  profile = resolve("t4", ()).profile
+  for node, cost in zip(graph.nodes, node_costs(graph)):
+    kind = graph.buffers.library.get(node.index, "")
+    assert cost.library == kind
+    if kind == "__cudnn$convBackwardFilter":
+      compute = cost.flops / profile.matmul_throughput
+      memory = cost.nbytes / profile.memory_bandwidth
+      assert library_seconds(kind, compute, memory) == pytest.approx(2 * (compute + memory))
+
+
 def test_buffers_go_to_the_values_of_equal_size_and_the_rest_is_extra():
   step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
   graph = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))

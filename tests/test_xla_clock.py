@@ -150,7 +150,8 @@ def test_convolutions_and_their_gradients_are_priced_by_the_forward_flops():
 
 @pytest.mark.parametrize("name, config", [
     ("mlp", dict(depth=16, width=64, batch=512, features=32)),
-    ("transformer", dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64))])
+    ("transformer", dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64)),
+    ("cnn", dict(widths=(16, 32), batch=32, size=32, blocks=4))])
 def test_the_planners_cost_follows_the_clock_on_a_gpu_target(name, config):
   """With the buffers and kernels learned from XLA:GPU's program for a T4
   (``_xla_buffers``), the planners' per-equation cost of the step as written

@@ -30,6 +30,7 @@ _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
+_CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 _CALLED = re.compile(
     r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -83,6 +84,12 @@ class Instruction:
     cuDNN) only the result, not the workspace beside it."""
     arrays = self.arrays()
     return arrays[:1] if self.opcode == "custom-call" and len(arrays) > 1 else arrays
+
+  def call_target(self) -> str:
+    """A custom call's ``custom_call_target`` (``__cublas$lt$matmul``,
+    ``__cudnn$convForward``), else ``""``."""
+    found = _CALL_TARGET.search(self.rest) if self.opcode == "custom-call" else None
+    return found.group(1) if found else ""
 
   def crosses_memory(self) -> bool:
     """Whether it is a ``copy-start`` between device and host memory (its

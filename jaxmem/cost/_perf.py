@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from jaxmem.cost._xla_clock import library_seconds
 from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis
 from jaxmem.targets._profiles import DeviceProfile
@@ -44,20 +45,26 @@ class OpCost:
   """One op on the compute stream: a label, its FLOPs and the bytes it
   moves; whether its FLOPs are a matrix product's or a convolution's (they
   run at the profile's matmul throughput), whether it ends a kernel (it
-  pays the profile's kernel latency) and the bytes a collective moves
-  between devices (on the profile's interconnect)."""
+  pays the profile's kernel latency), the bytes a collective moves
+  between devices (on the profile's interconnect), and the library call
+  the target's compiler runs it as (a custom call's target; ``""`` for
+  XLA's own kernels, or where the program is not known)."""
   label: str
   flops: float
   nbytes: int
   matmul: bool = False
   launch: bool = False
   exchanged: int = 0
+  library: str = ""
 
   def seconds(self, profile: DeviceProfile) -> float:
-    """Its roofline time on ``profile``."""
+    """Its roofline time on ``profile`` (a library call's, as the clock
+    gives it: :func:`~jaxmem.cost._xla_clock.library_seconds`)."""
     rate = profile.matmul_throughput if self.matmul else profile.flops
-    return (max(self.flops / rate, self.nbytes / profile.memory_bandwidth,
-                profile.collective_seconds(self.exchanged))
+    compute, memory = self.flops / rate, self.nbytes / profile.memory_bandwidth
+    call = library_seconds(self.library, compute, memory)
+    return ((max(compute, memory, profile.collective_seconds(self.exchanged))
+             if call is None else call)
             + (profile.kernel_latency if self.launch else 0.0))
 
 
@@ -167,7 +174,8 @@ def node_costs(graph: Graph) -> tuple[OpCost, ...]:
              + sum(graph.values[v].nbytes for v in node.outs if moves(v)))
     costs.append(OpCost(name, node.flops, moved, matmul=name in _MATMULS,
                         launch=buffers is not None and node.index in buffers.launches,
-                        exchanged=outs if _primitives.communicates(name) else 0))
+                        exchanged=outs if _primitives.communicates(name) else 0,
+                        library="" if buffers is None else buffers.library.get(node.index, "")))
   return tuple(costs)
 
 

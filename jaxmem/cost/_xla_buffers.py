@@ -56,12 +56,16 @@ class Buffers:
     workspace: node index -> bytes of the scratch its library call takes
       while it runs (the workspace XLA:GPU gives a cuBLAS or cuDNN call
       beside its result), wherever the node runs in a plan.
+    library: node index -> the target of the library call XLA:GPU runs it
+      as (``__cublas$lt$matmul``, ``__cudnn$convBackwardFilter``): the
+      kind of call whose time the clock gives it.
   """
   materialized: frozenset
   extra: Mapping[int, int]
   launches: frozenset = frozenset()
   workspace: Mapping[int, int] = dataclasses.field(default_factory=dict)
   transient: Mapping[int, int] = dataclasses.field(default_factory=dict)
+  library: Mapping[int, str] = dataclasses.field(default_factory=dict)
 
 
 def tag_of(inst: hlo.Instruction) -> int | None:
@@ -241,9 +245,10 @@ def learn(graph: Graph, target, mesh=None) -> Buffers:
   program = hlo.parse(text)
   kernels = _kernels(program)
   found = assign(graph, _written(kernels))
+  ours = lambda found: {t: v for t, v in found.items() if t < len(graph.nodes)}
   return dataclasses.replace(found, launches=frozenset(
       t for t in _launching(kernels) if t < len(graph.nodes)),
-      workspace={t: b for t, b in workspaces(program).items() if t < len(graph.nodes)})
+      workspace=ours(workspaces(program)), library=ours(library_targets(program)))
 
 
 def _on_every_device(run, mesh):
@@ -254,17 +259,31 @@ def _on_every_device(run, mesh):
                        out_specs=spec, check_vma=False)
 
 
-def workspaces(program: hlo.Program) -> dict[int, int]:
-  """Node tag -> the largest workspace a library call emitted for it takes
-  (the elements of a custom call's result after the first)."""
-  found: dict[int, int] = {}
+def _library_calls(program: hlo.Program):
+  """(node tag, instruction) of each library call emitted for a node."""
   for name in program.scheduled():
     for inst in program.computations[name]:
       tag = tag_of(inst) if inst.opcode == "custom-call" else None
       if tag is not None:
-        scratch = sum(a.nbytes for a in inst.arrays()[len(inst.results()):])
-        if scratch:
-          found[tag] = max(found.get(tag, 0), scratch)
+        yield tag, inst
+
+
+def workspaces(program: hlo.Program) -> dict[int, int]:
+  """Node tag -> the largest workspace a library call emitted for it takes
+  (the elements of a custom call's result after the first)."""
+  found: dict[int, int] = {}
+  for tag, inst in _library_calls(program):
+    scratch = sum(a.nbytes for a in inst.arrays()[len(inst.results()):])
+    if scratch:
+      found[tag] = max(found.get(tag, 0), scratch)
+  return found
+
+
+def library_targets(program: hlo.Program) -> dict[int, str]:
+  """Node tag -> the target of the (first) library call emitted for it."""
+  found: dict[int, str] = {}
+  for tag, inst in _library_calls(program):
+    found.setdefault(tag, inst.call_target())
   return found
 
 

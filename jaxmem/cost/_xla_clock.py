@@ -60,7 +60,6 @@ _COLLECTIVES = frozenset({
     "all-to-all", "collective-permute", "collective-permute-start"})
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
-_TARGET = re.compile(r'custom_call_target="([^"]*)"')
 # How a library call's compute time (its FLOPs at the matmul rate) and
 # memory time (its bytes at the memory bandwidth) make its time: their
 # p-norm (1 adds them, the roofline's max is the infinite norm) over the
@@ -195,21 +194,31 @@ def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
   flops = _matmul_flops(inst, shapes, body)
   exchanged = (sum(a.nbytes for a in inst.results()) if inst.opcode in _COLLECTIVES else 0)
   compute, memory = flops / profile.matmul_throughput, nbytes / profile.memory_bandwidth
-  call = _library_call(inst)
+  call = library_seconds(inst.call_target(), compute, memory)
   if call is not None:
-    norm, rate = call
-    return profile.kernel_latency + (compute**norm + memory**norm) ** (1 / norm) / rate
+    return profile.kernel_latency + call
   return profile.kernel_latency + max(memory, compute, profile.collective_seconds(exchanged))
 
 
-def _library_call(inst: hlo.Instruction) -> tuple[float, float] | None:
-  """(norm, rate) of a cuBLAS or cuDNN call (:data:`LIBRARY_CALLS`), None
-  for XLA's own kernels."""
-  target = _TARGET.search(inst.rest) if inst.opcode == "custom-call" else None
-  if target is None:
+def library_seconds(target: str, compute: float, memory: float) -> float | None:
+  """The time of a library call to ``target`` (a custom call's target)
+  whose compute and memory times are given, by :data:`LIBRARY_CALLS`;
+  None for anything else (XLA's own kernels take the larger).
+
+  Example:
+    >>> library_seconds("__cudnn$convForward", 3.0, 1.0)  # the sum
+    4.0
+    >>> library_seconds("__cublas$lt$matmul", 3.0, 4.0)  # the 2-norm
+    5.0
+    >>> library_seconds("", 3.0, 1.0) is None
+    True
+  """
+  found = next(((norm, rate) for prefix, norm, rate in LIBRARY_CALLS
+                if target and target.startswith(prefix)), None)
+  if found is None:
     return None
-  return next(((norm, rate) for prefix, norm, rate in LIBRARY_CALLS
-               if target.group(1).startswith(prefix)), None)
+  norm, rate = found
+  return (compute**norm + memory**norm) ** (1 / norm) / rate
 
 
 def _bytes(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instruction]) -> int:
@@ -266,10 +275,9 @@ def _matmul_flops(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instructio
   if not out or len(operands) < 2 or not operands[0] or not operands[1]:
     return 0.0
   labels = _DIM_LABELS.search(inst.rest)
-  target = _TARGET.search(inst.rest)
-  if labels and (inst.opcode == "convolution"
-                 or (target and target.group(1).startswith("__cudnn$conv"))):
-    output, kernel = _forward_convolution(target.group(1) if target else "", out[0],
+  target = inst.call_target()
+  if labels and (inst.opcode == "convolution" or target.startswith("__cudnn$conv")):
+    output, kernel = _forward_convolution(target, out[0],
                                           operands[0][0], operands[1][0])
     feature = labels.group(2).find("o")
     per_output = kernel.size / max(kernel.dims[feature], 1) if feature >= 0 else kernel.size
