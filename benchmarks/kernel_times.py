@@ -3,7 +3,8 @@
 Two modes:
 
 * ``--record MODEL...`` (on a GPU): compiles each zoo model's unmodified
-  step (the GPU check's sizes, ``gpu.CONFIGS``), times it (steps queued as a
+  step (the GPU check's sizes, ``gpu.CONFIGS``; ``MODEL:POLICY`` for its
+  blocks under a per-block ``nn.remat`` policy), times it (steps queued as a
   training loop runs them, and each waited for), and traces three steps
   with ``jax.profiler``. Writes, per model, the compiled program
   (``<model>.hlo.txt.gz``) and every kernel the GPU ran
@@ -33,6 +34,7 @@ import gzip
 import json
 import os
 import sys
+import tempfile
 import time
 
 import jax
@@ -60,8 +62,10 @@ def record(models: list[str], out: str) -> dict:
   import gpu
   os.makedirs(out, exist_ok=True)
   summary = {"jax": jax.__version__, "device": jax.devices()[0].device_kind, "models": {}}
-  for name in models:
-    task = zoo().get(name, **gpu.CONFIGS[name])
+  for spec in models:
+    model, _, remat = spec.partition(":")
+    name = spec.replace(":", "-")
+    task = zoo().get(model, remat=remat or None, **gpu.CONFIGS[model])
     with jax.default_device(jax.devices("cpu")[0]):
       host = jax.device_get(task.init())
     args = jax.device_put(host, jax.devices()[0])
@@ -70,7 +74,7 @@ def record(models: list[str], out: str) -> dict:
       f.write(compiled.as_text())
     queued = median_seconds(compiled, args, 5, calls=QUEUED)
     waited = median_seconds(compiled, args, 5)
-    trace = os.path.join(out, f".trace-{name}")
+    trace = tempfile.mkdtemp(prefix=f"trace-{name}-")
     jax.profiler.start_trace(trace)
     for _ in range(TRACED_STEPS):
       jax.block_until_ready(compiled(*args))
