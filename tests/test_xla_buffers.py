@@ -195,7 +195,6 @@ def test_a_padded_copy_lives_with_the_forward_reads_of_a_block_checkpointed_whol
   backward pass; behind a barrier (a block checkpointed whole reads its
   input through one) it pads again. The model holds the copy beside the
   value until the last op that reads the value itself, and no longer."""
-  import dataclasses
   import flax.linen as nn
   from jaxmem.cost._xla_buffers import Buffers
   from jaxmem.planners._blocks import block_plans
