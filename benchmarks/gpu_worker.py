@@ -50,7 +50,7 @@ from jaxmem import _flags  # noqa: E402
 from jaxmem.targets import placed, resolve, xla_footprint  # noqa: E402
 from jaxmem.cost._perf import predict_schedule  # noqa: E402
 from jaxmem.cost._xla_clock import program_time  # noqa: E402
-from jaxmem.targets._calibrate import QUEUED, median_seconds  # noqa: E402
+from jaxmem.targets._calibrate import QUEUED  # noqa: E402
 from jaxmem.targets._calibrate import target_config  # noqa: E402
 from jaxmem._zoo import models as _models  # noqa: E402
 from jaxmem.planners import PLANNERS  # noqa: E402
@@ -168,13 +168,30 @@ def _execute(compiled, given, repeats: int, lock: str | None) -> dict:
       if isinstance(out, tuple) and len(out) > 1:
         loss = jax.tree_util.tree_leaves(out[1])[0]
       del out
-    queued = median_seconds(compiled, args, max(repeats, 1), calls=QUEUED)
+    queued = _queued_seconds(compiled, args, max(repeats, 1))
     # After the peak is read: summing up the numbers holds both states.
     moves = _update_norms(given, _in_device_memory(compiled(*args)))
   return {"peak_bytes": peak, "peak_before_run": before, "update_norms": moves,
           "peak_masked": peak is not None and before is not None and peak <= before,
           "step_ms": queued * 1e3, "call_ms": statistics.median(times) * 1e3,
           "loss_finite": None if loss is None else bool(math.isfinite(float(loss)))}
+
+
+def _queued_seconds(compiled, args, repeats: int) -> float:
+  """Median seconds a step takes with ``QUEUED`` steps dispatched back to
+  back, as a training loop runs them: each result dropped as the next is
+  dispatched (one step's outputs held at a time, as in a loop), then the
+  last waited for (one stream runs them in order)."""
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    out = None
+    for _ in range(QUEUED):
+      out = compiled(*args)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - start) / QUEUED)
+    del out
+  return statistics.median(times)
 
 
 def _run_fresh(compiled, job, batch: int | None = None) -> dict:

@@ -31,8 +31,10 @@ from __future__ import annotations
 import argparse
 import glob
 import gzip
+import heapq
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -46,8 +48,12 @@ from jaxmem.targets._profiles import DeviceProfile
 
 # Words of the kernels a library call launches (XLA names its own kernels
 # after their fusions).
-LIBRARY = ("xmma", "gemm", "cudnn", "cutlass", "converttensor", "cublas", "void ", "kernel")
+LIBRARY = ("xmma", "gemm", "cudnn", "cutlass", "converttensor", "cublas", "nvjet", "void ",
+           "kernel")
 TRACED_STEPS = 3
+# The custom calls that run library kernels (a Triton or Pallas call runs
+# XLA-named kernels, counted as XLA's own).
+LIBRARY_CALLS = ("__cublas", "__cudnn")
 
 
 def is_library(name: str) -> bool:
@@ -83,10 +89,11 @@ def record(models: list[str], out: str) -> dict:
               for plane in jax.profiler.ProfileData.from_file(path).planes
               if plane.name.startswith("/device")
               for line in plane.lines for event in line.events]
+    shutil.rmtree(trace, ignore_errors=True)
     with gzip.open(os.path.join(out, f"{name}.events.json.gz"), "wt") as f:
       json.dump(sorted(events, key=lambda e: e[1]), f)
     summary["models"][name] = {"step_ms": queued * 1e3, "call_ms": waited * 1e3,
-                               "kernels": len(events)}
+                               "kernels_traced": len(events), "steps_traced": TRACED_STEPS}
     print(name, summary["models"][name], flush=True)
   with open(os.path.join(out, "summary.json"), "w") as f:
     json.dump(summary, f, indent=1)
@@ -94,11 +101,19 @@ def record(models: list[str], out: str) -> dict:
 
 
 def steps(events: list, count: int = TRACED_STEPS) -> list[list]:
-  """The trace's kernels split into its ``count`` steps, at the widest gaps."""
-  gaps = sorted(range(len(events) - 1),
-                key=lambda i: events[i + 1][1] - events[i][1] - events[i][2])[-(count - 1):]
+  """The trace's kernels (sorted by start) split into its ``count`` steps,
+  at the widest gaps; an error where the steps ran different numbers of
+  kernels (the trace holds something besides ``count`` steps)."""
+  if len(events) < count:
+    raise ValueError(f"{len(events)} kernels traced: fewer than {count} steps")
+  gaps = heapq.nlargest(count - 1, range(len(events) - 1),
+                        key=lambda i: events[i + 1][1] - events[i][1] - events[i][2])
   cuts = [0] + sorted(i + 1 for i in gaps) + [len(events)]
-  return [events[a:b] for a, b in zip(cuts, cuts[1:])]
+  found = [events[a:b] for a, b in zip(cuts, cuts[1:])]
+  if len({len(step) for step in found}) != 1:
+    raise ValueError(f"the trace's {count} steps ran {[len(s) for s in found]} kernels: "
+                     "not the same step each time")
+  return found
 
 
 def _library_runs(items, is_call) -> list[list]:
@@ -122,7 +137,7 @@ def compare(text: str, events: list, profile: DeviceProfile) -> dict:
     raise ValueError("kernel_times compares straight-line programs only")
   kernels = [inst for inst in entry if xla_clock.launches_kernel(inst)]
   step = [e for e in events if not e[0].startswith("Memset")]
-  calls = _library_runs(kernels, lambda inst: inst.opcode == "custom-call")
+  calls = _library_runs(kernels, lambda inst: inst.call_target().startswith(LIBRARY_CALLS))
   launched = _library_runs(step, lambda e: is_library(e[0]))
   if len(calls) != len(launched):
     raise ValueError(f"{len(calls)} runs of library calls in the program, "
@@ -130,13 +145,13 @@ def compare(text: str, events: list, profile: DeviceProfile) -> dict:
   seconds = lambda inst: xla_clock.kernel_seconds(inst, shapes, program, profile) * 1e3
   pairs = [(sum(map(seconds, run)), sum(e[2] for e in traced) / 1e6,
             _targets(run)) for run, traced in zip(calls, launched)]
-  own = [inst for inst in kernels if inst.opcode != "custom-call"]
+  own = [inst for inst in kernels if not inst.call_target().startswith(LIBRARY_CALLS)]
   return {"clock_library_ms": sum(p[0] for p in pairs),
           "traced_library_ms": sum(p[1] for p in pairs),
           "clock_xla_ms": sum(map(seconds, own)),
           "traced_xla_ms": sum(e[2] for e in step if not is_library(e[0])) / 1e6,
           "clock_ms": xla_clock.program_time(text, profile).seconds * 1e3,
-          "traced_ms": (step[-1][1] + step[-1][2] - step[0][1]) / 1e6,
+          "traced_ms": (max(e[1] + e[2] for e in step) - step[0][1]) / 1e6,
           "xla_kernels": len(own), "traced_xla_kernels": sum(not is_library(e[0]) for e in step),
           "calls": [{"clock_ms": c, "traced_ms": t, "targets": n} for c, t, n in pairs]}
 
@@ -148,19 +163,23 @@ def _targets(run) -> str:
 def profile_from(path: str | None) -> DeviceProfile:
   """A preset's name, a profile JSON, or a GPU check's ``rows.jsonl`` (its
   calibration)."""
-  if path is None or not os.path.exists(path):
+  if path is None or not path.endswith((".json", ".jsonl")):
     return get_profile(path or "h100")
   with open(path) as f:
-    if path.endswith(".jsonl"):
-      rows = [json.loads(line) for line in f if line.strip()]
-      return DeviceProfile.from_dict(next(r for r in rows if r.get("kind") == "calibrate")["profile"])
-    return DeviceProfile.from_dict(json.load(f))
+    if not path.endswith(".jsonl"):
+      return DeviceProfile.from_dict(json.load(f))
+    rows = [json.loads(line) for line in f if line.strip()]
+  found = [r["profile"] for r in rows if r.get("kind") == "calibrate" and r.get("profile")]
+  if not found:
+    raise ValueError(f"{path} holds no calibration (a row with kind 'calibrate' and a profile)")
+  return DeviceProfile.from_dict(found[0])
 
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--record", nargs="+", metavar="MODEL")
-  parser.add_argument("--compare", metavar="DIR")
+  mode = parser.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--record", nargs="+", metavar="MODEL")
+  mode.add_argument("--compare", metavar="DIR")
   parser.add_argument("--profile", default=None, help="preset name, profile JSON or rows.jsonl")
   parser.add_argument("--out", default=None)
   args = parser.parse_args(argv)

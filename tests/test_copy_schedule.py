@@ -42,6 +42,22 @@ def test_calibrate_times_copies_that_xla_gpu_keeps():
   assert len(copies) == 10
 
 
+def test_calibrate_reads_no_copy_latency_where_the_chains_time_no_copy(monkeypatch):
+  """Two copies a link beyond the chain without them; none where the
+  round trips take no longer (or cannot be compiled): ``calibrate()`` then
+  keeps the latency of copies timed from Python, never a free copy."""
+  from jaxmem.targets import _calibrate
+  cpu = jax.devices("cpu")[0]
+  monkeypatch.setattr(_calibrate, "_chain_slope", lambda *args: 5e-6)
+  assert _calibrate._copy_latency(cpu, 1e-6, 1, 1) == pytest.approx(2e-6)
+  assert _calibrate._copy_latency(cpu, 5e-6, 1, 1) is None
+
+  def no_host_memory(*args):
+    raise ValueError("no memory space Host on this backend")
+  monkeypatch.setattr(_calibrate, "_chain_slope", no_host_memory)
+  assert _calibrate._copy_latency(cpu, 1e-6, 1, 1) is None
+
+
 def test_xla_gpu_waits_for_each_host_copy_unless_latency_hiding_schedules_it():
   # The default schedule: each copy-done right after its copy-start.
   assert _copy_schedule.waits_for_copies(_copy_schedule.probe_program(resolve(T4, ()))) is True

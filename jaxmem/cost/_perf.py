@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.cost._xla_clock import library_seconds
+from jaxmem.cost._xla_clock import roofline_seconds
 from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis
 from jaxmem.targets._profiles import DeviceProfile
@@ -58,13 +58,12 @@ class OpCost:
   library: str = ""
 
   def seconds(self, profile: DeviceProfile) -> float:
-    """Its roofline time on ``profile`` (a library call's, as the clock
-    gives it: :func:`~jaxmem.cost._xla_clock.library_seconds`)."""
+    """Its roofline time on ``profile`` (a library call's as the clock
+    gives it: :func:`~jaxmem.cost._xla_clock.roofline_seconds`)."""
     rate = profile.matmul_throughput if self.matmul else profile.flops
-    compute, memory = self.flops / rate, self.nbytes / profile.memory_bandwidth
-    call = library_seconds(self.library, compute, memory)
-    return ((max(compute, memory, profile.collective_seconds(self.exchanged))
-             if call is None else call)
+    return (roofline_seconds(self.library, self.flops / rate,
+                             self.nbytes / profile.memory_bandwidth,
+                             profile.collective_seconds(self.exchanged))
             + (profile.kernel_latency if self.launch else 0.0))
 
 

@@ -245,7 +245,7 @@ def learn(graph: Graph, target, mesh=None) -> Buffers:
   program = hlo.parse(text)
   kernels = _kernels(program)
   found = assign(graph, _written(kernels))
-  ours = lambda found: {t: v for t, v in found.items() if t < len(graph.nodes)}
+  ours = lambda per_tag: {t: v for t, v in per_tag.items() if t < len(graph.nodes)}
   return dataclasses.replace(found, launches=frozenset(
       t for t in _launching(kernels) if t < len(graph.nodes)),
       workspace=ours(workspaces(program)), library=ours(library_targets(program)))

@@ -71,9 +71,10 @@ _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 # traffic under it (the sum follows its rate from 4 to 400 TFLOP/s);
 # cuBLAS's matmuls come closer (the 2-norm); cuDNN's filter gradients run
 # at half the rate of forward and input-gradient convolutions of the same
-# arithmetic intensity. First match wins.
+# arithmetic intensity. First match wins; other calls (cuDNN's attention
+# and norms, Triton) take the roofline's max as XLA's own kernels do.
 LIBRARY_CALLS = (("__cublas", 2.0, 1.0), ("__cudnn$convBackwardFilter", 1.0, 0.5),
-                 ("__cudnn", 1.0, 1.0))
+                 ("__cudnn$conv", 1.0, 1.0))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,11 +194,18 @@ def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
   nbytes = _bytes(inst, shapes, body)
   flops = _matmul_flops(inst, shapes, body)
   exchanged = (sum(a.nbytes for a in inst.results()) if inst.opcode in _COLLECTIVES else 0)
-  compute, memory = flops / profile.matmul_throughput, nbytes / profile.memory_bandwidth
-  call = library_seconds(inst.call_target(), compute, memory)
-  if call is not None:
-    return profile.kernel_latency + call
-  return profile.kernel_latency + max(memory, compute, profile.collective_seconds(exchanged))
+  return profile.kernel_latency + roofline_seconds(
+      inst.call_target(), flops / profile.matmul_throughput, nbytes / profile.memory_bandwidth,
+      profile.collective_seconds(exchanged))
+
+
+def roofline_seconds(target: str, compute: float, memory: float,
+                     collective: float = 0.0) -> float:
+  """A kernel's time but its launch, from its compute, memory and
+  collective times: a library call's by its kind (:func:`library_seconds`;
+  ``target``: a custom call's target), else the largest."""
+  call = library_seconds(target, compute, memory)
+  return max(compute, memory, collective) if call is None else call
 
 
 def library_seconds(target: str, compute: float, memory: float) -> float | None:
