@@ -133,7 +133,7 @@ def compare(text: str, events: list, profile: DeviceProfile) -> dict:
   program = hlo.parse(text)
   entry = program.computations[program.entry]
   shapes = {inst.name: inst.arrays() for inst in entry}
-  if any(inst.opcode in ("while", "conditional", "call") for inst in entry):
+  if any(inst.opcode in xla_clock.CONTROL for inst in entry):
     raise ValueError("kernel_times compares straight-line programs only")
   kernels = [inst for inst in entry if xla_clock.launches_kernel(inst)]
   step = [e for e in events if not e[0].startswith("Memset")]

@@ -54,6 +54,8 @@ from jaxmem.targets import DeviceProfile
 _FREE = hlo.NO_BUFFER | {
     "all-reduce-done", "all-gather-done", "collective-permute-done", "async-done",
     "async-update", "add-dependency", "domain"}
+# Instructions that run the computations they call (priced through them).
+CONTROL = frozenset({"while", "conditional", "call"})
 _SLICES = frozenset({"slice", "dynamic-slice", "gather"})
 _COLLECTIVES = frozenset({
     "all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "reduce-scatter",
@@ -135,21 +137,19 @@ def _schedule(program: hlo.Program, name: str, profile: DeviceProfile, clock: _C
   for inst in program.computations.get(name, []):
     if inst.opcode == "copy-done":  # the kernels wait for a copy to the host or back
       clock.compute = max(clock.compute, clock.pending.pop(inst.operands()[0], 0.0))
-    elif inst.opcode in _FREE:
-      continue
     elif inst.crosses_memory():
       _copy(inst, profile, clock)
-    elif inst.opcode in ("while", "conditional", "call"):
+    elif inst.opcode in CONTROL:
       _control(program, inst, profile, clock)
-    else:
+    elif launches_kernel(inst):
       clock.run(kernel_seconds(inst, shapes, program, profile))
 
 
 def launches_kernel(inst: hlo.Instruction) -> bool:
   """Whether the clock prices ``inst`` as a kernel (or a library call) of
-  its own: not free, not a host copy's start or end, not control flow."""
-  return not (inst.opcode in _FREE or inst.opcode == "copy-done" or inst.crosses_memory()
-              or inst.opcode in ("while", "conditional", "call"))
+  its own: not free (a host copy's end is), not a host copy's start, not
+  control flow."""
+  return not (inst.opcode in _FREE or inst.crosses_memory() or inst.opcode in CONTROL)
 
 
 def _copy(inst: hlo.Instruction, profile: DeviceProfile, clock: _Clock) -> None:
