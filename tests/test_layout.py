@@ -36,7 +36,7 @@ LAYERS = [
     {"planners._blocks", "fit._inner"},
     {"fit._policies"},
     {"planners._base", "planners._choices", "planners._solution", "planners._scores"},
-    {"planners._pricing"},
+    {"planners._pricing", "planners._highs"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},
     {"planners._ilp"},
     {"planners"},

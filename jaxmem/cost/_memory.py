@@ -176,13 +176,8 @@ def _prepare(schedule: Schedule) -> _Prepared:
   graph = schedule.graph
   ops = schedule.ops
   nbytes = schedule.nbytes
-  names = [_OPS.get(op.kind, "optimization_barrier") if op.node is None
-           else graph.nodes[op.node].prim.name for op in ops]
-  # Recomputed values and barriers belong to the backward pass.
-  backward = [op.kind != "node" or graph.nodes[op.node].backward for op in ops]
-  fusion = (Fusion(schedule, names, backward) if graph.buffers is None
-            else LearnedFusion(schedule, names, backward, graph.buffers))
-  root = _buffer_roots(ops, names)
+  fusion = fusion_of(schedule)
+  root = _buffer_roots(ops, fusion.names)
   reads, fused, fused_reads = fusion.buffer_reads(root)
   producer_of, outputs = fusion.producer_of, fusion.outputs
 
@@ -225,6 +220,19 @@ def _prepare(schedule: Schedule) -> _Prepared:
   return _Prepared(arguments, reads, root, fused_reads, fused, fusion, owned_by, free_at,
                    host, in_outputs, arguments + out_bytes,
                    sum(nbytes(k) for k in hosted_in), loops, _copies_free_at(ops, fusion))
+
+
+def fusion_of(schedule: Schedule) -> Fusion:
+  """The target's fusion decisions over ``schedule``'s ops: XLA:CPU's
+  emulated, or XLA:GPU's learned where the graph carries its buffers."""
+  graph = schedule.graph
+  names = [_OPS.get(op.kind, "optimization_barrier") if op.node is None
+           else graph.nodes[op.node].prim.name for op in schedule.ops]
+  # Recomputed values and barriers belong to the backward pass.
+  backward = [op.kind != "node" or graph.nodes[op.node].backward for op in schedule.ops]
+  if graph.buffers is None:
+    return Fusion(schedule, names, backward)
+  return LearnedFusion(schedule, names, backward, graph.buffers)
 
 
 def _copies_free_at(ops, fusion: Fusion) -> dict[int, list]:

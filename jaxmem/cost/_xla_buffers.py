@@ -346,6 +346,9 @@ class LearnedFusion(Fusion):
       return False
     return key[0] not in self.buffers.materialized
 
+  def always_reads(self, key, reader: int) -> bool:
+    return not self.fused_into(key, reader)
+
   def scratch(self, pos: int) -> int:
     node = self.ops[pos].node
     if node is None:

@@ -108,6 +108,19 @@ class Fusion:
       decided = self._decided[key] = self.duplicable(key)
     return decided
 
+  def always_reads(self, key, reader: int) -> bool:
+    """Whether op ``reader`` reads ``key``'s own buffer whichever other ops
+    read ``key`` (however a plan changes the backward pass): ``key``'s
+    producer is not elementwise, the reader cannot fuse it, or it is
+    expensive and more than one forward op reads it."""
+    pos = self.producer_of.get(key)
+    if pos is None or key in self.outputs or not self._elementwise[pos]:
+      return True
+    if not self.fuses(reader, key):
+      return True
+    return (_primitives.is_expensive(self.names[pos])
+            and sum(not self.backward[r] for r in self.readers[key]) > 1)
+
   def duplicable(self, key) -> bool:
     """Whether XLA fuses ``key`` into every reader that can fuse it, after
     XLA's instruction fusion: a sole reader always; otherwise an expensive

@@ -34,10 +34,7 @@ granularity (the greedy's) lie outside it.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import sys
 import time
 
 import numpy as np
@@ -48,6 +45,7 @@ from jaxmem._decisions import KEEP, Plan
 from jaxmem.cost._evaluate import Candidate, candidate, paused_gc, unplanned_liveness
 from jaxmem.graph._graph import Graph
 from jaxmem.planners._base import Planner
+from jaxmem.planners import _highs as highs
 from jaxmem.planners import _pricing as pricing
 from jaxmem.planners._choices import Choice, Drop, exclusive, plan_of, rebuild_groups
 from jaxmem.planners._pricing import Table
@@ -75,6 +73,12 @@ class ILP(Planner):
       graphs (the zoo's ViT at CPU size, 30-44% of its peak: 5 programs of
       7.5 s each to close a gap under 0.01%); the bound is reported either
       way, so the plan's distance to the optimum stays proved.
+    guess_gap: the gap to the bound of the program over estimates within
+      which a plan found on the table's guessed columns (what the memory
+      model likely gives each choice; :mod:`~jaxmem.planners._pricing`) is
+      taken without pricing any choice; ``mip_gap`` where None. Past it
+      the program prices the choices its solutions take, as without
+      guesses.
     rounds: programs solved at most per plan.
     drops: whether residuals may also be recomputed on their own (rebuild
       groups), not only whole blocks under a policy.
@@ -119,6 +123,7 @@ class ILP(Planner):
   keeps: tuple = tuple(KEEPS)
   time_limit: float = 3.0
   mip_gap: float = 0.01
+  guess_gap: float | None = None
   rounds: int = 8
   drops: bool = True
   refine: bool = True
@@ -289,24 +294,53 @@ class ILP(Planner):
   def _milp(self, cost, constraints, n_binary: int, time_limit: float | None = None):
     """One program solved within ``time_limit`` seconds (``self.time_limit``
     by default): ``(x, bound, status)``; x None when it has no solution."""
-    n = len(cost)
-    integrality = np.zeros(n)
-    integrality[:n_binary] = 1
-    upper = np.full(n, np.inf)
-    upper[:n_binary] = 1
-    with _quiet_stdout():
-      result = optimize.milp(cost, constraints=constraints, integrality=integrality,
-                             bounds=optimize.Bounds(0, upper),
-                             options={"time_limit": time_limit or self.time_limit,
-                                      "mip_rel_gap": self.mip_gap})
-    if result.x is None:
-      return None, None, "infeasible"
-    bound = getattr(result, "mip_dual_bound", None)
-    if result.status != 0:
-      status = "time limit"
-    else:  # HiGHS's own default gap counts as optimal
-      status = "optimal" if getattr(result, "mip_gap", 0.0) <= _OPTIMAL_GAP else "near-optimal"
-    return result.x, (result.fun if bound is None else bound), status
+    return highs.solve(cost, constraints, n_binary, time_limit or self.time_limit,
+                       self.mip_gap)
+
+  def _solved(self, table: Table, columns: np.ndarray, limit: int, refused: list,
+              time_limit: float | None = None) -> tuple:
+    """The program over ``columns`` (the table's estimates or its guesses)
+    whose sum must stay within ``limit`` at every row, solved:
+    ``(chosen, bound, status)``, the bound in the cost's units less what
+    the tie-break may add; chosen None where it has no solution."""
+    n = len(table.choices)
+    memory = np.hstack([columns, table.overhead[:, None]])
+    reach = table.base + np.clip(memory, 0, None).sum(axis=1)
+    binding = reach > limit  # rows no combination can push over the limit are left out
+    cost = np.append(table.cost, table.overhead_cost)
+    # Bytes and costs scaled to about 1, for HiGHS's tolerances.
+    nbytes, unit = max(table.base.max(), 1.0), max(np.abs(cost).max(), 1.0)
+    constraints = self._program(table, refused, n + 1)
+    if binding.any():
+      rows, base = highs.distinct_rows(memory[binding], table.base[binding])
+      constraints.append(optimize.LinearConstraint(rows / nbytes, -np.inf,
+                                                   (limit - base) / nbytes))
+    x, bound, status = self._milp(_tie_broken(cost / unit, n), constraints, n + 1, time_limit)
+    if x is None:
+      return None, None, status
+    return [i for i in range(n) if x[i] > 0.5], (bound - _TIE * (n + 1)) * unit, status
+
+  def _guessed(self, graph: Graph, table: Table, aim: int, bound: float, solves: int,
+               seconds: float) -> Candidate | None:
+    """The program over the table's guessed columns, its plan judged whole
+    against ``bound`` (the program's over estimates at ``aim``); a second
+    program with its limit lowered by the first plan's overshoot where that
+    one does not fit. The plan that fits where it is within ``guess_gap``
+    of the bound (and not under it), else None."""
+    limit = aim
+    for _ in range(2):
+      chosen, _, _ = self._solved(table, table.guess, limit, [])
+      if chosen is None:
+        return None
+      found = self._weighed(graph, table, chosen, aim, bound, solves, seconds)
+      if found.fits:
+        # A plan cheaper than the bound shows the estimates missed what
+        # some choice frees (see :mod:`_pricing`): the bound proves nothing.
+        most = self.mip_gap if self.guess_gap is None else self.guess_gap
+        proved = bound <= found.details.cost and found.details.gap <= most
+        return found if proved else None
+      limit -= found.peak - aim
+    return None
 
   def _solve(self, graph: Graph, aim: int) -> Candidate | None:
     """The cheapest combination whose model peak fits ``aim``, or None."""
@@ -314,36 +348,29 @@ class ILP(Planner):
     n = len(table.choices)
     refused, spent, limit, first, rounds, solves, missed = [], 0.0, aim, None, 0, 0, 0
     while rounds < self.rounds:
-      memory = np.hstack([table.delta, table.overhead[:, None]])
-      reach = table.base + np.clip(memory, 0, None).sum(axis=1)
-      binding = reach > limit  # rows no combination can push over the limit are left out
-      cost = np.append(table.cost, table.overhead_cost)
-      # Bytes and costs scaled to about 1, for HiGHS's tolerances.
-      nbytes, unit = max(table.base.max(), 1.0), max(np.abs(cost).max(), 1.0)
-      constraints = self._program(table, refused, n + 1)
-      if binding.any():
-        rows, base = _distinct_rows(memory[binding], table.base[binding])
-        constraints.append(optimize.LinearConstraint(rows / nbytes, -np.inf,
-                                                     (limit - base) / nbytes))
       began = time.perf_counter()
       # Once a bound is proved (``first``) later programs' bounds go unused.
-      x, bound, status = self._milp(_tie_broken(cost / unit, n), constraints, n + 1,
-                                    None if first is None else self.time_limit / 3)
+      chosen, bound, status = self._solved(table, table.delta, limit, refused,
+                                           None if first is None else self.time_limit / 3)
       spent += time.perf_counter() - began
       solves += 1
-      if x is None:
+      if chosen is None:
         # Estimates are optimistic but for a few bytes: where some are
         # left, the program over exact columns is solved before giving up.
         if table.price(range(n)):
           continue
         return None
-      chosen = [i for i in range(n) if x[i] > 0.5]
+      if solves == 1 and not table.exact.all():
+        # The program over estimates bounds the exact one: a plan found on
+        # the guesses within ``guess_gap`` of that bound is taken unpriced.
+        found = self._guessed(graph, table, aim, bound, solves, spent)
+        if found is not None:
+          return found
       if limit == aim and missed < _WEIGHED and not table.exact[chosen].all():
         # Taken on estimates, whose program bounds the exact one: a plan that
         # fits within the gap of that bound needs no pricing; one that does
         # not fit is left out of later programs.
-        found = self._weighed(graph, table, chosen, aim, (bound - _TIE * (n + 1)) * unit,
-                              solves, spent)
+        found = self._weighed(graph, table, chosen, aim, bound, solves, spent)
         if found.fits and found.details.gap <= self.mip_gap:
           return found
         missed += 1
@@ -355,10 +382,10 @@ class ILP(Planner):
       # The first program whose plan is priced bounds the exact program at
       # ``aim`` (the estimates are optimistic), less what the tie-break may
       # add; after a tightening the plan is not proved optimal.
-      first = bound - _TIE * (n + 1) if first is None else first
+      first = bound if first is None else first
       if limit < aim and status in ("optimal", "near-optimal"):
         status = "aim tightened"
-      found = self._candidate(graph, table, chosen, aim, first * unit, status, rounds, spent)
+      found = self._candidate(graph, table, chosen, aim, first, status, rounds, spent)
       if found.fits:
         return found
       refused.append(chosen)
@@ -376,7 +403,7 @@ class ILP(Planner):
     found = self._candidate(graph, table, chosen, aim, bound, "", solves, seconds)
     cost = self.cost(found.schedule) - table.base_cost
     bound = min(float(bound), cost)
-    close = cost <= 0 or cost - bound <= _OPTIMAL_GAP * cost
+    close = cost <= 0 or cost - bound <= highs.OPTIMAL_GAP * cost
     found.details = dataclasses.replace(found.details, cost=cost, bound=bound,
                                         status="optimal" if close else "near-optimal")
     return found
@@ -411,7 +438,7 @@ class ILP(Planner):
                                  / max(np.abs(table.cost).max(initial=0.0), 1.0), n)
       cost[n + 1] = 1
       memory = np.hstack([table.delta, table.overhead[:, None]]) / nbytes
-      rows, base = _distinct_rows(memory, table.base / nbytes)
+      rows, base = highs.distinct_rows(memory, table.base / nbytes)
       rows = np.hstack([rows, -np.ones((len(rows), 1))])
       constraints = [optimize.LinearConstraint(rows, -np.inf, -base)]
       x, bound, status = self._milp(cost, constraints + self._program(table, [], n + 2), n + 1)
@@ -453,9 +480,6 @@ _WEIGHED = 2
 
 _TIE = 1e-7
 
-# HiGHS's default mip_rel_gap: a program closed to it is reported optimal.
-_OPTIMAL_GAP = 1e-4
-
 
 def _tie_broken(cost: np.ndarray, n: int) -> np.ndarray:
   """``cost`` (scaled to about 1) with each of its first ``n`` variables
@@ -466,35 +490,3 @@ def _tie_broken(cost: np.ndarray, n: int) -> np.ndarray:
   cost = cost.copy()
   cost[:n] += _TIE
   return cost
-
-
-def _distinct_rows(rows: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Rows with equal coefficients merged into one, with the largest
-  ``base`` among them (the one that binds): equations between the same
-  makings and reads of the chosen values."""
-  if not len(rows):
-    return rows, base
-  unique, inverse = np.unique(rows, axis=0, return_inverse=True)
-  top = np.full(len(unique), -np.inf)
-  np.maximum.at(top, inverse.ravel(), base)
-  return unique, top
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-  """The process's standard output closed to what HiGHS prints itself
-  (some builds print a debugging line while solving, whatever ``disp``
-  says); Python's own output is flushed first and goes on after."""
-  sys.stdout.flush()
-  try:
-    saved = os.dup(1)
-  except OSError:  # no standard output to silence
-    yield
-    return
-  try:
-    with open(os.devnull, "w") as null:
-      os.dup2(null.fileno(), 1)
-      yield
-  finally:
-    os.dup2(saved, 1)
-    os.close(saved)
