@@ -2,6 +2,8 @@
 
 import itertools
 
+import numpy as np
+
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
@@ -236,3 +238,24 @@ def test_an_aim_under_the_lowest_reached_fails_at_once(mlp, monkeypatch):
   monkeypatch.undo()
   # An aim the lowest plan meets is searched as before.
   assert planner.plan(graph, int(first.peak)).fits
+
+
+def test_guessed_columns_come_closer_to_the_exact_ones(blocks):
+  graph, _ = blocks
+  table = ILP(lazy=True).table(graph)
+  estimated, guessed = table.delta.copy(), table.guess.copy()
+  table.price(range(len(table.choices)))
+  assert (table.guess == table.delta).all()  # priced: the guess is the column
+  assert np.abs(guessed - table.delta).sum() < 0.5 * np.abs(estimated - table.delta).sum()
+
+
+@pytest.mark.parametrize("fraction", [0.9, 0.8])
+def test_a_plan_taken_on_guesses_prices_nothing_and_is_within_its_gap(blocks, fraction):
+  graph, base = blocks
+  planner, eager = ILP(refine=False), ILP(lazy=False, refine=False)
+  got = planner.plan(graph, int(base * fraction))
+  assert got.fits and planner.table(graph).priced == 0
+  cost = planner.cost(got.schedule) - planner.table(graph).base_cost
+  assert got.details.bound <= cost + 1e-6 and got.details.gap <= planner.mip_gap
+  best = eager.plan(graph, int(base * fraction))
+  assert cost <= (eager.cost(best.schedule) - eager.table(graph).base_cost) * (1 + planner.mip_gap)
