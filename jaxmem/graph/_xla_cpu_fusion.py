@@ -112,7 +112,8 @@ class Fusion:
     """Whether op ``reader`` reads ``key``'s own buffer whichever other ops
     read ``key`` (however a plan changes the backward pass): ``key``'s
     producer is not elementwise, the reader cannot fuse it, or it is
-    expensive and more than one forward op reads it."""
+    expensive and read more than once in the forward pass (so never by a
+    sole reader: :meth:`duplicable`)."""
     pos = self.producer_of.get(key)
     if pos is None or key in self.outputs or not self._elementwise[pos]:
       return True

@@ -50,8 +50,6 @@ def distinct_rows(rows: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.nd
   return unique, top
 
 
-
-
 @contextlib.contextmanager
 def _quiet_stdout():
   """The process's standard output closed to what HiGHS prints itself

@@ -20,7 +20,8 @@ the plan keeps hold theirs, and the values the rebuild reads live on to it).
 A guess bounds nothing, but a plan found on guesses and judged whole can be
 taken unpriced where its cost is within the planner's gap of the bound the
 estimates prove (``ILP.guess_gap``): on the zoo's GPT-2 at 80% of its peak,
-0.1 s with 17 choices priced, against 3.2 s and 81.
+0.1 s with 17 choices priced, where pricing what solutions take over
+estimates alone takes 3.2 s and prices 81.
 
 Why this finds the optimum of the program over exact columns: a column that
 frees at least the bytes the exact one frees at every equation and costs no
@@ -69,8 +70,8 @@ class Table:
     guess: each choice's likely column (rows x choices): the exact one
       where priced, else read off the reference plan with what the
       estimate leaves out (buffers the forward pass reads whatever the
-      plan, backward reads of values kept, what the rebuild reads), which
-      may free less than the exact column where choices meet.
+      plan, backward reads of values kept, what the rebuild reads); it
+      may lie above or below the exact column, so it bounds nothing.
     overhead: what any recomputation adds to each row (the reference plan
       against the step as written); ``overhead_cost`` likewise.
     base_cost: the cost of the step as written.
