@@ -2,10 +2,12 @@
 sweep of budgets (compiles excluded), and what a transform compiles.
 
 For each model (the zoo's CPU sizes, XLA:CPU):
-* ``jit s``: ``jax.jit``'s compile of the step as written;
-* for each budget: the transform's wall time over that compile, and the
-  backend compilations it made (``jax.monitoring``), with the default
-  planner;
+* ``jit s``: ``jax.jit``'s compile of the step as written (tracing
+  included);
+* for each budget: the transform's wall time (tracing, planning and
+  compiles) over that compile, and the backend compilations it made
+  (``jax.monitoring``), with the default planner; each of these in a
+  fresh process, as a user's run starts;
 * for each planner: planning time at each of ``--sweep`` budgets spread
   from 95% to 30% of the model peak (planning only: one planner per model,
   as a fit keeps one), its first budget (pricing included) apart, the
@@ -21,6 +23,8 @@ For each model (the zoo's CPU sizes, XLA:CPU):
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
 import sys
 import time
 
@@ -49,22 +53,44 @@ def _timed(fn):
   return out, time.perf_counter() - began, len(_COMPILES)
 
 
-def transforms(name: str, config: dict, budgets) -> list[dict]:
-  t = task(name, config)
-  args = jax.block_until_ready(t.init())
-  _, jit_s, _ = _timed(lambda: jax.jit(t.step).lower(*args).compile())
+def transforms(name: str, budgets) -> list[dict]:
+  """``jax.jit``'s compile and the transform at each of ``budgets``, each in
+  a fresh process (as a user's run starts: nothing traced or compiled)."""
+  jit_s = _fresh(name, None)["seconds"]
   rows = []
   for budget in budgets:
-    fitted = jaxmem.transform(t.step, budget=budget)
-    try:
-      _, seconds, compiles = _timed(lambda: fitted.fit(*args).footprint)
-      fits = True
-    except jaxmem.BudgetError:
-      fits, seconds, compiles = False, float("nan"), len(_COMPILES)
-    rows.append(dict(model=name, kind="transform", budget=budget, fits=fits,
-                     jit_s=jit_s, seconds=seconds, ratio=seconds / jit_s,
-                     compiles=compiles))
+    got = _fresh(name, budget)
+    rows.append(dict(model=name, kind="transform", budget=budget, jit_s=jit_s,
+                     ratio=got["seconds"] / jit_s, **got))
   return rows
+
+
+def _fresh(name: str, budget: str | None) -> dict:
+  """:func:`_measured` in a process of its own."""
+  command = [sys.executable, __file__, "--fresh", name] + ([budget] if budget else [])
+  done = subprocess.run(command, capture_output=True, text=True)
+  if done.returncode:
+    raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
+  return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _measured(name: str, budget: str | None = None) -> dict:
+  """The zoo model ``name`` (CPU size) compiled by ``jax.jit`` (``budget``
+  None), else transformed at ``budget`` and fitted: seconds and backend
+  compilations, from its arguments made on."""
+  from jaxmem._zoo import models
+  t = task(name, models().CPU_SIZES.get(name, {}))
+  args = jax.block_until_ready(t.init())
+  if budget is None:
+    _, seconds, compiles = _timed(lambda: jax.jit(t.step).lower(*args).compile())
+    return dict(seconds=seconds, compiles=compiles)
+  fitted = jaxmem.transform(t.step, budget=budget)
+  try:
+    _, seconds, compiles = _timed(lambda: fitted.fit(*args).footprint)
+    fits = True
+  except jaxmem.BudgetError:
+    fits, seconds, compiles = False, float("nan"), len(_COMPILES)
+  return dict(fits=fits, seconds=seconds, compiles=compiles)
 
 
 def sweep(name: str, config: dict, planners, count: int) -> list[dict]:
@@ -135,14 +161,21 @@ def main(argv=None) -> None:
   parser.add_argument("--planners", nargs="+", default=["ilp", "recompute"])
   parser.add_argument("--sweep", type=int, default=20,
                       help="budgets each planner plans (0: none, the transforms only)")
-  parser.add_argument("--out", required=True)
+  parser.add_argument("--out")
+  parser.add_argument("--fresh", nargs="+", metavar=("MODEL", "BUDGET"),
+                      help=argparse.SUPPRESS)  # one measurement, for _fresh
   opts = parser.parse_args(argv)
+  if opts.fresh:
+    print(json.dumps(_measured(*opts.fresh)))
+    return
+  if not opts.out:
+    parser.error("--out is required")
   if "ilp" not in opts.planners:
     parser.error("--planners must include ilp (plans are costed against it)")
   rows = []
   for name in opts.models:
     config = models().CPU_SIZES.get(name, {})
-    rows += transforms(name, config, opts.budgets)
+    rows += transforms(name, opts.budgets)
     if opts.sweep:  # 0: the transforms' rows only
       rows += sweep(name, config, opts.planners, opts.sweep)
     print(table(rows), flush=True)

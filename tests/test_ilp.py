@@ -222,6 +222,9 @@ def test_estimated_columns_are_optimistic(blocks):
   assert len(forward) > 50
   assert (estimated[forward] <= table.delta[forward] + 1e-6).all()
   assert (estimated < 0).sum() >= (table.delta < 0).sum() * 0.9
+  # And close: the buffers a rebuild reads stay in the estimate up to the
+  # rebuild (without that, the error is 28% of the columns' bytes here).
+  assert np.abs(estimated - table.delta).sum() < 0.2 * np.abs(table.delta).sum()
 
 
 def test_an_aim_under_the_lowest_reached_fails_at_once(mlp, monkeypatch):
@@ -246,7 +249,7 @@ def test_guessed_columns_come_closer_to_the_exact_ones(blocks):
   estimated, guessed = table.delta.copy(), table.guess.copy()
   table.price(range(len(table.choices)))
   assert (table.guess == table.delta).all()  # priced: the guess is the column
-  assert np.abs(guessed - table.delta).sum() < 0.5 * np.abs(estimated - table.delta).sum()
+  assert np.abs(guessed - table.delta).sum() < 0.75 * np.abs(estimated - table.delta).sum()
 
 
 @pytest.mark.parametrize("fraction", [0.9, 0.8])
