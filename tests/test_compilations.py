@@ -70,6 +70,27 @@ def test_a_budget_the_step_meets_compiles_once(args):
   assert again == 0
 
 
+def _conv_step(w, x):
+  """A convolution whose kernel gradient the memory model sees run on
+  pinned input copies (XLA:CPU's habit): the step as written all the same."""
+  def loss(w):
+    y = jax.lax.conv_general_dilated(x, w, (1, 1), "SAME",
+                                     dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return jnp.sum(jnp.tanh(y) ** 2)
+  return w - 1e-3 * jax.grad(loss)(w)
+
+
+def test_a_conv_step_the_budget_meets_compiles_once():
+  w, x = jnp.ones((3, 3, 8, 8)) * 0.1, jnp.ones((4, 16, 16, 8))
+  want, plain = compiles(jax.jit(_conv_step), w, x)
+  fitted = jaxmem.transform(_conv_step, budget="100%")
+  got, made = compiles(fitted, w, x)
+  assert plain == 1 and made == 1
+  fit = fitted.fit(w, x)
+  assert not len(fit.plan) and not fit.result.changes_step
+  assert jnp.array_equal(got, want)
+
+
 def test_a_donated_step_is_measured_undonated(args):
   # The budget is a fraction of the step's footprint without donation, a
   # second program: two compilations, the donated one serving the calls.

@@ -60,6 +60,9 @@ class Candidate:
     seconds: planning time.
     steps: number of greedy choices made.
     details: what the planner reports beyond the plan, or None.
+    written: whether it is the step as written (:func:`unplanned`), which
+      runs unchanged whatever its schedule holds for the model (kernel
+      gradients' inputs pinned where the model emulates XLA:CPU).
   """
   plan: Plan
   schedule: Schedule
@@ -69,6 +72,7 @@ class Candidate:
   seconds: float = 0.0
   steps: int = 0
   details: Details | None = None
+  written: bool = False
 
   @property
   def peak(self) -> int:
@@ -88,6 +92,8 @@ class Candidate:
     from, :func:`unplanned_liveness`: on XLA:GPU, a padded copy that the
     forward and backward convolutions share as written is then made again
     for the backward pass, and the forward pass's copy dies with it)."""
+    if self.written:
+      return False
     return (bool(len(self.plan)) or bool(self.schedule.graph.hosted)
             or any(op.kind != "node" for op in self.schedule.ops))
 
@@ -125,7 +131,7 @@ def unplanned(graph: Graph, aim: int) -> Candidate:
   ``aim``."""
   schedule = build_schedule(graph, Plan(), fused_values(graph), separate=False)
   memory = simulate(schedule)
-  return Candidate(Plan(), schedule, memory, aim, memory.peak <= aim)
+  return Candidate(Plan(), schedule, memory, aim, memory.peak <= aim, written=True)
 
 
 @analysis
