@@ -197,7 +197,7 @@ class ILP(Planner):
   def weighs(self, graph: Graph) -> int:
     """Each choice priced once at most, and per program a plan judged whole
     and the refinement's first (the fallback searches only where none fits)."""
-    return len(self.table(graph).choices) + 2 * (self.rounds + _SOLVES_PRICED)
+    return len(self.table(graph).choices) + 2 * (self.rounds + _PROGRAMS)
 
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
     """The program's candidates for the lowest footprint
@@ -376,7 +376,7 @@ class ILP(Planner):
         missed += 1
         if not found.fits:
           refused.append(chosen)
-      if table.price(chosen if _lazy(table, solves) else range(n)):
+      if table.price(chosen if _lazy(table, spent) else range(n)):
         continue  # taken on estimates: solved again with their exact columns
       rounds += 1
       # The first program whose plan is priced bounds the exact program at
@@ -429,7 +429,7 @@ class ILP(Planner):
     table = self.table(graph)
     n = len(table.choices)
     nbytes = max(table.base.max(), 1.0)  # scaled to about 1, for HiGHS's tolerances
-    began, solves = time.perf_counter(), 0
+    began, spent = time.perf_counter(), 0.0
     while True:
       # Variables: the choices, the overhead, then the peak, minimized.
       cost = np.zeros(n + 2)
@@ -441,10 +441,11 @@ class ILP(Planner):
       rows, base = highs.distinct_rows(memory, table.base / nbytes)
       rows = np.hstack([rows, -np.ones((len(rows), 1))])
       constraints = [optimize.LinearConstraint(rows, -np.inf, -base)]
+      solving = time.perf_counter()
       x, bound, status = self._milp(cost, constraints + self._program(table, [], n + 2), n + 1)
-      solves += 1
+      spent += time.perf_counter() - solving
       chosen = [i for i in range(n) if x[i] > 0.5]
-      if not table.price(chosen if _lazy(table, solves) else range(n)):
+      if not table.price(chosen if _lazy(table, spent) else range(n)):
         break
     return self._candidate(graph, table, chosen, 0, bound, status, 1,
                            time.perf_counter() - began)
@@ -463,16 +464,20 @@ class ILP(Planner):
     return found
 
 
-def _lazy(table: Table, solves: int) -> bool:
-  """Whether the next pricing is of the choices a solution took alone:
-  until ``_SOLVES_PRICED`` programs are solved or half the choices are
-  priced, past which pricing the rest at once costs less than the
-  programs it saves (on the zoo's GPT-2 at 50%: 22 programs and 117 of 152
-  choices priced lazily, 16.6 s; 7 s with every choice priced)."""
-  return solves < _SOLVES_PRICED and 2 * table.priced < len(table.choices)
+def _lazy(table: Table, spent: float) -> bool:
+  """Whether the next pricing is of the choices a solution took alone,
+  else of every choice left: lazy until the programs solved (``spent``
+  seconds) have cost what pricing the rest would (a rent-or-buy rule:
+  never more than twice the better of the two). On the zoo's GPT-2 at
+  60% of its peak, each program takes 0.1-0.4 s and most price 2-3
+  choices of 20 ms each."""
+  rest = table.rest_seconds()
+  return rest is None or spent < rest
 
 
-_SOLVES_PRICED = 12
+# Programs a plan solves, about, before its columns are priced (the
+# planning-time warning's figure; ``_lazy`` decides).
+_PROGRAMS = 12
 
 # Misses per aim of plans judged before pricing (GPT-2 at 69%: nine in a row).
 _WEIGHED = 2

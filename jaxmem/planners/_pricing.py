@@ -39,14 +39,16 @@ can free a few more bytes at an equation that reads the rebuilt values (on
 the zoo's GPT-2, at 1-9 of its 2,600 equations for a fifth of the choices),
 so the lazy optimum can differ from the fully priced one where such an
 equation binds. Where the program over estimates has no solution, every
-column is priced before the planner gives up on it, and after a few
-programs, or once half the choices are (``_ilp._lazy``), every column is:
-at worst, planning costs what pricing every choice first costs.
+column is priced before the planner gives up on it, and once the programs
+have taken as long as pricing the rest would (``_ilp._lazy``), every column
+is: at worst, planning costs about twice what pricing every choice first
+costs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 
@@ -83,6 +85,7 @@ class Table:
     exclusive: groups of choices at most one of which is taken.
     reference: the residuals the reference plan recomputes.
     priced: the memory model evaluations spent on columns so far.
+    seconds: the time they took.
     rows: the node index of each row (``-1``: after the last equation).
   """
   choices: list
@@ -96,6 +99,7 @@ class Table:
   exclusive: list
   reference: tuple
   priced: int = 0
+  seconds: float = 0.0
   rows: list = dataclasses.field(default_factory=list, repr=False)
   guess: np.ndarray | None = dataclasses.field(default=None, repr=False)
   # How to price: the graph, the planner's cost of a schedule, and the
@@ -117,12 +121,21 @@ class Table:
     """Makes the columns of ``chosen`` exact (one memory model evaluation
     each not yet priced); returns how many it priced."""
     todo = [i for i in chosen if not self.exact[i]]
+    began = time.perf_counter()
     for i in todo:
       self.delta[:, i], self.cost[i] = self._evaluated(self.choices[i])
       self.guess[:, i] = self.delta[:, i]
       self.exact[i] = True
     self.priced += len(todo)
+    self.seconds += time.perf_counter() - began
     return len(todo)
+
+  def rest_seconds(self) -> float | None:
+    """What pricing every choice not yet priced would take, at the time
+    each has taken so far (None before any is priced)."""
+    if not self.priced:
+      return None
+    return self.seconds / self.priced * (len(self.choices) - int(self.exact.sum()))
 
   def _evaluated(self, choice) -> tuple[np.ndarray, float]:
     """A choice's exact column and cost: the plan that takes it alone (on
