@@ -60,7 +60,8 @@ class Candidate:
     seconds: planning time.
     steps: number of greedy choices made.
     details: what the planner reports beyond the plan, or None.
-    written: whether it is the step as written (:func:`unplanned`), which
+    written: whether it is the step as written (:func:`unplanned`, its
+      graph keeping no state in host memory), which
       runs unchanged whatever its schedule holds for the model (kernel
       gradients' inputs pinned where the model emulates XLA:CPU).
   """
@@ -131,7 +132,10 @@ def unplanned(graph: Graph, aim: int) -> Candidate:
   ``aim``."""
   schedule = build_schedule(graph, Plan(), fused_values(graph), separate=False)
   memory = simulate(schedule)
-  return Candidate(Plan(), schedule, memory, aim, memory.peak <= aim, written=True)
+  # With optimizer state kept in host memory (``graph.hosted``) it is not
+  # the step as written.
+  return Candidate(Plan(), schedule, memory, aim, memory.peak <= aim,
+                   written=not graph.hosted)
 
 
 @analysis

@@ -12,11 +12,11 @@ rebuild reads (it reads them through a barrier, as buffers, and no sooner
 than the first backward read of what it rebuilds: up to there they stay,
 and those the step as written frees sooner are charged), and the choice
 costs the FLOPs of the equations that rebuild its residuals (no copies, no
-barriers). On the zoo's GPT-2 at 70% of its peak, charging what the
-rebuild reads takes pricing from 220 choices (all) to 75. The planner
-solves over the estimates, prices the
-choices its solution takes that are still estimated (:meth:`Table.price`),
-and solves again until every choice it takes is exact.
+barriers). On the zoo's GPT-2 (its default size) at 70% of its peak,
+charging what the rebuild reads takes pricing from 220 choices (all) to
+75. The planner solves over the estimates, prices the choices its
+solution takes that are still estimated (:meth:`Table.price`), and solves
+again until every choice it takes is exact.
 
 Beside each estimate, the table keeps a *guess* of the column (what the
 memory model likely gives it: buffers that forward equations read as
