@@ -1,5 +1,4 @@
-"""The public transform: a training step fitted to a memory budget,
-shaped like ``jax.jit``."""
+"""The public transform: a training step fitted to a budget, shaped like ``jax.jit``."""
 
 from __future__ import annotations
 
@@ -18,7 +17,8 @@ from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import Candidate, unplanned
 from jaxmem.fit._checks import fittable, no_backward
-from jaxmem.fit._fit import Fitter, budget_error, remember, remembered, search
+from jaxmem.fit._fit import Fitter, search
+from jaxmem.fit._unmet import budget_error, remember, remembered
 from jaxmem.fit._fitted import Fit
 from jaxmem.fit._inner import body_of
 from jaxmem.graph._graph import Graph, build_graph, trace

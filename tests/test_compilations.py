@@ -13,6 +13,7 @@ import pytest
 import jaxmem
 from jaxmem.schedule._emit import emit
 from jaxmem.cost._evaluate import unplanned_liveness
+from jaxmem.fit import _fit
 from jaxmem.fit._fit import Fitter
 from jaxmem.graph._graph import build_graph
 from jaxmem.planners import Fixed, Greedy
@@ -163,13 +164,20 @@ def test_a_plan_that_comes_back_unchanged_is_not_compiled_again(args):
   assert compiled == [plan] and rounds == 1
 
 
-def test_a_looser_plan_is_compiled_only_where_the_compiled_ones_say_it_may_fit(args):
+def _fitter(args, fraction: float):
+  """A fit loop for ``_step`` at ``fraction`` of its footprint, with its
+  graph, model peak and footprint."""
   graph = build_graph(jax.make_jaxpr(_step)(*args))
   full = unplanned_liveness(graph).peak
   jit = lambda c: jax.jit(emit(c.schedule)).lower(*args).compile()
   unconstrained = xla_footprint(jax.jit(_step).lower(*args).compile())
-  fitter = Fitter(graph, Greedy(), int(0.7 * unconstrained), unconstrained,
+  fitter = Fitter(graph, Greedy(), int(fraction * unconstrained), unconstrained,
                   full / unconstrained, jit)
+  return graph, full, unconstrained, fitter
+
+
+def test_a_looser_plan_is_compiled_only_where_the_compiled_ones_say_it_may_fit(args):
+  graph, full, unconstrained, fitter = _fitter(args, 0.7)
   tight, loose = Greedy().plan(graph, int(0.6 * full)), Greedy().plan(graph, int(0.9 * full))
   assert fitter.may_fit(loose)  # nothing compiled yet: no evidence against it
   trial = fitter.compile(tight)
@@ -179,6 +187,26 @@ def test_a_looser_plan_is_compiled_only_where_the_compiled_ones_say_it_may_fit(a
   assert fitter.may_fit(loose) == (loose.peak / least <= fitter.budget)
   assert not fitter.may_fit(loose)
   assert fitter.may_fit(tight)
+
+
+def test_a_plan_for_the_smallest_footprint_is_compiled_only_where_it_may_come_under(args):
+  graph, full, unconstrained, fitter = _fitter(args, 0.05)
+  low, high = Greedy().plan(graph, 0), Greedy().plan(graph, int(0.9 * full))
+  trials = [fitter.compile(low)]
+  # The most model bytes per XLA byte seen, 10% more, rates the higher
+  # plan's smallest footprint: over the smallest so far (and the budget),
+  # it is not compiled; the plan compiled may always come under itself.
+  most = max(full / unconstrained, low.peak / trials[0].footprint) * (1 + _fit.LOWEST_MARGIN)
+  assert not fitter.may_beat(high, trials)
+  assert high.peak / most > trials[0].footprint
+  assert fitter.may_beat(low, trials)
+  # Where a plan fits the budget, any that may fit it too may be cheaper.
+  fitter.budget = unconstrained
+  assert fitter.may_beat(high, trials)
+  with counted() as made:
+    fitter.budget = int(0.05 * unconstrained)
+    assert len(fitter.lowest(trials[0])) < len(Greedy().lowest(graph)) + 1
+  assert len(made) < len(Greedy().lowest(graph))
 
 
 def test_each_plan_and_compilation_is_logged(args, caplog):

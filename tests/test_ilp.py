@@ -243,6 +243,20 @@ def test_an_aim_under_the_lowest_reached_fails_at_once(mlp, monkeypatch):
   assert planner.plan(graph, int(first.peak)).fits
 
 
+def test_an_aim_under_the_programs_reach_takes_the_greedys_descent(blocks, monkeypatch):
+  """Under the program's lowest peak the recompute greedy goes on from the
+  program's lowest plan, as low as its own whole search reaches, without
+  that search (its ladder of runs from nothing)."""
+  graph, _ = blocks
+  whole = Greedy().plan(graph, 1)  # the greedy's own search, ladder and all
+  monkeypatch.setattr(Greedy, "_ladder", lambda *a, **k: pytest.fail("ladder climbed"))
+  planner = ILP()
+  found = planner.plan(graph, 1)
+  assert not found.fits and found.details.status in ("fallback", "infeasible")
+  assert found.peak <= min(c.peak for c in planner.lowest(graph))
+  assert found.peak <= whole.peak * 1.02
+
+
 def test_guessed_columns_come_closer_to_the_exact_ones(blocks):
   graph, _ = blocks
   table = ILP(lazy=True).table(graph)

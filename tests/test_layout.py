@@ -15,7 +15,7 @@ LAYERS = [
      "fit._batching", "targets._description", "targets._host_args", "targets._remesh",
      "cost._hlo",
      "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code
-    {"fit._saved", "targets._profiles"},
+    {"fit._saved", "targets._profiles", "fit._unmet"},
     {"fit._plan_cache"},
     {"targets._compile", "targets._calibrate"},
     {"targets._copy_schedule"},

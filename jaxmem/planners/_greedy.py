@@ -28,14 +28,13 @@ class Greedy(Planner):
   Recompute-only by default (``offload=True`` adds offload moves,
   ``recompute=False`` leaves only those). Each step looks at the current
   peak, takes the kept residuals that are live there and not read again
-  until the backward pass, ranks them by bytes per
-  FLOP of their rebuild chain, simulates the best ``evaluations`` of them
-  exactly (a chain can add a new peak in the backward pass; the peak can
-  move), and drops the one that lowers the peak most per added FLOP. When a
-  recompute segment has itself become the peak, keeping one of its residuals
-  again is tried as well (Libra's greedy refinement). It stops
-  when the peak fits ``aim`` or nothing lowers it further; the result is
-  then the lowest peak reached.
+  until the backward pass, ranks them by bytes per FLOP of their rebuild
+  chain, simulates the best ``evaluations`` of them exactly (a chain can
+  add a new peak in the backward pass; the peak can move), and drops the
+  one that lowers the peak most per added FLOP. When a recompute segment
+  has itself become the peak, keeping one of its residuals again is tried
+  as well (Libra's greedy refinement). It stops when the peak fits ``aim``
+  or nothing lowers it further; the result is then the lowest peak reached.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -68,20 +67,19 @@ class Greedy(Planner):
   # Evaluations the refinement of a fitting plan may spend (:meth:`refined`).
   refine: int = 24
   # Which moves a step may take, and what a plan costs (``Planner.cost``):
-  # without a target, recomputed FLOPs; with one (a name in jaxmem.PROFILES
-  # or a DeviceProfile), the predicted step time. Offload needs a target (it
-  # is never chosen on a unified-memory one); host_budget caps pinned host
-  # bytes.
+  # without a target, recomputed FLOPs; with one (a name in jaxmem.PROFILES or
+  # a DeviceProfile), the predicted step time. Offload needs a target (never
+  # chosen on a unified-memory one); host_budget caps pinned host bytes.
   recompute: bool = True
   offload: bool = False
   target: object = None
   host_budget: int | None = None
   assumed_target: bool = False
-  # The ladder's runs for the graph last planned (search state: see _ladder).
+  # Greedy runs for the graph last planned (the ladder's, ``descended``).
   _runs: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
                                    compare=False)
-  # For the graph last planned: per start plan, the lowest plan a search
-  # that found no fit returned (an aim under it fails at once).
+  # Per start plan, the lowest plan a search that found no fit returned
+  # for that graph (an aim under it fails at once).
   _floors: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
                                      compare=False)
   # The scores of the moves evaluated for that graph (_scores.py).
@@ -234,11 +232,22 @@ class Greedy(Planner):
     so the caller may measure each). The ladder has its own starting points:
     ``start`` is not used."""
     began = time.perf_counter()
-    results = sorted(self._ladder(graph, 0, recomputable(graph)),
-                     key=lambda r: r.peak)
+    results = sorted(self._ladder(graph, 0, recomputable(graph)), key=lambda r: r.peak)
     for result in results:
       result.seconds = time.perf_counter() - began
     return results
+
+  def descended(self, graph: Graph, start: Plan) -> Candidate:
+    """One run from ``start`` toward the lowest peak (kept with the ladder's)."""
+    runs = self._runs_for(graph)
+    if ("from", start) not in runs:
+      runs["from", start] = self._greedy(graph, 0, 0, recomputable(graph), start)
+    return runs["from", start]
+
+  def _runs_for(self, graph: Graph) -> dict:
+    if self._runs[0] is not graph:  # the runs of one graph are kept
+      self._runs = (graph, {})
+    return self._runs[1]
 
   def _ladder(self, graph, aim, candidates):
     """Greedy runs toward each fraction of ``aims`` of the unconstrained
@@ -249,28 +258,23 @@ class Greedy(Planner):
     yielded), so :meth:`lowest` after a failed :meth:`plan` costs nothing
     more."""
     base = evaluate(graph, Plan())[1].peak
-    if self._runs[0] is not graph:
-      self._runs = (graph, {})
-    runs = self._runs[1]
-    plan = Plan()
+    runs, plan = self._runs_for(graph), Plan()
     for fraction in (*self.aims, 0):
       if fraction not in runs:
         runs[fraction] = self._greedy(graph, 0, int(base * fraction), candidates, plan)
       result = runs[fraction]
       plan = result.plan
       yield result.aimed(aim)
-    # Then every block (or every layer) checkpointed with nothing saved,
-    # the plans XLA follows best, and the greedy's descent from those of
-    # every block (run only when asked for).
+    yield from (r.aimed(aim) for r in self.block_descents(graph))
+
+  def block_descents(self, graph: Graph):
+    """Every block (or layer) checkpointed with nothing saved, the plans XLA
+    follows best, and the descent from those of every block (run lazily)."""
     descend = block_plans(graph)
-    for i, result in enumerate(self._block_results(graph, ("nothing_saveable",))):
-      yield result.aimed(aim)
-      if result.plan not in descend:
-        continue
-      if ("blocks", i, 0) not in runs:
-        runs["blocks", i, 0] = self._greedy(graph, 0, 0, candidates, result.plan)
-      result = runs["blocks", i, 0]
-      yield result.aimed(aim)
+    for result in self._block_results(graph, ("nothing_saveable",)):
+      yield result
+      if result.plan in descend:
+        yield self.descended(graph, result.plan)
 
   def _block_results(self, graph, keeps: tuple = tuple(KEEPS)) -> list[Candidate]:
     """The block-checkpointed plans under the policies ``keeps``

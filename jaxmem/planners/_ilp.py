@@ -17,19 +17,18 @@ which HiGHS solves (``scipy.optimize.milp``):
 The coefficients start as optimistic estimates; the memory model prices a
 choice (evaluates the plan that takes it alone) when a solution takes it,
 and the program is solved again until every choice taken is priced
-(:mod:`~jaxmem.planners._pricing`). The plan of the chosen blocks is then
-evaluated by the memory model itself.
-Where it disagrees with the sum (a block's boundary that the block before
-recomputes is kept again; two recomputations overlap), that combination is
-excluded and the program solved again, up to ``rounds`` times. Last, the
-greedy's refinement (:meth:`~jaxmem.planners.Greedy.refined`) keeps
-residuals of the chosen blocks again wherever the peak stays within the aim:
-the program's blocks are whole, the refinement is not.
+(:mod:`~jaxmem.planners._pricing`). The memory model then evaluates the
+plan of the chosen blocks itself. Where it disagrees with the sum (a
+block's boundary that the block before recomputes is kept again; two
+recomputations overlap), that combination is excluded and the program
+solved again, up to ``rounds`` times. Last, the greedy's refinement
+(:meth:`~jaxmem.planners.Greedy.refined`) keeps residuals of the chosen
+blocks again wherever the peak stays within the aim: the program's blocks
+are whole, the refinement is not.
 
-What the optimum is optimal over: plans made of per-block policy choices,
-each block's own, under the model's costs; what :class:`Solution` reports
-(the solver's dual bound and gap) bounds that space. Plans at residual
-granularity (the greedy's) lie outside it.
+The optimum is optimal over plans made of per-block policy choices under
+the model's costs; what :class:`Solution` reports (the solver's dual bound
+and gap) bounds that space. The greedy's plans lie outside it.
 """
 
 from __future__ import annotations
@@ -84,14 +83,11 @@ class ILP(Planner):
       groups), not only whole blocks under a policy.
     refine: whether a plan that fits goes through the greedy's refinement.
     give_back: evaluations the refinement may spend keeping recomputed
-      residuals again (the program's plans are optimal over whole choices:
-      over 20-budget sweeps of the zoo's GPT-2, ResNet-18 and residual MLP,
-      4 such evaluations saved at most 0.05% of a plan's cost, at two
-      budgets, for 10% more planning time; none are spent by default).
-    lazy: whether a choice's column is priced by the memory model only
-      when a solution takes it (:mod:`~jaxmem.planners._pricing`: fewer
-      evaluations, and the optimum of pricing every column wherever the
-      estimates bound the exact columns), else every column before the
+      residuals again (over 20-budget sweeps of the zoo's GPT-2, ResNet-18
+      and residual MLP, 4 saved at most 0.05% of a plan's cost, at two
+      budgets, for 10% more planning time; none by default).
+    lazy: whether a choice's column is priced only when a solution takes
+      it (:mod:`~jaxmem.planners._pricing`), else every column before the
       first program.
     fallback: the planner asked where no combination fits (a
       :class:`~jaxmem.Planner`; None: the recompute-only greedy), and for
@@ -156,19 +152,18 @@ class ILP(Planner):
 
   def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
     """The cheapest combination whose model peak is at most ``aim``;
-    where none is, the greedy's plan if it fits, else the lowest
-    (``fits`` False). ``start`` is not used: the program is solved
-    whole."""
+    where none is, the fallback's plan if it fits (without one, the
+    greedy's descent from the program's lowest), else the lowest (``fits``
+    False). ``start`` is not used: the program is solved whole."""
     began = time.perf_counter()
     with paused_gc():
       found = self._solve(graph, aim)
       if found is None:
         # Beyond the program's reach (a residual rebuilt through another
-        # dropped one, or offloaded): the fallback's plan where it fits,
-        # else the lowest.
+        # dropped one, or offloaded).
         lowest = self._own_lowest(graph)[0]
         beyond = self._beyond()
-        found = beyond.plan(graph, aim)
+        found = beyond.plan(graph, aim) if self.fallback else self._descended(graph, lowest, aim)
         outside = Solution([], self.cost(found.schedule) - self.table(graph).base_cost,
                            0.0, "fallback", 0, 0.0, fallback=beyond.name)
         if not found.fits and lowest.peak <= found.peak:
@@ -200,11 +195,22 @@ class ILP(Planner):
     return len(self.table(graph).choices) + 2 * (self.rounds + _PROGRAMS)
 
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
-    """The program's candidates for the lowest footprint
-    (:meth:`_own_lowest`), then the fallback's (the recompute greedy's
-    where none is set): its plans reach outside the program's choices,
-    and XLA may rate one lower."""
-    return self._own_lowest(graph) + self._beyond().lowest(graph)
+    """The program's candidates for the lowest footprint (:meth:`_own_lowest`),
+    then the fallback's, or the recompute greedy's descents from the
+    program's lowest and from every block checkpointed: their plans reach
+    outside the program's choices, and XLA may rate one lower."""
+    own, greedy = self._own_lowest(graph), self._recompute_greedy()
+    if self.fallback:
+      return own + self.fallback.lowest(graph)
+    return own + [greedy.descended(graph, own[0].plan), *greedy.block_descents(graph)]
+
+  def _descended(self, graph: Graph, lowest: Candidate, aim: int) -> Candidate:
+    """The recompute greedy's descent from the program's ``lowest`` plan
+    (2 s on the zoo's GPT-2 at CPU size, where its search from nothing
+    takes 39 s), its recomputation given back where under ``aim``."""
+    greedy = self._recompute_greedy()
+    found = greedy.descended(graph, lowest.plan).aimed(aim)
+    return greedy.refined(graph, found, aim) if found.fits else found
 
   def _own_lowest(self, graph: Graph) -> list[Candidate]:
     """Plans of the lowest model peak, lowest first: the program's lowest,
@@ -277,8 +283,7 @@ class ILP(Planner):
     combinations the memory model refused are left out."""
     n = len(table.choices)
     rows = np.zeros((len(table.exclusive) + n + len(refused), width))
-    lower = np.full(len(rows), -np.inf)
-    upper = np.ones(len(rows))
+    lower, upper = np.full(len(rows), -np.inf), np.ones(len(rows))
     for r, group in enumerate(table.exclusive):
       rows[r, group] = 1
     at = len(table.exclusive)
@@ -316,9 +321,8 @@ class ILP(Planner):
       constraints.append(optimize.LinearConstraint(rows / nbytes, -np.inf,
                                                    (limit - base) / nbytes))
     x, bound, status = self._milp(_tie_broken(cost / unit, n), constraints, n + 1, time_limit)
-    if x is None:
-      return None, None, status
-    return [i for i in range(n) if x[i] > 0.5], (bound - _TIE * (n + 1)) * unit, status
+    return (None, None, status) if x is None else (
+        [i for i in range(n) if x[i] > 0.5], (bound - _TIE * (n + 1)) * unit, status)
 
   def _guessed(self, graph: Graph, table: Table, aim: int, bound: float, solves: int,
                seconds: float) -> Candidate | None:
@@ -367,9 +371,8 @@ class ILP(Planner):
         if found is not None:
           return found
       if limit == aim and missed < _WEIGHED and not table.exact[chosen].all():
-        # Taken on estimates, whose program bounds the exact one: a plan that
-        # fits within the gap of that bound needs no pricing; one that does
-        # not fit is left out of later programs.
+        # A plan taken on estimates that fits within the gap of their bound
+        # needs no pricing; one that does not fit is left out of later ones.
         found = self._weighed(graph, table, chosen, aim, bound, solves, spent)
         if found.fits and found.details.gap <= self.mip_gap:
           return found
@@ -390,8 +393,8 @@ class ILP(Planner):
         return found
       refused.append(chosen)
       # The memory model found more than the program's sum: after a first
-      # refusal, whose neighbours the cut leaves out, the program's limit
-      # is lowered by the overshoot (a few percent near the lowest peaks).
+      # refusal (whose neighbours the cut leaves out), the limit is lowered
+      # by the overshoot (a few percent near the lowest peaks).
       if rounds >= 2:
         limit -= found.peak - aim
     return None

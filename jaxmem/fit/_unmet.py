@@ -1,0 +1,53 @@
+"""Budgets a step cannot meet: the error that names the smallest footprint
+reached, and that footprint remembered per step, so a second budget under
+it fails at once."""
+
+from __future__ import annotations
+
+import weakref
+
+from jaxmem._budget import BudgetError, format_bytes
+
+
+def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
+                 planner: str, where: str) -> BudgetError:
+  """The error for ``budget`` (bytes, ``reserve`` included) under
+  ``smallest``, the least footprint ``planner`` reaches on ``where``."""
+  least = smallest + reserve
+  kept = (f", and {format_bytes(reserve)} is kept free beyond it for the "
+          "runtime's workspaces (transform(..., reserve=))" if reserve else "")
+  return BudgetError(
+      f"jaxmem: budget {format_bytes(budget)} ({budget / unconstrained:.0%} "
+      f"of the unconstrained {format_bytes(unconstrained)}) cannot be met "
+      f"by planner {planner!r}"
+      f"{f' on target {where}' if where else ''}: the smallest "
+      f"footprint it reaches for this step is {format_bytes(smallest)} ({smallest} bytes, "
+      f"{smallest / unconstrained:.0%}){kept}. Pass budget >= {least} bytes, "
+      "or shrink the batch.", smallest=least)
+
+
+# The smallest footprint a fit reached where it failed, per step function
+# (weakly: it goes with the function) and per what decides it (the traced
+# step's fingerprint, planner, target, planning rounds): a second budget
+# under it fails at once, without planning or compiling again.
+_SMALLEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def remember(fun, key: tuple, smallest: int, unconstrained: int | None) -> None:
+  """Records that fitting ``fun`` as ``key`` says reaches ``smallest`` bytes
+  at least (XLA's footprint, reserve excluded), of ``unconstrained`` (None
+  where the backend gives no footprint: nothing is recorded)."""
+  if unconstrained is None:
+    return
+  try:
+    _SMALLEST.setdefault(fun, {})[key] = (smallest, unconstrained)
+  except TypeError:  # a callable that cannot be referenced weakly
+    pass
+
+
+def remembered(fun, key: tuple) -> tuple[int, int] | None:
+  """``(smallest, unconstrained)`` recorded for ``fun`` and ``key``."""
+  try:
+    return _SMALLEST.get(fun, {}).get(key)
+  except TypeError:
+    return None
