@@ -130,12 +130,18 @@ def unplanned(graph: Graph, aim: int) -> Candidate:
   """The untransformed step as a :class:`Candidate` (every residual kept,
   no backward read separated: the step as written), judged against
   ``aim``."""
-  schedule = build_schedule(graph, Plan(), fused_values(graph), separate=False)
-  memory = simulate(schedule)
+  schedule, memory = _as_written(graph)
   # With optimizer state kept in host memory (``graph.hosted``) it is not
   # the step as written.
   return Candidate(Plan(), schedule, memory, aim, memory.peak <= aim,
                    written=not graph.hosted)
+
+
+@analysis
+def _as_written(graph: Graph) -> tuple[Schedule, Liveness]:
+  """The schedule of the step as written and its memory model, once per graph."""
+  schedule = build_schedule(graph, Plan(), fused_values(graph), separate=False)
+  return schedule, simulate(schedule)
 
 
 @analysis
