@@ -3,7 +3,7 @@ sweep of budgets (compiles excluded), and what a transform compiles.
 
 For each model (the zoo's CPU sizes, XLA:CPU):
 * ``jit s``: ``jax.jit``'s compile of the step as written (tracing
-  included);
+  included; the median of three processes);
 * for each budget: the transform's wall time (tracing, planning and
   compiles, or the time it takes to fail where the budget cannot be met)
   over that compile, and the backend compilations it made
@@ -57,13 +57,17 @@ def _timed(fn):
 def transforms(name: str, budgets) -> list[dict]:
   """``jax.jit``'s compile and the transform at each of ``budgets``, each in
   a fresh process (as a user's run starts: nothing traced or compiled)."""
-  jit_s = _fresh(name, None)["seconds"]
+  # A compile's time varies by a tenth or more from process to process.
+  jit_s = float(np.median([_fresh(name, None)["seconds"] for _ in range(_JIT_RUNS)]))
   rows = []
   for budget in budgets:
     got = _fresh(name, budget)
     rows.append(dict(model=name, kind="transform", budget=budget, jit_s=jit_s,
                      ratio=got["seconds"] / jit_s, **got))
   return rows
+
+
+_JIT_RUNS = 3
 
 
 def _fresh(name: str, budget: str | None) -> dict:
