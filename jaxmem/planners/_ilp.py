@@ -199,9 +199,10 @@ class ILP(Planner):
     then the fallback's, or the recompute greedy's descents from the
     program's lowest and from every block checkpointed: their plans reach
     outside the program's choices, and XLA may rate one lower."""
-    own, greedy = self._own_lowest(graph), self._recompute_greedy()
+    own = self._own_lowest(graph)
     if self.fallback:
       return own + self.fallback.lowest(graph)
+    greedy = self._recompute_greedy()
     return own + [greedy.descended(graph, own[0].plan), *greedy.block_descents(graph)]
 
   def _descended(self, graph: Graph, lowest: Candidate, aim: int) -> Candidate:
@@ -299,8 +300,7 @@ class ILP(Planner):
   def _milp(self, cost, constraints, n_binary: int, time_limit: float | None = None):
     """One program solved within ``time_limit`` seconds (``self.time_limit``
     by default): ``(x, bound, status)``; x None when it has no solution."""
-    return highs.solve(cost, constraints, n_binary, time_limit or self.time_limit,
-                       self.mip_gap)
+    return highs.solve(cost, constraints, n_binary, time_limit or self.time_limit, self.mip_gap)
 
   def _solved(self, table: Table, columns: np.ndarray, limit: int, refused: list,
               time_limit: float | None = None) -> tuple:

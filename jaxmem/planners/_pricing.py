@@ -233,9 +233,8 @@ class _Estimator:
       if self.backward[pos]:
         for key in op.ins:
           if isinstance(key, tuple):
-            through = key in ref.fused
-            for buf in ref.fused_reads.get(key, ()) if through else (ref.root.get(key, key),):
-              self.reads_of.setdefault(buf, []).append((pos, key[0], through))
+            for buf in self._read_as(key):
+              self.reads_of.setdefault(buf, []).append((pos, key[0], key in ref.fused))
 
   def __call__(self, plan: Plan) -> tuple[np.ndarray, np.ndarray, float]:
     """The column of ``plan`` (one choice's) at its most, its likely
@@ -270,8 +269,7 @@ class _Estimator:
     for buf in read - self.kept - self.ref.in_outputs:
       # A source the reference frees before the rebuild lives on to it.
       if buf in self.producer_at:
-        start = max(self.ref.reads.get(buf, [self.producer_at[buf]])) + 1
-        most[self._whole_rows(start, rebuilds)] += self.ref.schedule.nbytes(buf)
+        most[self._whole_rows(self._last_read(buf) + 1, rebuilds)] += self.ref.schedule.nbytes(buf)
     # Backward reads of values the rebuild makes on the way are redirected
     # to its copies (the schedule builder reuses them within the block).
     remade = dropped | {v for n in run for v in self.graph.nodes[n].outs}
@@ -280,8 +278,8 @@ class _Estimator:
     first = min((p for b in freed for p in self.ref.reads.get(b, ()) if self.backward[p]),
                 default=None)
     for buf in self._buffers(sources) - freed if first is not None else ():
-      start = max(self.ref.reads.get(buf, [self.producer_at[buf]])) + 1
-      likely[np.unique(self.row_at[start:first])] += self.ref.schedule.nbytes(buf)
+      likely[np.unique(self.row_at[self._last_read(buf) + 1:first])] += \
+          self.ref.schedule.nbytes(buf)
     for buf in freed:
       self._free(likely, buf, max(self._freed_from(buf), self._held_back(buf, remade) + 1))
     return most, likely, float(sum(self.graph.nodes[n].flops for n in run - self.rerun))
@@ -290,14 +288,22 @@ class _Estimator:
     """The first backward op of the reference plan that reads ``values``
     (any copy) or a buffer of theirs (their own, or those they are computed
     from inside their readers): no rebuild of them runs before it."""
-    found = min((self.first_need.get(v, len(self.backward)) for v in values),
-                default=len(self.backward))
-    for vid in values:
-      key = (vid, 0)
-      for buf in (self.ref.fused_reads.get(key, ()) if key in self.ref.fused
-                  else (self.ref.root.get(key, key),)):
-        found = min([found] + [p for p in self.ref.reads.get(buf, ()) if self.backward[p]])
-    return found
+    return min([self.first_need.get(v, len(self.backward)) for v in values]
+               + [p for v in values for buf in self._read_as((v, 0))
+                  for p in self.ref.reads.get(buf, ()) if self.backward[p]],
+               default=len(self.backward))
+
+  def _read_as(self, key) -> tuple:
+    """The buffers a read of ``key`` reads in the reference plan: its own,
+    or those it is computed from inside its readers."""
+    if key in self.ref.fused:
+      return tuple(self.ref.fused_reads.get(key, ()))
+    return (self.ref.root.get(key, key),)
+
+  def _last_read(self, buf) -> int:
+    """The last op of the reference plan that reads ``buf``; its producer
+    where none does."""
+    return max(self.ref.reads.get(buf, [self.producer_at[buf]]))
 
   def _whole_rows(self, start: int, end: int) -> np.ndarray:
     """The rows all of whose ops lie in ``[start, end)``."""
@@ -343,11 +349,7 @@ class _Estimator:
     """The buffers recomputing ``values`` may free: each value's own, the
     one a view of it shares, and those a value computed inside its
     readers is computed from."""
-    found = set()
-    for vid in values:
-      key = (vid, 0)
-      found.update(self.ref.fused_reads.get(key, ()) if key in self.ref.fused
-                   else [self.ref.root.get(key, key)])
+    found = {buf for vid in values for buf in self._read_as((vid, 0))}
     return {b for b in found if b not in self.kept and b in self.producer_at}
 
   def _rebuilt_by(self, rebuilt: frozenset, dropped: set, saved: frozenset) -> tuple:
