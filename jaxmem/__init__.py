@@ -15,6 +15,7 @@ The public face, in one screen:
 * targets, the GPUs plans are made and compiled for
   (:mod:`jaxmem.targets`): :class:`DeviceProfile` with its
   :class:`GpuDescription`, :data:`PROFILES`, :func:`calibrate`;
+* :func:`progress`, what a long transform does, shown as it goes;
 * :func:`enable_cpu_remat`, the XLA:CPU flag set on import.
 
 Internals stay importable from their modules (``jaxmem.graph._graph``, ...).
@@ -37,6 +38,7 @@ from jaxmem._decisions import Chunked, Decision, Keep, Offload, Plan, Recompute,
 from jaxmem._flags import enable_cpu_remat  # noqa: E402
 from jaxmem._analyze import Analysis, analyze  # noqa: E402
 from jaxmem._transform import Fit, Transformed, transform  # noqa: E402
+from jaxmem._progress import progress  # noqa: E402
 from jaxmem.planners import ILP, LGM, PLANNERS, Greedy, Hybrid, Planner, hybrid  # noqa: E402
 from jaxmem.targets import PROFILES, DeviceProfile, GpuDescription, calibrate  # noqa: E402
 
@@ -45,6 +47,6 @@ __all__ = [
     "GpuDescription", "Greedy", "Hybrid", "ILP", "Keep", "LGM", "Offload", "PLANNERS",
     "PROFILES", "Plan",
     "Planner", "Recompute", "Save", "Transformed", "analyze", "calibrate",
-    "enable_cpu_remat", "hybrid", "transform",
+    "enable_cpu_remat", "hybrid", "progress", "transform",
 ]
 __version__ = "0.1.0"

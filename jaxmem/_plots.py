@@ -3,7 +3,7 @@
 Figures: a plan's memory timeline (predicted device bytes after each op of
 the rewritten step, with the budget, XLA's footprint, the recomputed ops,
 the copies to the host and back, vTensor splits and merges, and the host
-bytes), the step-time overhead of every method against the budget, and for
+bytes), step time against footprint for every method, and for
 an LGM plan the deficit of each peak beside the bytes swapped to cover it.
 """
 
@@ -67,7 +67,7 @@ def timeline(row, path: str, title: str) -> str:
   return path
 
 
-def overhead(rows, unconstrained: int, path: str, title: str) -> str:
+def time_vs_footprint(rows, unconstrained: int, path: str, title: str) -> str:
   """Writes step time against footprint, both over the unconstrained
   step's, one line per method: a jaxmem planner's plans that fit their
   budgets, a per-block policy's one program."""
@@ -130,9 +130,9 @@ def write_all(result: dict, rows, directory: str) -> list[str]:
   """Every plot for one bench run, into ``directory``; returns the paths."""
   os.makedirs(directory, exist_ok=True)
   model = result["model"]
-  paths = [overhead(rows, result["unconstrained_bytes"],
-                    os.path.join(directory, f"{model}-overhead.png"),
-                    f"{model}: step time against footprint")]
+  paths = [time_vs_footprint(rows, result["unconstrained_bytes"],
+                             os.path.join(directory, f"{model}-time-vs-footprint.png"),
+                             f"{model}: step time against footprint")]
   for row in rows:
     name = f"{model}-{row.method.replace(':', '-')}-{row.budget.replace('%', 'pct')}"
     if row.timeline:

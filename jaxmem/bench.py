@@ -19,12 +19,10 @@ CPU whose speed drifts.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.metadata
 import dataclasses
 import importlib.util
 import json
-import logging
 import platform
 import sys
 import time
@@ -69,8 +67,9 @@ def _ratio(value) -> str:
 # (header, width, cell of a row), in the table's order.
 _COLUMNS = (
     ("fits", 5, lambda r: "yes" if r.fits else "NO"),
-    ("XLA", 11, lambda r: _cell(r.xla_bytes, format_bytes) + ("*" if r.footprint_modelled
-                                                               else "")),
+    # An offload plan on a backend that ignores host memory has no XLA
+    # figure to show: its fit is judged on the model's (``Row``).
+    ("XLA", 11, lambda r: "n/a*" if r.footprint_modelled else _cell(r.xla_bytes, format_bytes)),
     ("model", 10, lambda r: _cell(r.model_bytes, format_bytes)),
     ("time x", 7, lambda r: _cell(r.time_ratio, _ratio)),
     ("pred x", 7, lambda r: _cell(r.predicted_ratio, _ratio)),
@@ -130,18 +129,17 @@ def _parser(models) -> argparse.ArgumentParser:
 
 def run(opts) -> dict:
   """Measures what ``opts`` asks for; returns the JSON-ready result. Unless
-  ``--quiet``, progress goes to stderr: the run's steps and each plan and
-  compilation of every fit."""
-  with _fit_progress(not opts.quiet):
-    return _run(opts)
+  ``--quiet``, progress goes to stderr (:func:`jaxmem.progress`): the run's
+  steps and each plan and compilation of every fit."""
+  if opts.quiet:
+    return _run(opts, lambda line: None)
+  with jaxmem.progress() as shown:
+    return _run(opts, shown.say)
 
 
-def _run(opts) -> dict:
+def _run(opts, progress) -> dict:
   source = provenance("-m jaxmem.bench", sys.argv[1:])  # the code as the run starts
   models = _zoo.models()
-  progress = (lambda line: None) if opts.quiet else (
-      lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", file=sys.stderr,
-                         flush=True))
   config = _parse_config(opts.config)
   methods = ([Method.parse(m) for m in opts.methods] if opts.methods
              else default_methods(opts.model))
@@ -189,26 +187,6 @@ def _run(opts) -> dict:
   }
 
 
-@contextlib.contextmanager
-def _fit_progress(shown: bool):
-  """jaxmem's INFO log (each plan and compilation of a fit) on stderr while
-  a run lasts, where progress is shown."""
-  log = logging.getLogger("jaxmem")
-  if not shown:
-    yield
-    return
-  handler = logging.StreamHandler(sys.stderr)
-  handler.setFormatter(logging.Formatter("[%(asctime)s]   %(message)s", "%H:%M:%S"))
-  level = log.level
-  log.addHandler(handler)
-  log.setLevel(logging.INFO)
-  try:
-    yield
-  finally:
-    log.removeHandler(handler)
-    log.setLevel(level)
-
-
 def save(result: dict, opts) -> None:
   """Writes ``--plot`` plots and the ``--json`` file of a run, if asked."""
   rows = result["rows"]
@@ -237,8 +215,9 @@ def main(argv=None) -> int:
   cpu = result["machine"]["backend"] == "cpu"
   print("\nXLA = compiled footprint (temp + args + outputs - aliases); for a method "
         "that does not fit, the smallest it reaches"
-        + ("; * = jaxmem's device peak, for an offload plan on a backend that ignores "
-           "host memory" if any(r.footprint_modelled for r in rows) else "")
+        + ("; n/a* = an offload plan on a backend that ignores host memory, where "
+           "XLA's figure would count the host copies on the device: its fit is judged "
+           "on the model's figure" if any(r.footprint_modelled for r in rows) else "")
         + ". model = jaxmem's prediction. time x = the median over runs of the step's "
         "time over the unconstrained step's, timed in pairs"
         + (" (CPU time: what this CPU measured, which says little of a GPU's)"

@@ -23,7 +23,7 @@ def test_main_job_writes_plots_by_default(tmp_path):
               "--budgets", "70%", "--repeats", "1", "--quiet",
               "--methods", "unconstrained", "jaxmem:auto"])  # the default planner
   plots = tmp_path / "jaxmem-bench-plots"
-  assert (plots / "mlp-overhead.png").stat().st_size > 0
+  assert (plots / "mlp-time-vs-footprint.png").stat().st_size > 0
   assert (plots / "mlp-jaxmem-auto-70pct-timeline.png").stat().st_size > 0
 
 
@@ -60,7 +60,7 @@ def test_cli_writes_table_json_and_plots(tmp_path, capsys):
   # 30% is below what recomputation reaches: not fitting, smallest shown.
   tight = rows["jaxmem:recompute", "30%"]
   assert not tight["fits"] and tight["xla_bytes"] > tight["budget_bytes"]
-  assert (tmp_path / "plots" / "mlp-overhead.png").stat().st_size > 0
+  assert (tmp_path / "plots" / "mlp-time-vs-footprint.png").stat().st_size > 0
   assert (tmp_path / "plots" / "mlp-jaxmem-recompute-100pct-timeline.png").exists()
 
 
@@ -121,7 +121,9 @@ def test_table_leaves_out_empty_columns_and_marks_modelled_footprints():
   header = text.splitlines()[0]
   assert "pred x" not in header and "max batch" not in header  # no row has one
   assert "time x" in header and "model" in header
-  assert "60 B*" in text and "100 B*" not in text
+  # The offload row's footprint is the model's: it shows under "model" only.
+  cells = text.splitlines()[3].split()
+  assert "n/a*" in cells and cells.count("60") == 1 and "100" not in cells
   assert "pred x" in bench.table([Row("jaxmem:ilp", "70%", 70, True, 60,
                                       predicted_ratio=1.2)]).splitlines()[0]
 

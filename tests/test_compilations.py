@@ -11,6 +11,7 @@ from jax import monitoring
 import pytest
 
 import jaxmem
+from jaxmem._budget import format_bytes
 from jaxmem.schedule._emit import emit
 from jaxmem.cost._evaluate import unplanned_liveness
 from jaxmem.fit import _fit
@@ -221,6 +222,9 @@ def test_each_plan_and_compilation_is_logged(args, caplog):
   assert planned and compiled and len(fit.plan)
   assert len(compiled) <= len(made)  # one line per compilation of a plan
   assert all("against the budget" in m for m in compiled)
+  # The last compilation's line names the best trial so far: the plan taken.
+  assert compiled[-1].endswith(f"best so far: a plan of {len(fit.plan)} decisions at "
+                               f"{format_bytes(fit.footprint)} (fits)")
 
 
 class _Analysis:

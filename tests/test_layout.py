@@ -11,7 +11,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 
 # Lowest first: a module imports only from layers below its own.
 LAYERS = [
-    {"_flags", "_provenance", "_budget", "graph._primitives", "_decisions", "fit._arguments",
+    {"_flags", "_provenance", "_budget", "_progress", "graph._primitives", "_decisions",
+     "fit._arguments",
      "fit._batching", "targets._description", "targets._host_args", "targets._remesh",
      "cost._hlo",
      "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code

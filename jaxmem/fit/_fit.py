@@ -137,6 +137,8 @@ class Fitter:
   # Model bytes per XLA byte of each planned trial compiled: what the
   # model's peaks have been worth on the target so far in this fit.
   _ratios: list = dataclasses.field(default_factory=list, init=False, repr=False)
+  # The best trial compiled so far (:meth:`best_so_far`), for the log.
+  _best: Trial | None = dataclasses.field(default=None, init=False, repr=False)
 
   def _model_part(self, footprint: int) -> int:
     """The part of an XLA footprint the memory model's figures stand for."""
@@ -181,14 +183,27 @@ class Fitter:
     """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
     began = time.perf_counter()
     trial = self._compiled(candidate)
-    _log.info("jaxmem: compiled %s: footprint %s against the budget %s%s in %.1f s",
-              f"a plan of {len(candidate.plan)} decisions" if len(candidate.plan)
-              else "the step with its backward reads separated" if candidate.changes_step
-              else "the step as written", format_bytes(trial.measured),
+    self._best = self.best_so_far(trial, self._best)
+    _log.info("jaxmem: compiled %s: footprint %s against the budget %s%s in %.1f s; "
+              "best so far: %s", _described(candidate), format_bytes(trial.measured),
               format_bytes(self.budget),
               "" if trial.seconds is None else f", predicted {trial.seconds * 1e3:.3g} ms",
-              time.perf_counter() - began)
+              time.perf_counter() - began,
+              f"{_described(self._best.candidate)} at {format_bytes(self._best.measured)}"
+              + (" (fits)" if self._best.measured <= self.budget else " (over)"))
     return trial
+
+  def best_so_far(self, trial: Trial, best: Trial | None) -> Trial:
+    """The better of two compiled trials: of those that fit the budget the
+    cheaper (:meth:`cheaper`), else the smaller footprint."""
+    if best is None:
+      return trial
+    fits, best_fits = trial.measured <= self.budget, best.measured <= self.budget
+    if fits != best_fits:
+      return trial if fits else best
+    if fits:
+      return trial if self.cheaper(trial, best) else best
+    return trial if trial.measured < best.measured else best
 
   def _compiled(self, candidate: Candidate) -> Trial:
     compiled = self.jit(candidate)
@@ -471,3 +486,12 @@ def _hosted(graph: Graph, state: list, profile: DeviceProfile | None) -> Graph:
   hosted = with_hosted(graph, state)
   return hosted if profile is None else with_hosted(graph, state,
                                                     state_fetch_points(hosted, profile))
+
+
+def _described(candidate: Candidate) -> str:
+  """A compiled candidate as the log names it."""
+  if len(candidate.plan):
+    return f"a plan of {len(candidate.plan)} decisions"
+  if candidate.changes_step:
+    return "the step with its backward reads separated"
+  return "the step as written"

@@ -54,4 +54,12 @@ def residual_table(graph: Graph, top: int | None = 30, decisions=None) -> str:
   more = (f"\n... and {len(residuals) - len(shown)} smaller (report(top=None) lists all)"
           if len(shown) < len(residuals) else "")
   return (f"{len(residuals)} residuals, {format_bytes(total)} in all\n"
-          + _table(header, rows) + more)
+          + _table(header, rows) + more + "\n" + _legend(decisions is not None))
+
+
+def _legend(decided: bool) -> str:
+  """The residual table's columns in words, under it."""
+  return ("(made->used: the equation that makes it -> the first..last backward "
+          "equations that read it, by index in the step; flops: its own equation's"
+          + ("; decision: keep, recompute, offload (to host memory and back), save "
+             "(a boundary kept to rebuild from) or per chunk)" if decided else ")"))
