@@ -261,3 +261,13 @@ def test_a_footprint_with_a_part_no_plan_changes_is_met_on_the_second_plan(args)
   fitter = Fitter(graph, Greedy(), budget, footprint(full), 1.0, jit)
   trial, rounds = fitter.tighten()
   assert trial.measured <= budget and rounds == len(peaks) == 2, peaks
+
+
+def test_a_budget_above_the_footprint_needs_no_plan_and_says_so(args):
+  """"150%" reads as it reads: one compilation, and the report says that
+  nothing needed planning."""
+  fitted = jaxmem.transform(_step, budget="150%")
+  _, made = compiles(fitted, *args)
+  fit = fitted.fit(*args)
+  assert made == 1 and not len(fit.plan) and fit.budget > fit.footprint
+  assert "the step as written fits the budget, nothing needed planning" in fit.report()

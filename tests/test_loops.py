@@ -76,6 +76,7 @@ def test_reports_read_per_layer_bytes_times_layers():
   report = jaxmem.analyze(step, *args).report()
   assert f"{B * D * 4 // 1024}.00 KiB x {L}" in report
   assert "scan[tanh]" in report
+  assert "the whole loop's for a scan's stacked one" in report
 
 
 def test_a_step_without_loops_has_none():

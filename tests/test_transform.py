@@ -86,7 +86,7 @@ def test_report_is_a_screen_and_lists_all_when_asked():
   short, whole = fit.report(), fit.report(top=None)
   assert len(short) <= 2000 and "report(top=None) lists" in short
   records = fit.result.details.records
-  assert records and f"vTensor swaps: {len(records)} tensors" in short
+  assert records and f"LGM planner's vTensor swaps: {len(records)} tensors" in short
   assert "lists" not in whole
   assert all(r.name[:40] in whole for r in records)
   assert all(r.name in whole for r in fit.graph.residuals)

@@ -54,12 +54,14 @@ def residual_table(graph: Graph, top: int | None = 30, decisions=None) -> str:
   more = (f"\n... and {len(residuals) - len(shown)} smaller (report(top=None) lists all)"
           if len(shown) < len(residuals) else "")
   return (f"{len(residuals)} residuals, {format_bytes(total)} in all\n"
-          + _table(header, rows) + more + "\n" + _legend(decisions is not None))
+          + _table(header, rows) + more + "\n"
+          + _legend(decisions is not None, any(r.value in stacked for r in shown)))
 
 
-def _legend(decided: bool) -> str:
+def _legend(decided: bool, looped: bool) -> str:
   """The residual table's columns in words, under it."""
   return ("(made->used: the equation that makes it -> the first..last backward "
           "equations that read it, by index in the step; flops: its own equation's"
+          + (", the whole loop's for a scan's stacked one" if looped else "")
           + ("; decision: keep, recompute, offload (to host memory and back), save "
              "(a boundary kept to rebuild from) or per chunk)" if decided else ")"))

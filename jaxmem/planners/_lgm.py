@@ -130,10 +130,12 @@ class LayerReport(Details):
     that counts them)."""
     if top == 0:
       layers = {r.layer for r in self.records}
-      return (f"vTensor swaps: {len(self.records)} tensors ({self.chunked} split into "
-              f"chunks), {format_bytes(sum(r.swapped_bytes for r in self.records))} to host "
-              f"memory over {len(layers)} layer(s); report(top=None) lists them")
-    lines = ["vTensor swaps (layer, its deficit, tensor, chunks swapped/cut, bytes):",
+      swapped = format_bytes(sum(r.swapped_bytes for r in self.records))
+      return (f"LGM planner's vTensor swaps: {len(self.records)} tensors "
+              f"({self.chunked} split into chunks), {swapped} to host memory over "
+              f"{len(layers)} layer(s); report(top=None) lists them")
+    lines = ["LGM planner's vTensor swaps (layer, its deficit, tensor, chunks "
+             "swapped/cut, bytes):",
              f"{'layer':<28} {'deficit':>10} {'tensor':>10} {'chunks':>7} "
              f"{'swapped':>10}  name", "-" * 90]
     rows = [f"{r.layer[:28]:<28} {format_bytes(r.deficit):>10} "
