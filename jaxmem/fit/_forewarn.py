@@ -42,7 +42,7 @@ def forewarn(graph: Graph, where: str, planner: Planner) -> float:
         "jaxmem: planning this step for %s may take about %.0f minute(s): each plan "
         "weighed is evaluated in %.0f ms (%d equations) and planner %r weighs up to about "
         "%d plans (%d residuals), besides compiling some. "
-        "logging.getLogger('jaxmem').setLevel('INFO') shows each plan and compilation; "
+        "Running the fit inside 'with jaxmem.progress():' shows each plan and compilation; "
         "fit.save_plan(path) then transform(..., plan=path), or transform(..., "
         "plan_cache=dir), applies the plan later without planning.",
         where, max(estimate / 60, 1), each * 1e3, len(graph.nodes), planner.name, plans,
