@@ -213,10 +213,18 @@ def test_registry_rejects_bad_requests():
     models.get("unet", norm="layer")
 
 
-# 80%: the tiny GPT-2 reaches 76% of its footprint, mostly its parameters.
-@pytest.mark.parametrize("budget", ["100%", "80%"])
-@pytest.mark.parametrize("name", ["resnet18", "gpt2"])
+# A budget each tiny model meets with a plan: their footprints are mostly
+# parameters (the tiny GPT-2, ResNet-18, transformer and VGG reach 76-82%,
+# the MLP 98%).
+PLANNED = {"mlp": "99%"}
+
+
+# CI fits the two REMAT_MODELS; the rest of the zoo under ``slow``.
+@pytest.mark.parametrize("budget", ["100%", "planned"])
+@pytest.mark.parametrize("name", [
+    pytest.param(n, marks=() if n in REMAT_MODELS else pytest.mark.slow) for n in sorted(TINY)])
 def test_jaxmem_transform_matches_and_reports_fit_a_screen(plain, name, budget):
+  budget = PLANNED.get(name, "85%") if budget == "planned" else budget
   task, args, want = plain(name, sgd=True)
   fitted = jaxmem.transform(task.step, budget=budget)
   got = fitted(*args)
