@@ -11,7 +11,7 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem.fit import _plan_cache
-from jaxmem.fit._arguments import Arguments, inherited_donations
+from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
@@ -99,8 +99,7 @@ class Transformed:
     return fit.out_tree.unflatten(step(*leaves))
 
   def _over_leaves(self, fun: Callable, statics, tree) -> Callable:
-    """``fun`` (called like the step) over the dynamic arguments' flat
-    leaves, with these static values, returning its output's leaves."""
+    """``fun`` (called like the step) over the flat dynamic leaves, to its output's leaves."""
     def flat(*leaves):
       args, kwargs = self.arguments.merge(statics, *tree.unflatten(leaves))
       return jax.tree_util.tree_leaves(fun(*args, **kwargs))
@@ -200,7 +199,8 @@ class Transformed:
     target = resolve(self.target, leaves)
     key = (*key, target.name)  # arguments placed elsewhere: another target
     if key not in self._fits:
-      args, kwargs, leaves = on_device(self.arguments, args, kwargs)
+      args, kwargs, leaves = as_sharded(self.arguments, self.jit_kwargs.get("in_shardings"),
+                                        *on_device(self.arguments, args, kwargs))
       fit = self._build(args, kwargs, leaves, target, find_smallest)
       if fit is None:
         return None

@@ -8,7 +8,8 @@ three steps are the sharded step's, its outputs are sharded as the step's
 are, and the memory model's footprint of the step is one device's (within
 a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
 
-* a data-parallel MLP under ``jax.jit``, at 100% and 70%;
+* a data-parallel MLP under ``jax.jit``, at 100% and 70%, and at 70% with
+  its arguments on the host and ``in_shardings`` passed to the transform;
 * ``shard_map`` steps: the same MLP that ``pmean``s its updates,
   planned per device inside the map (the report says so), and a
   ``data x model`` MLP whose forward pass ``psum``s over ``model``, whose
@@ -54,16 +55,16 @@ _COMMON = textwrap.dedent("""
           count += collectives(sub)
       return count
 
-    def run(step, args, budgets=("100%", "70%", "50%"), steps=3):
+    def run(step, args, budgets=("100%", "70%", "50%"), steps=3, **jit_kwargs):
       want, state = [], args
       for _ in range(steps):
-        out = jax.jit(step)(*state)
+        out = jax.jit(step, **jit_kwargs)(*state)
         want.append(out)
         state = (out[0],) + tuple(args[1:])
-      own = xla_footprint(jax.jit(step).lower(*args).compile())
+      own = xla_footprint(jax.jit(step, **jit_kwargs).lower(*args).compile())
       rows = {}
       for budget in budgets:
-        fitted = jaxmem.transform(step, budget=budget)
+        fitted = jaxmem.transform(step, budget=budget, **jit_kwargs)
         fit = fitted.fit(*args)
         state, error, same = args, 0.0, True
         for expected in want:
@@ -149,6 +150,13 @@ _SMALL = textwrap.dedent("""
       from tests.test_microbatch import _mlp_step
       ws, batch = data_parallel_args(Mesh(np.array(jax.devices()), ("data",)))
       return run(_mlp_step, (ws, batch), budgets=("100%", "70%"))
+
+    def data_parallel_in_shardings():  # arguments on the host, placed by in_shardings
+      from tests.test_microbatch import _mlp_step
+      mesh = Mesh(np.array(jax.devices()), ("data",))
+      args = jax.device_get(data_parallel_args(mesh))
+      shardings = (NamedSharding(mesh, P()), NamedSharding(mesh, P("data")))
+      return run(_mlp_step, args, budgets=("70%",), in_shardings=shardings)
 
     def on_eight_t4s():  # XLA:GPU for 8 compile-only T4s, the same mesh
       from tests.test_microbatch import _mlp_step
@@ -239,6 +247,7 @@ _SMALL = textwrap.dedent("""
 
     print(json.dumps(dict(data=data_parallel(), tensor=tensor_parallel(),
                           inside=inside_the_forward(), jit=data_parallel_jit(),
+                          in_shardings=data_parallel_in_shardings(),
                           t4=on_eight_t4s(), mapped_t4=shard_map_on_eight_t4s(),
                           constrained_t4=constrained_on_eight_t4s(),
                           fsdp=fsdp_gathered_again())))
@@ -317,6 +326,9 @@ def _check(result: dict, tolerance: float = 1e-4) -> None:
 def test_shard_map_steps_are_planned_per_device():
   out = _run(_SMALL)
   _check(out["jit"])  # a jax.jit step's model, from XLA's partitioned program
+  # Arguments placed by in_shardings are modelled per device as well.
+  _check(out["in_shardings"])
+  assert any("(XLA, per device)" in line for line in out["in_shardings"]["rows"]["70%"]["report"])
   for name in ("data", "tensor", "inside"):
     _check(out[name])
     assert out[name]["collectives"] > 0

@@ -153,3 +153,44 @@ def inherited_donations(fun: Callable, args: tuple, kwargs: dict,
   nums = tuple(i for i, info in zip(dynamic, info_args) if donated(info))
   names = tuple(k for k, info in info_kwargs.items() if donated(info))
   return nums, names
+
+
+class _Each:
+  """One sharding for each of ``count`` leaves (a prefix's node, kept whole
+  by ``tree_leaves``)."""
+
+  def __init__(self, sharding, count: int):
+    self.sharding, self.count = sharding, count
+
+
+def as_sharded(arguments: Arguments, in_shardings, args, kwargs, leaves: list):
+  """``(args, kwargs, leaves)`` of a call as ``jax.jit`` places them under
+  the user's ``in_shardings`` (one sharding, or a tree prefix of the dynamic
+  positional arguments, as ``jax.jit`` takes it; None: as given): a leaf on
+  one device that its sharding spreads over several becomes abstract with
+  that sharding, so a fit models each device's share; the others stay as
+  given (as they do where the prefix does not match: ``jax.jit`` then says
+  why)."""
+  if in_shardings is None:
+    return args, kwargs, leaves
+  statics, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
+  if isinstance(in_shardings, jax.sharding.Sharding):
+    per_leaf = [in_shardings] * len(leaves)
+  else:
+    try:
+      groups = jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+          lambda s, sub: _Each(s, len(jax.tree_util.tree_leaves(sub))), in_shardings,
+          tuple(dyn_args), is_leaf=lambda s: s is None or isinstance(s, jax.sharding.Sharding)))
+    except (ValueError, TypeError):
+      return args, kwargs, leaves
+    per_leaf = [g.sharding for g in groups for _ in range(g.count)]
+  if len(per_leaf) != len(leaves):
+    return args, kwargs, leaves
+  spreads = lambda s: isinstance(s, jax.sharding.Sharding) and len(s.device_set) > 1
+  on_one = lambda x: len(getattr(getattr(x, "sharding", None), "device_set", ())) < 2
+  abstract = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s,
+                                               weak_type=a.weak_type)
+  leaves = [abstract(jax.typeof(x), s) if spreads(s) and on_one(x) else x
+            for x, s in zip(leaves, per_leaf)]
+  tree = jax.tree_util.tree_structure((dyn_args, dyn_kwargs))
+  return (*arguments.merge(statics, *tree.unflatten(leaves)), leaves)
