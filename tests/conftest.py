@@ -1,14 +1,9 @@
-"""Test setup: the tests run on the CPU (JAX's CUDA plugin, installed to
-compile for GPU targets, would otherwise try to start a GPU backend), and
-jaxmem sets the XLA:CPU flag that keeps remat on import, so it is imported
-before JAX starts its backend."""
+"""Fixtures and markers of the tests (the platform and jaxmem's import
+come first, from the repository's own conftest.py)."""
 
 import os
 import sys
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-import jaxmem  # noqa: F401  (sets XLA_FLAGS before any computation)
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
