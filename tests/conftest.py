@@ -4,6 +4,7 @@ come first, from the repository's own conftest.py)."""
 import os
 import sys
 
+import jaxmem
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
