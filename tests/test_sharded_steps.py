@@ -16,9 +16,11 @@ a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
   50% only micro-batches of each device's batch meet: no collective is run
   again by the plan (the transformed step runs as many as the step); an
   FSDP MLP that all-gathers each layer's weights, whose 70% only gathering
-  some again meets (its reduce-scatters run once); and a step whose forward pass calls a ``shard_map`` that
-  ``pmean``s (a normalization by the batch's statistics), planned as a
-  whole: the ``shard_map``'s outputs are never rebuilt.
+  some again meets (its reduce-scatters run once), and whose exact plan at
+  90% gathers a weight again on a fast interconnect and none on a slow
+  one; and a step whose forward pass calls a ``shard_map`` that ``pmean``s
+  (a normalization by the batch's statistics), planned as a whole: the
+  ``shard_map``'s outputs are never rebuilt.
 * the data-parallel MLP planned for 8 T4s, under ``jax.jit`` and as the
   ``shard_map`` step, and a ``jax.jit`` step that constrains its
   activations' sharding: compiled by XLA:GPU for a compile-only topology of
@@ -172,8 +174,7 @@ _SMALL = textwrap.dedent("""
                   devices=len(jax.tree.leaves(placed(batch, "t4"))[0].sharding.device_set),
                   target=fit.target.name)
 
-    def fsdp_gathered_again():  # weights sharded, all-gathered per layer
-      from jax.extend.core import jaxprs_in_params
+    def fsdp_mlp():  # weights sharded, all-gathered per layer
       mesh = Mesh(np.array(jax.devices()), ("data",))
       def local(ws, batch):
         def loss(ws):
@@ -189,6 +190,31 @@ _SMALL = textwrap.dedent("""
                           NamedSharding(mesh, P("data")))
       batch = jax.device_put({n: jax.random.normal(k, (1024, 256))
                               for n, k in zip("xy", keys[8:])}, NamedSharding(mesh, P("data")))
+      return step, ws, batch
+
+    def gathers_priced():  # gathering again costs the interconnect's time
+      import dataclasses
+      from jaxmem.cost._evaluate import unplanned_liveness
+      from jaxmem.fit._inner import body_graph, inner_body
+      from jaxmem.graph._graph import build_graph
+      from jaxmem.planners import ILP
+      from jaxmem.targets import PROFILES
+      step, ws, batch = fsdp_mlp()
+      graph = build_graph(jax.make_jaxpr(step)(ws, batch))
+      body = body_graph(graph, inner_body(graph))
+      gathered = [r.value for r in body.residuals
+                  if body.producer(r.value).prim.name == "all_gather"]
+      aim = int(0.9 * unplanned_liveness(body).peak)
+      again = {}
+      for name, bandwidth in (("fast", 1e15), ("slow", 1e6)):
+        profile = dataclasses.replace(PROFILES["t4"], interconnect_bandwidth=bandwidth)
+        found = ILP(target=profile).plan(body, aim)
+        again[name] = [found.fits, sum(found.plan[v].kind == "recompute" for v in gathered)]
+      return dict(gathered=len(gathered), again=again)
+
+    def fsdp_gathered_again():
+      from jax.extend.core import jaxprs_in_params
+      step, ws, batch = fsdp_mlp()
       def count(jaxpr, names):
         return sum((e.primitive.name in names)
                    + sum(count(j, names) for j in jaxprs_in_params(e.params))
@@ -250,7 +276,7 @@ _SMALL = textwrap.dedent("""
                           in_shardings=data_parallel_in_shardings(),
                           t4=on_eight_t4s(), mapped_t4=shard_map_on_eight_t4s(),
                           constrained_t4=constrained_on_eight_t4s(),
-                          fsdp=fsdp_gathered_again())))
+                          fsdp=fsdp_gathered_again(), gathers_priced=gathers_priced())))
 """)
 
 _TRANSFORMER = textwrap.dedent("""
@@ -347,6 +373,11 @@ def test_shard_map_steps_are_planned_per_device():
   assert fsdp["footprint"] <= fsdp["budget"] <= 0.7 * fsdp["own"] + 1, fsdp
   assert fsdp["error"] < 1e-5 and fsdp["scatters"][0] == fsdp["scatters"][1] > 0, fsdp
   assert fsdp["gathers"][1] > fsdp["gathers"][0] > 0, fsdp
+  # At 90% on a fast interconnect a gathered weight is gathered again; on a
+  # slow one the same aim is met keeping every gathered weight.
+  priced = out["gathers_priced"]
+  assert priced["gathered"] == 7 and priced["again"]["fast"][0] and priced["again"]["slow"][0]
+  assert priced["again"]["fast"][1] > 0 == priced["again"]["slow"][1], priced
   constrained = out["constrained_t4"]  # its constraints' mesh moved onto the T4s too
   assert constrained["footprint"] <= constrained["budget"] <= 0.7 * constrained["own"] + 1
   assert constrained["error"] < 1e-5, constrained
