@@ -446,7 +446,7 @@ class ILP(Planner):
       cost = np.zeros(n + 2)
       # The plan's cost, at a millionth of a peak, breaks ties.
       cost[:n + 1] = highs.tie_broken(1e-6 * np.append(table.cost, table.overhead_cost)
-                                 / max(np.abs(table.cost).max(initial=0.0), 1.0), n)
+                                      / max(np.abs(table.cost).max(initial=0.0), 1.0), n)
       cost[n + 1] = 1
       memory = np.hstack([table.delta, table.overhead[:, None]]) / nbytes
       rows, base = highs.distinct_rows(memory, table.base / nbytes)
