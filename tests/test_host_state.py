@@ -123,6 +123,10 @@ def test_fit_keeps_state_on_the_host_where_recomputation_does_not_reach(fitted):
   with pytest.raises(jaxmem.BudgetError):
     jaxmem.transform(step, budget="60%", target="orin-nano").fit(*_args())
   assert "optimizer state   8 leaves" in fit.report()
+  # Each leaf's bytes: the four largest by default, every one when asked.
+  every = next(l for l in fit.report(top=None).splitlines() if l.startswith("optimizer state"))
+  assert "lists all" in fit.report() and "lists all" not in every
+  assert every.count(" KiB") + every.count(" MiB") + every.count(" B,") >= 8
   assert "[1][0].mu[0]" in fit.report()
 
 

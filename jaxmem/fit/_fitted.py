@@ -214,7 +214,7 @@ class Fit:
          f"decisions         {len(self.plan) - len(saved)} of {len(self.graph.residuals)} "
         f"residuals changed: {self._changes(p.host_peak)}; {len(saved)} "
         f"block boundaries saved ({format_bytes(saved_bytes)})"),
-        *self._host_lines(),
+        *self._host_lines(top),
         f"added FLOPs       {self.added_flops:.3g} "
         f"({self.added_flops / max(self.base_flops, 1.0):.1%} of the step)",
         *([f"against optimum   {self.gap().text()}"] if len(self.plan) else []),
@@ -234,16 +234,18 @@ class Fit:
     said = ", ".join(f"{n} {label}" for n, label in counts if n) or "none"
     return said + (f", {format_bytes(host_peak)} on the host at most" if host_peak else "")
 
-  def _host_lines(self, top: int = 4) -> list[str]:
+  def _host_lines(self, top: int | None) -> list[str]:
     """The report's lines on optimizer state kept in host memory: how
-    much, and its largest leaves (by argument path where known)."""
+    much, and its ``top`` largest leaves with their bytes (by argument path
+    where known; every leaf for None)."""
     state = hosted_state(self.graph)
     if not state:
       return []
     name = lambda leaf: (self.input_names[leaf.leaf] if leaf.leaf < len(self.input_names)
                          else f"argument leaf {leaf.leaf}")
     largest = sorted(state, key=lambda leaf: -leaf.nbytes)[:top]
+    more = len(state) > len(largest)
     return [f"optimizer state   {len(state)} leaves, {format_bytes(sum(l.nbytes for l in state))}, "
             "in host memory between steps (copied in before each update, its result "
             "copied back): " + ", ".join(f"{name(l)} {format_bytes(l.nbytes)}" for l in largest)
-            + (", ..." if len(state) > top else "")]
+            + (", ... (report(top=None) lists all)" if more else "")]
