@@ -57,13 +57,21 @@ _COMMON = textwrap.dedent("""
           count += collectives(sub)
       return count
 
+    def hlo_collectives(compiled):  # what XLA's partitioner runs across devices
+      from jaxmem.cost import _hlo
+      kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+      return sum(inst.opcode.removesuffix("-start") in kinds
+                 for insts in _hlo.parse(compiled.as_text()).computations.values()
+                 for inst in insts)
+
     def run(step, args, budgets=("100%", "70%", "50%"), steps=3, **jit_kwargs):
       want, state = [], args
       for _ in range(steps):
         out = jax.jit(step, **jit_kwargs)(*state)
         want.append(out)
         state = (out[0],) + tuple(args[1:])
-      own = xla_footprint(jax.jit(step, **jit_kwargs).lower(*args).compile())
+      written = jax.jit(step, **jit_kwargs).lower(*args).compile()
+      own = xla_footprint(written)
       rows = {}
       for budget in budgets:
         fitted = jaxmem.transform(step, budget=budget, **jit_kwargs)
@@ -76,12 +84,15 @@ _COMMON = textwrap.dedent("""
             error = max(error, float(jnp.max(jnp.abs(a - b))) / scale)
             same = same and a.sharding.is_equivalent_to(b.sharding, a.ndim)
           state = (got[0],) + tuple(args[1:])
+        compiled = fitted.lower(*args).compile()
         rows[budget] = dict(
-            footprint=xla_footprint(fitted.lower(*args).compile()), budget=fit.budget,
+            footprint=xla_footprint(compiled), budget=fit.budget,
+            hlo_collectives=hlo_collectives(compiled),
             error=error, same_shardings=same, report=fit.report().splitlines()[:8],
             model=fit.unconstrained_model, xla=fit.unconstrained, micro=fit.micro is not None,
             collectives=collectives(jax.make_jaxpr(fitted)(*args).jaxpr))
       return dict(own=own, devices=len(jax.devices()), rows=rows,
+                  hlo_collectives=hlo_collectives(written),
                   collectives=collectives(jax.make_jaxpr(step)(*args).jaxpr))
 """)
 
@@ -352,6 +363,11 @@ def _check(result: dict, tolerance: float = 1e-4) -> None:
 def test_shard_map_steps_are_planned_per_device():
   out = _run(_SMALL)
   _check(out["jit"])  # a jax.jit step's model, from XLA's partitioned program
+  # Under jax.jit XLA places the collectives: a plan runs as many as the step.
+  for name in ("jit", "in_shardings"):
+    assert out[name]["hlo_collectives"] > 0, out[name]
+    for row in out[name]["rows"].values():
+      assert row["hlo_collectives"] == out[name]["hlo_collectives"], (name, row)
   # Arguments placed by in_shardings are modelled per device as well.
   _check(out["in_shardings"])
   assert any("(XLA, per device)" in line for line in out["in_shardings"]["rows"]["70%"]["report"])
