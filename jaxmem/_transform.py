@@ -15,7 +15,7 @@ from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError, format_bytes
 from jaxmem._decisions import Plan
-from jaxmem.cost._evaluate import Candidate, unplanned
+from jaxmem.cost._evaluate import Candidate, paused_gc, unplanned
 from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter, search
 from jaxmem.fit._unmet import budget_error, remember, remembered
@@ -106,8 +106,7 @@ class Transformed:
     return flat
 
   def _placed(self, target: Target, args, kwargs) -> tuple[tuple, dict]:
-    """The call's arguments as the target compiles them (dynamic ones
-    abstract on its compile-only device, where it has one)."""
+    """The call's arguments as the target compiles them (abstract on a compile-only GPU)."""
     statics, dyn_args, dyn_kwargs = self.arguments.split(args, kwargs)
     leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
     return self.arguments.merge(statics, *tree.unflatten(target.place(leaves)))
@@ -201,7 +200,8 @@ class Transformed:
     if key not in self._fits:
       args, kwargs, leaves = as_sharded(self.arguments, self.jit_kwargs.get("in_shardings"),
                                         *on_device(self.arguments, args, kwargs))
-      fit = self._build(args, kwargs, leaves, target, find_smallest)
+      with paused_gc():  # tracing and analysis make many objects, few in cycles
+        fit = self._build(args, kwargs, leaves, target, find_smallest)
       if fit is None:
         return None
       self._fits[key] = fit
