@@ -6,8 +6,6 @@ import logging
 import jax.numpy as jnp
 
 import jaxmem
-
-
 from tests.helpers import tanh_step
 
 
