@@ -59,8 +59,7 @@ _COMMON = textwrap.dedent("""
 
     def hlo_collectives(compiled):  # what XLA's partitioner runs across devices
       from jaxmem.cost import _hlo
-      kinds = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
-      return sum(inst.opcode.removesuffix("-start") in kinds
+      return sum(inst.opcode in _hlo.COLLECTIVES
                  for insts in _hlo.parse(compiled.as_text()).computations.values()
                  for inst in insts)
 

@@ -40,6 +40,10 @@ _HOST_SPACE = "S(5)"  # the memory space XLA puts host buffers in
 NO_BUFFER = frozenset({
     "parameter", "get-tuple-element", "tuple", "bitcast", "constant", "opt-barrier",
     "after-all", "partition-id", "replica-id", "copy-done", "send-done", "recv-done"})
+# Instructions that move data between devices (an async one where it starts).
+COLLECTIVES = frozenset({
+    "all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "reduce-scatter",
+    "all-to-all", "collective-permute", "collective-permute-start"})
 
 
 @dataclasses.dataclass(frozen=True)

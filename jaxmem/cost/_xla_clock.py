@@ -57,9 +57,6 @@ _FREE = hlo.NO_BUFFER | {
 # Instructions that run the computations they call (priced through them).
 CONTROL = frozenset({"while", "conditional", "call"})
 _SLICES = frozenset({"slice", "dynamic-slice", "gather"})
-_COLLECTIVES = frozenset({
-    "all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "reduce-scatter",
-    "all-to-all", "collective-permute", "collective-permute-start"})
 _TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 # How a library call's compute time (its FLOPs at the matmul rate) and
@@ -193,7 +190,7 @@ def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
   body = program.fused_body(inst)
   nbytes = _bytes(inst, shapes, body)
   flops = _matmul_flops(inst, shapes, body)
-  exchanged = (sum(a.nbytes for a in inst.results()) if inst.opcode in _COLLECTIVES else 0)
+  exchanged = (sum(a.nbytes for a in inst.results()) if inst.opcode in hlo.COLLECTIVES else 0)
   return profile.kernel_latency + roofline_seconds(
       inst.call_target(), flops / profile.matmul_throughput, nbytes / profile.memory_bandwidth,
       profile.collective_seconds(exchanged))

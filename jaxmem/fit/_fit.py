@@ -166,7 +166,7 @@ class Fitter:
       least = sorted(trials, key=lambda t: t.measured)
       raise NoPlanFits(self.error(least[0].measured),
                        tuple(t.candidate.plan for t in least[:SMALLEST_AGAIN]))
-    cheapest = functools.reduce(lambda a, b: b if self.cheaper(b, a) else a, fitting)
+    cheapest = functools.reduce(lambda a, b: self.best_so_far(b, a), fitting)
     return self.structured(cheapest), rounds
 
   def plan(self, aim: int, start: Plan | None = None) -> Candidate:
