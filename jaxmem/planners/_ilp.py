@@ -153,7 +153,7 @@ class ILP(Planner):
   def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
     """The cheapest combination whose model peak is at most ``aim``;
     where none is, the fallback's plan if it fits (without one, the
-    greedy's descent from the program's lowest), else the lowest (``fits``
+    recompute greedy's: :meth:`_descended`), else the lowest (``fits``
     False). ``start`` is not used: the program is solved whole."""
     began = time.perf_counter()
     with paused_gc():
