@@ -24,6 +24,8 @@ LAYERS = [
     {"graph._graph"},
     {"graph._xla_cpu_fusion", "graph._loops", "graph._state", "graph._axis_rules",
      "graph._random_bits"},
+    {"graph._split"},
+    {"graph._scan_axes"},
     {"graph._batch_axes"},
     {"schedule._schedule"},
     {"schedule._scan_remat"},

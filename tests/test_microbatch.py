@@ -193,10 +193,14 @@ def test_saved_micro_batched_plan_reloads(tmp_path):
   assert again.footprint == fit.footprint
 
 
-def test_a_step_with_its_own_remat_runs_in_micro_batches():
-  """``nn.remat`` blocks are inlined where the step runs in micro-batches:
-  the chunks' residuals are planned as the step's are."""
-  task = M.get("gpt2", optimizer=optax.sgd(0.5), remat="nothing_saveable", **ZOO["gpt2"])
+@pytest.mark.parametrize("config", [dict(remat="nothing_saveable"), dict(scan=True),
+                                    dict(scan=True, remat="nothing_saveable")],
+                         ids=["remat", "scan", "scan-remat"])
+def test_remat_and_scanned_blocks_run_in_micro_batches(config):
+  """``nn.remat`` blocks are inlined where the step runs in micro-batches
+  (the chunks' residuals are planned as the step's are); ``nn.scan``
+  blocks run as the same loop per chunk (``tests/test_microbatch_loops.py``)."""
+  task = M.get("gpt2", optimizer=optax.sgd(0.5), **config, **ZOO["gpt2"])
   state, batch = task.init()
   fitted = jaxmem.transform(task.step, budget="100%", micro_batches=2)
   assert fitted.fit(state, batch).micro.count == 2

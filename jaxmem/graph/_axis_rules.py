@@ -14,7 +14,7 @@ Example:
   >>> g = build_graph(jax.make_jaxpr(lambda x, w: x @ w)(jnp.ones((8, 4)), jnp.ones((4, 2))))
   >>> node = g.nodes[0]
   >>> RULES["dot_general"](node, [0, None], [(8, 4), (4, 2)], [(8, 2)])
-  Rule(outs=(0,), combine=None, demand=())
+  Rule(outs=(0,), combine=None, demand=(), combines=(), threads=(), body=None)
   >>> RULES["dot_general"](node, [1, 0], [(8, 4), (4, 2)], [(8, 2)]).combine
   'add'
 """
@@ -52,10 +52,25 @@ class Rule:
       results combine (``ADD``, ``MAX``, ...); its outputs have no axis.
     demand: ``(input position, axis)`` for inputs without an example axis
       that must be taken per chunk along ``axis``.
+    combines: for an equation of several outputs (a loop), each output's
+      ``combine`` (None where it is not combined); empty where ``combine``
+      names the first output's.
+    threads: ``(output position, input position)`` for combined outputs
+      whose chunks run from the running total, passed in place of that
+      input (a ``scatter-add`` into its operand, a loop's accumulating
+      carry); the chunk's result is the new total.
+    body: for a loop, its body's split (``graph._scan_axes.ScanBody``).
   """
   outs: tuple = ()
   combine: str | None = None
   demand: tuple = ()
+  combines: tuple = ()
+  threads: tuple = ()
+  body: object = None
+
+  def output_combines(self) -> tuple:
+    """Each output's combine, None where it is not combined."""
+    return self.combines or (self.combine,) + (None,) * (len(self.outs) - 1)
 
 
 def _agree(node, axes: Sequence, shapes: Sequence) -> Rule:
@@ -253,7 +268,7 @@ def _scatter_add(node, axes, shapes, out_shapes) -> Rule:
     raise Refuse("it scatters examples into examples")
   if node.prim.name != "scatter-add":
     raise Refuse("it overwrites where examples land")
-  return Rule(outs=(None,), combine=SCATTER_ADD, demand=demand)
+  return Rule(outs=(None,), combine=SCATTER_ADD, demand=demand, threads=((0, 0),))
 
 
 RULES: dict[str, Callable] = {

@@ -37,112 +37,21 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
 from typing import Mapping, Sequence
 
 import jax
 from jax.extend import core as jex
 
-from jaxmem.graph._axis_rules import ELEMENTWISE, RULES, Refuse, Rule
+from jaxmem.graph._axis_rules import RULES, Refuse, Rule
 from jaxmem.graph._graph import Graph
-from jaxmem.graph._random_bits import chunkable
+from jaxmem.graph._scan_axes import scan_rule
+from jaxmem.graph._split import NotSplittable, Split, remade, shape_of, where
 
 
-class NotSplittable(ValueError):
-  """The step cannot run in micro-batches; the message says why and where."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Split:
-  """A step split into micro-batches (see the module docstring).
-
-  Attributes:
-    graph: the step's joint graph.
-    inputs: the values holding examples that the chunks read and do not
-      make (the step's batch inputs, each along axis 0, where it is whole).
-    axes: every value with an example axis -> that axis.
-    rules: each equation that runs per chunk -> its :class:`Rule`.
-    before, region, after: equations run once before the chunks, once per
-      chunk, and once after them, each in step order.
-    demanded: ``(value, axis)`` pairs taken per chunk though the value has no
-      example axis, each with ``(equation, demands)``: the equation that
-      makes it again at the chunk's size and its own demanded inputs; or
-      None where it is made once and sliced.
-    names: the batch arguments' names, for reports.
-    whole: whether every equation reading examples runs per chunk (the step
-      in micro-batches), or only a region of them (:func:`split_region`).
-    strided: whether chunk ``c`` holds the examples ``c, c + k, ...``
-      instead of a block (a batch sharded over devices): a demanded value
-      is then made again per chunk only where its example axis keeps its
-      extent through every reshape.
-  """
-  graph: Graph
-  inputs: tuple[int, ...]
-  axes: Mapping[int, int]
-  rules: Mapping[int, Rule]
-  before: tuple[int, ...]
-  region: tuple[int, ...]
-  after: tuple[int, ...]
-  demanded: Mapping[tuple[int, int], tuple[int, tuple] | None]
-  names: tuple[str, ...] = ()
-  whole: bool = True
-  strided: bool = False
-
-  @property
-  def batch(self) -> int:
-    """Examples in the step's batch."""
-    first = self.inputs[0]
-    return self.graph.values[first].aval.shape[self.axes[first]]
-
-  def returned(self) -> tuple[int, ...]:
-    """Values with examples made per chunk and read after the chunks (or
-    returned by the step): each chunk's part is kept, and they are joined."""
-    made = {o for i in self.region for o in self.graph.nodes[i].outs}
-    after = set(self.after)
-    return tuple(v for v in sorted(made) if v in self.axes and (
-        v in self.graph.output_ids or any(u in after for u in self.graph.values[v].uses)))
-
-  def run_before(self) -> tuple[int, ...]:
-    """The equations of :attr:`before` whose results are read (by the
-    chunks, after them, or returned): one made again per chunk at the
-    chunk's size (a dropout mask) and read nowhere else is not made whole."""
-    graph = self.graph
-    read = set(graph.output_ids)
-    read.update(v for (v, _), how in self.demanded.items() if how is None)
-    remade = [how for how in self.demanded.values() if how is not None]
-    for i, taken in [(i, self.rules[i].demand) for i in self.region] + [
-        (i, ()) for i in self.after] + remade:
-      skip = {p for p, _ in taken}
-      read.update(a for p, a in enumerate(graph.nodes[i].ins)
-                  if p not in skip and isinstance(a, int))
-    kept = []
-    for i in reversed(self.before):
-      if any(o in read for o in graph.nodes[i].outs):
-        kept.append(i)
-        read.update(a for a in graph.nodes[i].ins if isinstance(a, int))
-    return tuple(reversed(kept))
-
-  def sizes(self) -> tuple[int, ...]:
-    """The numbers of micro-batches every split value divides into."""
-    extents = [self.graph.values[v].aval.shape[a] for v, a in self.axes.items()]
-    extents += [self.graph.values[v].aval.shape[a] for v, a in self.demanded]
-    common = math.gcd(*extents)
-    return tuple(k for k in range(2, common + 1) if common % k == 0)
-
-  def combined(self) -> tuple[int, ...]:
-    """The equations whose results are combined across chunks."""
-    return tuple(i for i in self.region if self.rules[i].combine is not None)
-
-
-def shape_of(graph: Graph, atom) -> tuple:
-  """The shape of ``atom``: a value id of ``graph``, or a literal."""
-  return tuple(getattr(atom.aval if isinstance(atom, jex.Literal) else
-                       graph.values[atom].aval, "shape", ()))
-
-
-def _rule(graph: Graph, node, axes: list) -> Rule:
+def _rule(graph: Graph, node, axes: list, strided: bool) -> Rule:
+  if node.prim.name == "scan" and not node.effects:
+    return scan_rule(node, axes, functools.partial(_follow, strided=strided), strided)
   rule = RULES.get(node.prim.name)
   if rule is None:
     raise Refuse(f"jaxmem does not know how {node.prim.name} treats examples")
@@ -152,79 +61,22 @@ def _rule(graph: Graph, node, axes: list) -> Rule:
   return rule(node, axes, shapes, [graph.values[o].aval.shape for o in node.outs])
 
 
-def where(node) -> str:
-  """``node``'s label and, where known, the line of the user's code it came
-  from: how messages and reports name an equation."""
-  return f"{node.label}" + (f" at {node.source}" if node.source else "")
-
-
-def _follow(graph: Graph, inputs: Sequence[int]) -> tuple[dict, dict]:
+def _follow(graph: Graph, inputs: Mapping[int, int], strided: bool = False
+            ) -> tuple[dict, dict]:
   """Every value's example axis and every equation's rule, from ``inputs``
-  (examples along axis 0)."""
-  axes = {v: 0 for v in inputs}
+  (value -> its example axis)."""
+  axes = dict(inputs)
   rules = {}
   for node in graph.nodes:
     in_axes = [None if isinstance(a, jex.Literal) else axes.get(a) for a in node.ins]
     if all(a is None for a in in_axes):
       continue
     try:
-      rule = rules[node.index] = _rule(graph, node, in_axes)
+      rule = rules[node.index] = _rule(graph, node, in_axes, strided)
     except Refuse as why:
       raise NotSplittable(f"{where(node)} reads a batch value, and {why}") from None
     axes.update((o, a) for o, a in zip(node.outs, rule.outs) if a is not None)
   return axes, rules
-
-
-def _reshape_source(shape, new, axis: int, strided: bool) -> int | None:
-  """The axis of a reshape's operand (of ``shape``) whose chunks make its
-  output's (of ``new``) chunks along ``axis``: the one after the same
-  leading elements, of the same extent, or (blocks only) a multiple or a
-  divisor of it."""
-  outer = math.prod(new[:axis])
-  for b, n in enumerate(shape):
-    if math.prod(shape[:b]) == outer and n != 1:
-      same = n == new[axis] or not strided and (n % new[axis] == 0 or new[axis] % n == 0)
-      return b if same else None
-  return None
-
-
-def _remade(graph: Graph, vid: int, axis: int, memo: dict, strided: bool = False):
-  """How a demanded value is taken per chunk: ``(equation, demands)`` where
-  that equation makes it again at the chunk's size (a broadcast, an
-  ``iota``, random bits, a reshape or an elementwise equation of such),
-  None where it is sliced."""
-  key = (vid, axis)
-  if key in memo:
-    return memo[key]
-  memo[key] = None
-  producer = graph.values[vid].producer
-  node = None if producer is None else graph.nodes[producer]
-  if node is None or node.effects:
-    return None
-  name, ins = node.prim.name, node.ins
-  again = lambda i, a: isinstance(i, int) and _remade(graph, i, a, memo, strided)  # noqa: E731
-  found = None
-  if name == "iota":
-    found = (producer, ()) if node.params["dimension"] != axis else None
-  elif name == "random_bits":
-    found = (producer, ()) if chunkable(graph.values[ins[0]].aval, node.params, axis) else None
-  elif name == "reshape" and node.params.get("dimensions") is None:
-    source = _reshape_source(shape_of(graph, ins[0]), graph.values[vid].aval.shape, axis,
-                             strided)
-    if source is not None and again(ins[0], source):
-      found = (producer, ((0, source),))
-  elif name == "broadcast_in_dim":
-    dims = tuple(node.params["broadcast_dimensions"])
-    if axis not in dims or shape_of(graph, ins[0])[dims.index(axis)] == 1:
-      found = (producer, ())
-    elif again(ins[0], dims.index(axis)):
-      found = (producer, ((0, dims.index(axis)),))
-  elif name in ELEMENTWISE and len(node.outs) == 1:
-    demand = tuple((i, axis) for i, a in enumerate(ins)
-                   if len(shape_of(graph, a)) > axis and shape_of(graph, a)[axis] != 1)
-    found = (producer, demand) if all(again(ins[i], axis) for i, _ in demand) else None
-  memo[key] = found
-  return found
 
 
 def _cross_example(combiner, reader) -> NotSplittable:
@@ -243,7 +95,8 @@ def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
   whole = region is None
   region = set(rules) if whole else region
   made = {o for i in region for o in graph.nodes[i].outs}
-  origin = {o: i for i in region if rules[i].combine for o in graph.nodes[i].outs}
+  origin = {o: i for i in region
+            for o, how in zip(graph.nodes[i].outs, rules[i].output_combines()) if how}
   after = []
   for node in graph.nodes:
     read = [origin[a] for a in node.ins if isinstance(a, int) and a in origin]
@@ -268,7 +121,7 @@ def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
       while stack:
         key = stack.pop()
         if key not in demanded:
-          demanded[key] = _remade(graph, *key, memo, strided)
+          demanded[key] = remade(graph, *key, memo, strided)
           if demanded[key] is not None:
             ins = graph.nodes[demanded[key][0]].ins
             stack += [(ins[p], a) for p, a in demanded[key][1]]
@@ -344,7 +197,7 @@ def _candidates(graph: Graph, groups: Sequence[Sequence[int]]) -> dict[int, list
   return found
 
 
-def _split(graph: Graph, groups, names, place) -> Split:
+def _split(graph: Graph, groups, names, place, strided: bool) -> Split:
   """``place(axes, rules, inputs, names)`` for the first batch (of the
   arguments' candidates, the largest first) whose examples can be followed
   through the step; :class:`NotSplittable` says why none can."""
@@ -359,7 +212,7 @@ def _split(graph: Graph, groups, names, place) -> Split:
     chosen = found[size]
     inputs = tuple(graph.inputs[p] for g in chosen for p in groups[g])
     try:
-      axes, rules = _follow(graph, inputs)
+      axes, rules = _follow(graph, {v: 0 for v in inputs}, strided)
       return place(axes, rules, inputs, [names[g] for g in chosen if g < len(names)])
     except NotSplittable as why:
       reasons.append(str(why))
@@ -377,7 +230,8 @@ def split_batch(graph: Graph, groups: Sequence[Sequence[int]],
   first); :class:`NotSplittable` says why none does. ``strided``: chunks
   of examples ``c, c + k, ...`` (:attr:`Split.strided`).
   """
-  return _split(graph, groups, names, functools.partial(_place, graph, strided=strided))
+  return _split(graph, groups, names, functools.partial(_place, graph, strided=strided),
+                strided)
 
 
 def split_region(graph: Graph, groups: Sequence[Sequence[int]], near: Sequence[int],
@@ -405,4 +259,4 @@ def split_region(graph: Graph, groups: Sequence[Sequence[int]], near: Sequence[i
       raise NotSplittable("the region holds the whole backward pass: that is the step "
                           "in micro-batches (split_batch)")
     return _place(graph, axes, rules, inputs, chosen, region, strided)
-  return _split(graph, groups, names, place)
+  return _split(graph, groups, names, place, strided)

@@ -34,8 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex
 
-from jaxmem.graph._axis_rules import ADD, AND, MAX, MIN, OR, SCATTER_ADD, chunk_params
-from jaxmem.graph._batch_axes import Split, shape_of
+from jaxmem.graph._axis_rules import ADD, AND, MAX, MIN, OR, chunk_params
+from jaxmem.graph._split import Split, shape_of
 from jaxmem.graph._random_bits import chunk_bits
 from jaxmem.schedule._emit import at, bind_node
 
@@ -71,8 +71,9 @@ def _extreme(dtype, low: bool):
 
 
 def _initial(how: str, aval, operand):
-  """A carry's value before the first chunk."""
-  if how == SCATTER_ADD:
+  """A carry's value before the first chunk: ``operand`` where the chunks
+  run from the running total, else the combine's identity."""
+  if operand is not None:
     return jnp.asarray(operand, dtype=aval.dtype)
   dtype = _accumulates_in(aval.dtype)
   fill = {ADD: 0, OR: False, AND: True}.get(how)
@@ -82,7 +83,7 @@ def _initial(how: str, aval, operand):
 
 
 _COMBINE = {ADD: jnp.add, MAX: jnp.maximum, MIN: jnp.minimum, OR: jnp.logical_or,
-            AND: jnp.logical_and, SCATTER_ADD: lambda carry, part: part}
+            AND: jnp.logical_and}
 
 
 def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> Callable:
@@ -95,9 +96,10 @@ def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> C
                      f"{split.batch}; pass one of {split.sizes()}")
   graph, nodes = split.graph, split.graph.nodes
   combined, strided = split.combined(), split.strided
+  made = {o for i in split.region for o in nodes[i].outs}  # a loop's output cut as taken
   scanned = [(v, split.axes[v]) for v in split.inputs] + [
-      key for key, how in split.demanded.items() if how is None]
-  returned = split.returned()
+      key for key, how in split.demanded.items() if how is None and key[0] not in made]
+  returned, kept = split.returned(), split.kept()
 
   def run(*flat):
     env = dict(graph.consts)
@@ -110,9 +112,10 @@ def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> C
       once(i)
     xs = [jnp.arange(k, dtype=np.uint32)] + [_chunks(env[v], axis, k, strided)
                                              for v, axis in scanned]
-    init = [_initial(split.rules[i].combine, graph.values[nodes[i].outs[0]].aval,
-                     read(nodes[i].ins[0]) if split.rules[i].combine == SCATTER_ADD else None)
-            for i in combined]
+    init = [_initial(split.rules[i].output_combines()[p], graph.values[nodes[i].outs[p]].aval,
+                     _threaded(split.rules[i], p, lambda q: read(nodes[i].ins[q])))
+            for i, p in combined]
+    init += [jnp.zeros(graph.values[v].aval.shape, graph.values[v].aval.dtype) for v in kept]
 
     def body(carry, chunk):
       index, chunk = chunk[0], chunk[1:]
@@ -123,23 +126,35 @@ def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> C
       for i in split.region:
         rule = split.rules[i]
         outs = one.apply(i, rule.demand, rule.outs[0],
-                         acc[i] if rule.combine == SCATTER_ADD else None)
-        if rule.combine is None:
-          one.local.update(zip(nodes[i].outs, outs))
-        else:
-          acc[i] = _COMBINE[rule.combine](acc[i], outs[0]).astype(acc[i].dtype)
-      return [acc[i] for i in combined], [one.local[v] for v in returned]
+                         {q: acc[i, p] for p, q in rule.threads})
+        threaded = dict(rule.threads)
+        for p, (v, how) in enumerate(zip(nodes[i].outs, rule.output_combines())):
+          if how is None:
+            one.local[v] = outs[p]
+          else:
+            part = outs[p] if p in threaded else _COMBINE[how](acc[i, p], outs[p])
+            acc[i, p] = part.astype(acc[i, p].dtype)
+      return ([acc[key] for key in combined] + [one.local[v] for v in kept],
+              [one.local[v] for v in returned])
 
     with _in_pass_of(split):
       carry, ys = jax.lax.scan(body, init, xs)
-    for i, total in zip(combined, carry):
-      env[nodes[i].outs[0]] = total.astype(graph.values[nodes[i].outs[0]].aval.dtype)
+    for (i, p), total in zip(combined, carry):
+      env[nodes[i].outs[p]] = total.astype(graph.values[nodes[i].outs[p]].aval.dtype)
+    env.update(zip(kept, carry[len(combined):]))
     env.update((v, _unchunk(y, split.axes[v], strided)) for v, y in zip(returned, ys))
     for i in split.after:
       once(i)
     return [read(o) for o in graph.outputs]
 
   return run
+
+
+def _threaded(rule, position: int, operand: Callable):
+  """The input a threaded output's running total starts from
+  (``operand(input position)``), None where the output is not threaded."""
+  inputs = dict(rule.threads)
+  return operand(inputs[position]) if position in inputs else None
 
 
 class _Chunk:
@@ -165,9 +180,9 @@ class _Chunk:
       return atom.val
     return self.local[atom] if atom in self.local else self.env[atom]
 
-  def apply(self, i: int, demand, out_axis, first=None) -> list:
-    """Equation ``i`` on this chunk (``first`` in place of its first operand:
-    a carry); its demanded inputs taken (:meth:`take`)."""
+  def apply(self, i: int, demand, out_axis, threads: Mapping = {}) -> list:
+    """Equation ``i`` on this chunk (``threads``: input position -> a running
+    total passed in its place); its demanded inputs taken (:meth:`take`)."""
     graph = self.split.graph
     node = graph.nodes[i]
     in_axes = [self.split.axes.get(a) if isinstance(a, int) else None for a in node.ins]
@@ -178,16 +193,56 @@ class _Chunk:
         args[position], in_axes[position] = self.take(node.ins[position], axis), axis
       else:
         args[position] = node.ins[position].val
-    if first is not None:
-      args[0] = first
+    for position, total in threads.items():
+      args[position] = total
+    rule = self.split.rules.get(i)
+    if rule is not None and rule.body is not None:
+      with at(node):
+        return self.loop(node, rule.body, args)
     params = chunk_params(node, in_axes, [shape_of(graph, a) for a in node.ins], out_axis,
                           graph.values[node.outs[0]].aval.shape, self.k)
     return _bind(self.binds, node, args, params=params, name_stack=node.name_stack)
 
+  def loop(self, node, body, args) -> list:
+    """A ``scan`` on this chunk: its body (``body``, a ``ScanBody``) run
+    per iteration at the chunk's size, in a loop traced anew."""
+    p, split = node.params, body.split
+    nc, ncar = p["num_consts"], p["num_carry"]
+    graph = split.graph
+    whole = set(split.run_before())
+
+    def step(carry, x):
+      env, local, taken = dict(graph.consts), {}, {}
+      for v, value in zip(graph.inputs, [*args[:nc], *carry, *x]):
+        if v in split.axes:
+          local[v] = value
+        elif v in body.taken:
+          taken[v, body.taken[v]] = value
+        else:
+          env[v] = value
+      one = _Chunk(split, self.k, self.index, self.binds, env, local, taken)
+      for i, inner in enumerate(graph.nodes):
+        if i in split.rules:
+          rule = split.rules[i]
+          local.update(zip(inner.outs, one.apply(i, rule.demand, rule.outs[0])))
+        elif i in whole:
+          env.update(zip(inner.outs, _bind(self.binds, inner, [one.get(a) for a in inner.ins],
+                                           name_stack=inner.name_stack)))
+      outs = [one.get(o) for o in graph.outputs]
+      return outs[:ncar], outs[ncar:]
+
+    carry, ys = jax.lax.scan(step, list(args[nc:nc + ncar]), list(args[nc + ncar:]),
+                             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+    return [*carry, *ys]
+
   def take(self, vid: int, axis: int):
     """This chunk's part of demanded value ``vid`` along ``axis``: made at the
-    chunk's size where it can be (``Split.demanded``), else scanned."""
+    chunk's size where it can be (``Split.demanded``), else scanned (or, in
+    a loop's body, cut from the whole value)."""
     key = (vid, axis)
+    if key not in self.taken and self.split.demanded[key] is None:
+      whole = _chunks(self.get(vid), axis, self.k, self.split.strided)
+      self.taken[key] = jax.lax.dynamic_index_in_dim(whole, self.index, keepdims=False)
     if key not in self.taken:
       i, demand = self.split.demanded[key]
       node = self.split.graph.nodes[i]
