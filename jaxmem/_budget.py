@@ -104,6 +104,28 @@ class Budget:
       return self.nbytes
     return int(self.fraction * unconstrained_bytes)
 
+  def reserve(self, given: int | None, runtime: int) -> int:
+    """Bytes kept free for the runtime beyond the footprint: ``given``
+    (``transform(..., reserve=)``) where passed; else the runtime's
+    workspaces (``runtime``) for a budget in bytes. A fraction is of XLA's
+    footprint, which those workspaces add to as much for the step as
+    written, so it keeps none."""
+    if given is not None:
+      return given
+    return 0 if self.fraction is not None else runtime
+
+  def in_bytes(self, unconstrained: int, reserve: int) -> tuple[int, int]:
+    """``(budget, reserve)`` in bytes for a step of ``unconstrained``
+    bytes; an error where the reserve leaves nothing."""
+    budget = self.resolve(unconstrained)
+    if budget <= reserve:
+      raise BudgetError(
+          f"jaxmem: budget {format_bytes(budget)} leaves nothing for the step once "
+          f"{format_bytes(reserve)} is kept free for the runtime's workspaces; pass a "
+          f"budget above {reserve} bytes, or a smaller transform(..., reserve=).",
+          smallest=reserve + 1)
+    return budget, reserve
+
 
 def _unitless(number: float) -> str:
   """Why a string without a unit is refused, and what was likely meant."""

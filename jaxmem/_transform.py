@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import os
 import time
 from typing import Callable
 
@@ -13,19 +12,19 @@ from jax.extend import core as jex
 from jaxmem.fit import _plan_cache
 from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
-from jaxmem._budget import Budget, BudgetError, format_bytes
-from jaxmem._decisions import Plan
-from jaxmem.cost._evaluate import Candidate, paused_gc, unplanned
+from jaxmem._budget import Budget, BudgetError
+from jaxmem.cost._evaluate import Candidate, paused_gc, unplanned, with_state_hosted
 from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter, search
-from jaxmem.fit._unmet import budget_error, remember, remembered
+from jaxmem.fit._unmet import budget_error, known_to_fail, remember
 from jaxmem.fit._fitted import Fit
 from jaxmem.fit._inner import body_of
 from jaxmem.graph._graph import Graph, build_graph, trace
-from jaxmem.fit._traced import Written, as_written, emitted, graphs, target_clock
+from jaxmem.fit._traced import (
+    Written, as_written, changes, emitted, graphs, looped, target_clock)
 from jaxmem.fit._micro import (AUTO, MicroBatches, argument_groups, cheaper, checked_count,
                                devices_of, fit_chunked, fit_micro_batches, spread)
-from jaxmem.fit._saved import fingerprint, loads, micro_batches_of
+from jaxmem.fit._saved import fingerprint, load_plan
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
 from jaxmem.targets._host_args import device_aval
@@ -219,10 +218,11 @@ class Transformed:
     step = fingerprint(closed)
     count, region = self.micro_batches, False
     if self.saved is not None:
-      plan, source, count, region = self._load(step)
+      plan, source, count, region = load_plan(self.saved, step, self.micro_batches)
       planner = Fixed(plan, source=source)
     memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count, region)
-    if self._known_to_fail(memo, planner, target, find_smallest):
+    if known_to_fail(self.fun, memo, lambda u: self._budget_bytes(u, target),
+                     find_smallest, planner.name, target.name):
       return None
     graph = build_graph(closed)
     fittable(graph, self.__name__)
@@ -267,14 +267,40 @@ class Transformed:
       remember(self.fun, memo, err.smallest - reserve, written.footprint)
       raise
 
-  def _fit_traced(self, closed, planner, written: Written, *, out_tree, step: str,
-                  target: Target, args, kwargs, leaves, start: float, find_smallest: bool,
-                  micro: MicroBatches | None = None, own: Written | None = None,
-                  graph=None) -> Fit | None:
+  def _fit_traced(self, closed, planner, written: Written, *, target: Target, leaves,
+                  find_smallest: bool, graph=None, **options) -> Fit | None:
     """Analyzes the traced step ``closed`` (the step as written, or run in
-    ``micro`` batches) and runs the fit loop
-    (:class:`~jaxmem.fit._fit.Fitter`) against the budget of the step as
-    ``written``."""
+    micro-batches) and runs the fit loop (:class:`~jaxmem.fit._fit.Fitter`,
+    by :meth:`_fit_graph`) against the budget of the step as ``written``.
+    Where the step's passes run in a loop (micro-batches, gradient
+    accumulation) and no plan of the loop's body fits, the same with the
+    step's optimizer state in host memory between steps."""
+    graph = build_graph(closed) if graph is None else graph
+    fit = functools.partial(self._fit_graph, closed, planner, written, target=target,
+                            leaves=leaves, find_smallest=find_smallest, **options)
+    if not (self._may_host(target, leaves) and looped(graph)):
+      return fit(graph=graph)
+    first = found = None
+    try:
+      found = fit(graph=graph)
+    except BudgetError as err:
+      first = err
+    hosted = None if found else with_state_hosted(graph, timing_profile(target))
+    if hosted is None and first is not None:
+      raise first
+    if hosted is None:
+      return found
+    try:
+      return fit(graph=hosted)
+    except BudgetError as err:
+      raise (err if first is None or err.smallest <= first.smallest else first) from None
+
+  def _fit_graph(self, closed, planner, written: Written, *, out_tree, step: str,
+                 target: Target, args, kwargs, leaves, start: float, find_smallest: bool,
+                 micro: MicroBatches | None = None, own: Written | None = None,
+                 graph=None) -> Fit | None:
+    """:meth:`_fit_traced` of one graph of the step (its optimizer state
+    kept in host memory, ``Graph.hosted``, or not)."""
     here = resolve(None, leaves)  # where the step runs, which the target may not be
     graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves)
     own = own or written
@@ -285,12 +311,13 @@ class Transformed:
     no_backward(planned)
 
     def jit(candidate: Candidate):
-      if own.in_place and not candidate.changes_step:  # compiled as it runs, then run
+      if own.in_place and not changes(candidate, graph):  # compiled as it runs, then run
         return own.baseline if own.one_program else own.jitted.lower(
             *placed_args, **placed_kwargs).compile()
-      measuring = self._jit(emitter(candidate), out_tree, target, candidate.schedule.graph,
+      hosting = candidate.schedule.graph if loop is None else graph
+      measuring = self._jit(emitter(candidate), out_tree, target, hosting,
                             target.place(leaves), measuring=True)
-      return compile_placed(measuring, target, candidate.schedule.graph, self.arguments,
+      return compile_placed(measuring, target, hosting, self.arguments,
                             placed_args, placed_kwargs)
 
     budget, reserve = self._budget_bytes(unconstrained, target)
@@ -306,15 +333,15 @@ class Transformed:
     cached = None if micro else self._cache_entry(step, leaves, target, budget, reserve, planner)
     saved = None if cached is None else _plan_cache.get(*cached, step)
     planned, planner, found = search(
-        fitter, planned, planner, find_smallest,
-        self.host_state and loop is None and target.may_host_state() and devices_of(leaves) < 2,
+        fitter, planned, planner, find_smallest, loop is None and self._may_host(target, leaves),
         None if saved is None else (saved, _plan_cache.path(*cached)), timing_profile(target))
     if found is None:
       return None
     trial, attempts = found
     run_flat = emitter(trial.candidate)
-    jitted = (own.jitted if own.in_place and not trial.candidate.changes_step
-              else self._jit(run_flat, out_tree, here, planned, leaves))
+    hosting = planned if loop is None else graph
+    jitted = (own.jitted if own.in_place and not changes(trial.candidate, graph)
+              else self._jit(run_flat, out_tree, here, hosting, leaves))
     fit = Fit(planned, trial.candidate, planner, budget, target, unconstrained,
                model.peak, trial.footprint, trial.candidate.schedule.recompute_flops,
                sum(n.flops for n in planned.nodes), attempts, time.perf_counter() - start,
@@ -322,7 +349,7 @@ class Transformed:
                reserve, None if loop is None or micro else body_of(graph, loop), out_tree,
                run_flat, {here.name: jitted}, trial.seconds,
                None if clock is None else clock(written.baseline), step,
-               leaf_names(self.arguments, args, kwargs), micro, devices_of(leaves))
+               leaf_names(self.arguments, args, kwargs), micro, devices_of(leaves), hosting)
     if cached is not None and fit.result.changes_step and not isinstance(planner, Fixed):
       _plan_cache.put(*cached, fit.saved())  # planned here: kept for the next run
     return fit
@@ -348,54 +375,15 @@ class Transformed:
         description=None if target.profile is None else target.profile.description,
         planner=planner.describe(), max_rounds=self.max_rounds, host_state=self.host_state)
 
-  def _load(self, step: str) -> tuple[Plan, str, int | str, bool]:
-    """The plan given as ``plan=`` (a :class:`Plan`, or a path to one
-    saved by :meth:`Fit.save_plan`, checked to be for this step), with
-    where it came from, the chunks it runs the step in and whether they
-    are a region's (``fit._micro``)."""
-    if isinstance(self.saved, Plan):
-      return self.saved, "given", self.micro_batches, False
-    path = os.fspath(self.saved)
-    with open(path) as f:
-      text = f.read()
-    return (loads(text, step, source=path), path, *micro_batches_of(text))
-
-  def _known_to_fail(self, memo: tuple, planner, target: Target,
-                     find_smallest: bool) -> bool:
-    """Whether an earlier fit of this step (``memo``: its fingerprint,
-    planner, target and rounds) reached no footprint within this budget:
-    then :meth:`can_fit` answers at once (True returned) and :meth:`fit`
-    raises its error, before planning or compiling again."""
-    known = remembered(self.fun, memo)
-    if known is None:
-      return False
-    smallest, unconstrained = known
-    budget, reserve = self._budget_bytes(unconstrained, target)
-    if budget - reserve >= smallest:
-      return False
-    if not find_smallest:
-      return True
-    raise budget_error(budget, reserve, unconstrained, smallest, planner.name, target.name)
+  def _may_host(self, target: Target, leaves) -> bool:
+    """Whether a fit may keep the optimizer state in host memory."""
+    return self.host_state and target.may_host_state() and devices_of(leaves) < 2
 
   def _budget_bytes(self, unconstrained: int, target: Target) -> tuple[int, int]:
-    """``(budget, reserve)`` in bytes for a step of ``unconstrained``
-    bytes; an error where the reserve leaves nothing."""
-    budget, reserve = self.budget.resolve(unconstrained), self._reserve(target)
-    if budget <= reserve:
-      raise BudgetError(
-          f"jaxmem: budget {format_bytes(budget)} leaves nothing for the step once "
-          f"{format_bytes(reserve)} is kept free for the runtime's workspaces; pass a "
-          f"budget above {reserve} bytes, or a smaller transform(..., reserve=).",
-          smallest=reserve + 1)
-    return budget, reserve
+    return self.budget.in_bytes(unconstrained, self._reserve(target))
 
   def _reserve(self, target: Target) -> int:
-    """Bytes kept free for the runtime beyond the footprint: a fraction is
-    of XLA's footprint, which the runtime's workspaces add to as much for
-    the step as written, so only a budget in bytes keeps a reserve."""
-    if self.reserve is not None:
-      return self.reserve
-    return 0 if self.budget.fraction is not None else target.reserve()
+    return self.budget.reserve(self.reserve, target.reserve())
 
   def _jit(self, run_flat: Callable, out_tree, where: Target | None,
            graph: Graph | None = None, leaves=(), measuring: bool = False):

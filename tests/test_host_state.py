@@ -190,6 +190,40 @@ def test_saved_plan_keeps_the_state_on_the_host(fitted, tmp_path):
   assert again.graph.hosted_at == fit.graph.hosted_at
 
 
+def test_micro_batches_keep_the_state_on_the_host_too():
+  """A budget that neither meets alone: the step runs in micro-batches, and
+  its optimizer state stays in host memory between steps, copied in for
+  the update after the chunks (``graph._graph``: the update after a loop
+  that runs the passes). SGD with momentum: its update is linear in the
+  gradient, which the chunks sum in another order."""
+  sgd = optax.sgd(0.1, momentum=0.9)
+
+  def sgd_step(params, state, x):
+    loss, grads = jax.value_and_grad(_loss)(params, x)
+    updates, state = sgd.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+
+  keys = jax.random.split(jax.random.key(1), DEPTH + 1)
+  params = [jax.random.normal(k, (256, 256)) / 16 for k in keys[:DEPTH]]
+  args = params, sgd.init(params), jax.random.normal(keys[-1], (4096, 256))
+  args = jax.jit(sgd_step)(*args)[:2] + (args[2],)  # a momentum that is not zero
+  for alone in (dict(micro_batches=1), dict(host_state=False)):
+    with pytest.raises(jaxmem.BudgetError):
+      jaxmem.transform(sgd_step, budget="35%", target="t4", **alone).fit(*args)
+  transformed = jaxmem.transform(sgd_step, budget="35%", target="t4")
+  fit = transformed.fit(*args)
+  assert fit.micro.count >= 2 and len(fit.hosted) == DEPTH
+  assert "micro-batches" in fit.report() and "optimizer state   4 leaves" in fit.report()
+  compiled = transformed.lower(*placed(args, "t4")).compile()
+  assert compiled.memory_analysis().host_argument_size_in_bytes == DEPTH * 256 * 256 * 4
+  assert jaxmem.targets.xla_footprint(compiled) <= fit.budget
+  ours, want = args, args
+  for _ in range(3):
+    ours, want = transformed(*ours), jax.jit(sgd_step)(*want)
+    _assert_close(ours, want)
+    ours, want = (*ours[:2], args[2]), (*want[:2], args[2])
+
+
 def test_cpu_never_moves_state():
   # XLA:CPU's host memory is its device memory: nothing would be freed.
   with pytest.raises(jaxmem.BudgetError):

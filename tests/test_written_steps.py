@@ -215,23 +215,25 @@ def test_the_smallest_budget_named_fits_and_matches(name):
   _check(step, args, smallest)
   if name in LOOPS:
     emitted = jax.make_jaxpr(jaxmem.transform(step, budget=smallest))(*args)
-    assert LOOPS[name] in _outer_loops(emitted.jaxpr), "the planned step is still a loop"
+    assert LOOPS[name] in _loops(emitted.jaxpr), "the planned step is still a loop"
 
 
 _CALLS = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr",
           "custom_jvp_call": "call_jaxpr", "custom_vmap_call": "call"}
 
 
-def _outer_loops(jaxpr) -> list:
-  """Lengths of the scans outside any other scan, through nested calls
-  (jits and the custom_jvp / custom_vmap a traced fitted step runs in)."""
+def _loops(jaxpr) -> list:
+  """Lengths of the scans, through nested calls (jits and the custom_jvp /
+  custom_vmap a traced fitted step runs in) and other scans (a step run in
+  micro-batches runs its layers' loop in the loop over them)."""
   found = []
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "scan":
       found.append(eqn.params["length"])
+      found += _loops(eqn.params["jaxpr"].jaxpr)
     elif eqn.params.get(_CALLS.get(eqn.primitive.name)) is not None:
       inner = eqn.params[_CALLS[eqn.primitive.name]]
-      found += _outer_loops(getattr(inner, "jaxpr", inner))
+      found += _loops(getattr(inner, "jaxpr", inner))
   return found
 
 

@@ -18,7 +18,7 @@ from jaxmem._decisions import Keep, Plan
 from jaxmem.targets._profiles import DeviceProfile
 from jaxmem.graph._graph import Graph, Residual, analysis
 from jaxmem.graph._primitives import rebuildable
-from jaxmem.graph._state import hosted_state
+from jaxmem.graph._state import hosted_state, optimizer_state, with_hosted
 from jaxmem.cost._memory import Liveness, simulate
 from jaxmem.cost._perf import schedule_costs
 from jaxmem.schedule._loop_schedule import apply_in_loops, split_plan
@@ -300,3 +300,15 @@ def paused_gc():
   finally:
     if enabled:
       gc.enable()
+
+
+def with_state_hosted(graph: Graph, profile: DeviceProfile | None) -> Graph | None:
+  """``graph`` with all its optimizer state kept on the host between steps,
+  each leaf fetched in time on ``profile`` (:func:`state_fetch_points`;
+  before its first reader without one); None where it has none."""
+  state = [leaf.value for leaf in optimizer_state(graph)]
+  if not state:
+    return None
+  hosted = with_hosted(graph, state)
+  return hosted if profile is None else with_hosted(graph, state,
+                                                    state_fetch_points(hosted, profile))

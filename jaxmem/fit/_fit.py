@@ -32,11 +32,11 @@ from typing import Callable
 from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import (
-    Candidate, candidate, state_fetch_points, unplanned, unplanned_liveness)
+    Candidate, candidate, unplanned, unplanned_liveness, with_state_hosted)
 from jaxmem.fit._forewarn import forewarn
 from jaxmem.fit._unmet import budget_error
 from jaxmem.graph._graph import Graph
-from jaxmem.graph._state import apply_host_decisions, optimizer_state, with_hosted
+from jaxmem.graph._state import apply_host_decisions
 from jaxmem.schedule._scan_remat import loop_variants
 from jaxmem.planners import Fixed, Planner
 from jaxmem.targets import DeviceProfile, holds_host_memory, xla_footprint
@@ -447,9 +447,9 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
     hit = fit_plan(functools.partial(fitter, hosted), plan, saved[1])
     if hit is not None:
       return (hosted, *hit)
-  state = [leaf.value for leaf in optimizer_state(graph)] if may_host else []
+  hosted = with_state_hosted(graph, profile) if may_host else None
   error = smallest_from = None
-  for tried in [graph] + ([_hosted(graph, state, profile)] if state else []):
+  for tried in [graph] + ([hosted] if hosted else []):
     try:
       found = fitter(tried, planner=planner, smallest_from=smallest_from).fit(find_smallest)
     except BudgetError as err:
@@ -479,13 +479,6 @@ class NoPlanFits(BudgetError):
   def __init__(self, error: BudgetError, plans: tuple[Plan, ...]):
     super().__init__(str(error), smallest=error.smallest)
     self.plans = plans
-
-
-def _hosted(graph: Graph, state: list, profile: DeviceProfile | None) -> Graph:
-  """``graph`` with ``state`` kept on the host, fetched in time on ``profile``."""
-  hosted = with_hosted(graph, state)
-  return hosted if profile is None else with_hosted(graph, state,
-                                                    state_fetch_points(hosted, profile))
 
 
 def _described(candidate: Candidate) -> str:

@@ -70,6 +70,9 @@ class Fit:
       read off XLA's partitioned program, ``cost._xla_shards``, or a
       ``shard_map``'s shapes), but inside a loop, where the model sees the
       step's global shapes.
+    stepped: the graph of the whole step, whose optimizer state may be kept
+      in host memory between steps: ``graph`` itself, or where ``graph`` is
+      a loop's body (``inner``, ``micro``) the step around it.
   """
   graph: Graph
   result: Candidate
@@ -96,6 +99,7 @@ class Fit:
   input_names: tuple = ()
   micro: MicroBatches | None = None
   devices: int = 1
+  stepped: Graph | None = None
   _gap: Gap | None = dataclasses.field(default=None, init=False, repr=False)
 
   def __repr__(self) -> str:
@@ -158,7 +162,7 @@ class Fit:
     """Positions, among the step's flat argument leaves, of the optimizer
     state kept in host memory between steps: the step takes them there and
     returns their updates there (``jaxmem.graph._state``)."""
-    return hosted_leaves(self.graph)
+    return hosted_leaves(self.stepped or self.graph)
 
   @property
   def memory(self) -> Liveness:
@@ -238,7 +242,7 @@ class Fit:
     """The report's lines on optimizer state kept in host memory: how
     much, and its ``top`` largest leaves with their bytes (by argument path
     where known; every leaf for None)."""
-    state = hosted_state(self.graph)
+    state = hosted_state(self.stepped or self.graph)
     if not state:
       return []
     name = lambda leaf: (self.input_names[leaf.leaf] if leaf.leaf < len(self.input_names)

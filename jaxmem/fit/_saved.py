@@ -17,6 +17,7 @@ Example:
 from __future__ import annotations
 
 import enum
+import os
 import hashlib
 import json
 
@@ -110,3 +111,16 @@ def loads(text: str, step: str, source: str = "the saved plan") -> Plan:
         f"this step's is {step}): the step's equations or its argument shapes changed. "
         "Plan it again (leave out plan=) and save the new plan.")
   return Plan.of({int(vid): _decode(d) for vid, d in record["decisions"]})
+
+
+def load_plan(saved, step: str, micro_batches) -> tuple[Plan, str, int | str, bool]:
+  """The plan given as ``transform(..., plan=saved)`` (a :class:`Plan`, or
+  a path to one saved by ``Fit.save_plan``, checked to be for ``step``),
+  with where it came from, the chunks it runs the step in and whether they
+  are a region's (``fit._micro``; for a :class:`Plan`, ``micro_batches``)."""
+  if isinstance(saved, Plan):
+    return saved, "given", micro_batches, False
+  path = os.fspath(saved)
+  with open(path) as f:
+    text = f.read()
+  return (loads(text, step, source=path), path, *micro_batches_of(text))

@@ -102,10 +102,24 @@ def emitted(written: Written, graph: Graph, loop: tuple[int, ...] | None,
   or of the body that the path ``loop`` reaches): the step as ``written``
   where the plan changes nothing, which is never above the budget the step
   as written meets."""
-  if not candidate.changes_step:
+  if not changes(candidate, graph):
     return written.run
   schedule = candidate.schedule
   return emit(schedule if loop is None else embedded(graph, loop, schedule))
+
+
+def changes(candidate: Candidate, graph: Graph) -> bool:
+  """Whether running ``candidate`` changes the step: its plan does, or
+  ``graph`` (the step's, around a loop's planned body) keeps optimizer
+  state in host memory."""
+  return candidate.changes_step or bool(graph.hosted)
+
+
+def looped(graph: Graph) -> bool:
+  """Whether the step's passes run in a loop of its own (micro-batches,
+  gradient accumulation over a ``lax.scan``), not under a ``shard_map``."""
+  loop = inner_body(graph)
+  return loop is not None and graph.nodes[loop[0]].prim.name == "scan"
 
 
 def modelled(graph: Graph, target: Target, mesh=None) -> Graph:

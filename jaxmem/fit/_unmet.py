@@ -5,6 +5,7 @@ it fails at once."""
 from __future__ import annotations
 
 import weakref
+from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
 
@@ -51,3 +52,22 @@ def remembered(fun, key: tuple) -> tuple[int, int] | None:
     return _SMALLEST.get(fun, {}).get(key)
   except TypeError:
     return None
+
+
+def known_to_fail(fun, key: tuple, in_bytes: Callable[[int], tuple[int, int]],
+                  find_smallest: bool, planner: str, where: str) -> bool:
+  """Whether an earlier fit of ``fun`` as ``key`` says (its fingerprint,
+  planner, target and rounds) reached no footprint within this budget
+  (``in_bytes(unconstrained) -> (budget, reserve)``): then ``can_fit``
+  answers at once (True returned) and ``fit`` raises its error, before
+  planning or compiling again."""
+  known = remembered(fun, key)
+  if known is None:
+    return False
+  smallest, unconstrained = known
+  budget, reserve = in_bytes(unconstrained)
+  if budget - reserve >= smallest:
+    return False
+  if not find_smallest:
+    return True
+  raise budget_error(budget, reserve, unconstrained, smallest, planner, where)

@@ -406,15 +406,23 @@ def _mark_passes(nodes: list[Node]) -> list[Node]:
   """``nodes`` with ``backward`` and ``update`` set by pass (module
   docstring): a transposed equation is backward; after one, equations
   outside AD are backward updates until one under ``jvp(`` starts a forward
-  part again."""
-  marked, in_backward = [], False
+  part again. After a loop whose body runs the passes (gradient
+  accumulation, micro-batches), equations outside AD are updates too, and
+  stay forward: the step's own passes are the loop's."""
+  marked, in_backward, after_passes = [], False, False
   for node in nodes:
     if node.backward:
       in_backward = True
     elif in_backward and _outer_ad(node.name_stack) == "jvp":
       in_backward = False
-    marked.append(node if node.backward or not in_backward
-                  else dataclasses.replace(node, backward=True, update=True))
+    if in_backward and not node.backward:
+      node = dataclasses.replace(node, backward=True, update=True)
+    elif after_passes and _outer_ad(node.name_stack) is None:
+      node = dataclasses.replace(node, update=True)
+    marked.append(node)
+    after_passes = after_passes or node.prim.name == "scan" and any(  # a loop of passes
+        _outer_ad(str(e.source_info.name_stack)) == "transpose"
+        for e in node.params["jaxpr"].jaxpr.eqns)
   return marked
 
 

@@ -93,6 +93,24 @@ class Split:
         read.update(a for a in graph.nodes[i].ins if isinstance(a, int))
     return tuple(reversed(kept))
 
+  def deferred(self) -> tuple[int, ...]:
+    """The equations of :meth:`run_before` that are optimizer updates
+    (``Node.update``: Adam's decay of its moments) and that nothing per
+    chunk needs: they run after the chunks instead, so that what they make
+    is not held through them and the update runs whole after the
+    gradients."""
+    graph, before = self.graph, self.run_before()
+    needed = {v for v, _ in self.demanded}
+    for i in list(self.region) + [how[0] for how in self.demanded.values() if how]:
+      needed.update(a for a in graph.nodes[i].ins if isinstance(a, int))
+    early = set()
+    for i in reversed(before):
+      node = graph.nodes[i]
+      if not node.update or any(o in needed for o in node.outs):
+        early.add(i)
+        needed.update(a for a in node.ins if isinstance(a, int))
+    return tuple(i for i in before if i not in early)
+
   def kept(self) -> tuple[int, ...]:
     """Values without examples made per chunk, none combined, and read after
     the chunks (or returned): a loop's outputs that no example reaches,

@@ -108,8 +108,10 @@ def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> C
     once = lambda i: env.update(zip(nodes[i].outs, _bind(
         binds, nodes[i], [read(a) for a in nodes[i].ins],
         name_stack=_plain(nodes[i]) if split.whole else None)))
+    deferred = split.deferred()
     for i in split.run_before():
-      once(i)
+      if i not in deferred:
+        once(i)
     xs = [jnp.arange(k, dtype=np.uint32)] + [_chunks(env[v], axis, k, strided)
                                              for v, axis in scanned]
     init = [_initial(split.rules[i].output_combines()[p], graph.values[nodes[i].outs[p]].aval,
@@ -143,7 +145,7 @@ def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> C
       env[nodes[i].outs[p]] = total.astype(graph.values[nodes[i].outs[p]].aval.dtype)
     env.update(zip(kept, carry[len(combined):]))
     env.update((v, _unchunk(y, split.axes[v], strided)) for v, y in zip(returned, ys))
-    for i in split.after:
+    for i in deferred + split.after:
       once(i)
     return [read(o) for o in graph.outputs]
 

@@ -106,12 +106,9 @@ class _Builder:
 
   def __init__(self, graph: Graph, plan: Plan, fused: dict, separating: bool,
                pinning: bool):
-    self.graph = graph
-    self.separating = separating
-    self.pinning = pinning
-    self.plan = plan
+    self.graph, self.plan, self.fused = graph, plan, fused
+    self.separating, self.pinning = separating, pinning
     self.saved = plan.values_with("save")
-    self.fused = fused
     # What goes to host memory is a *unit*: an offloaded residual's id, or
     # (id, chunk index) for a chunk of a vTensor. Unit -> its host copy /
     # its copy back; backward node -> the units copied back before it.
@@ -172,11 +169,13 @@ class _Builder:
     for node in emission_order(graph):
       if node.index in starts:
         self.enter(starts[node.index], node)
+      late = node.backward or node.update  # or an update after a loop of passes
       if node.backward:
         self.prefetch(self.fetch_at.get(node.index, ()), node)
-        if self.offloaded or graph.hosted:
-          self.prefetch([a for a in node.ins if isinstance(a, int)
-                         and (a in self.offloaded or a in graph.hosted)], node)
+      if late and (self.offloaded or graph.hosted):
+        self.prefetch([a for a in node.ins if isinstance(a, int)
+                       and (a in self.offloaded or a in graph.hosted)], node)
+      if node.backward:
         for a in node.ins if self.chunked else ():
           if isinstance(a, int) and a in self.chunked:
             self.merge(a, node)
@@ -189,7 +188,7 @@ class _Builder:
                      if a not in self.cache and a not in self.dropped]
           if rebuild:
             self.recompute(rebuild, node, separated=True)
-      ins = tuple(self.read(a, node.backward) for a in node.ins)
+      ins = tuple(self.read(a, late) for a in node.ins)
       if node.backward and self.pinned and node.scope() == self.scope:
         ins = self.copies_read(node, ins, self.pinned)
       if node.backward and self.separating:
@@ -204,7 +203,7 @@ class _Builder:
         self.made.extend(node.outs)
       for vid in node.outs:
         # An offloaded residual, or an update of state kept on the host.
-        if vid in (self.state_out if node.backward else self.offloaded):
+        if vid in (self.state_out if late else self.offloaded):
           self.offload(vid, self.key(vid))
         elif not node.backward and vid in self.chunked:
           self.split(vid)
