@@ -38,14 +38,11 @@ from jaxmem.cost._evaluate import unplanned
 from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch, split_region, where
 from jaxmem.fit._inner import mapped_step, on_each_device
 from jaxmem.graph._graph import build_graph
+from jaxmem.graph._scan_axes import REMAT
 from jaxmem.schedule._emit import UNTYPED
 from jaxmem.schedule._microbatch import micro_batched
 
 _log = logging.getLogger("jaxmem")
-
-# ``jax.checkpoint`` (``nn.remat``) in a step: in micro-batches its body is
-# inlined, and the chunks' residuals are planned as the step's are.
-REMAT = frozenset({"remat2", "checkpoint"})
 
 # ``transform(..., micro_batches=AUTO)``: split the batch only where nothing
 # else fits.

@@ -46,7 +46,7 @@ from jax.extend import core as jex
 from jaxmem.graph._axis_rules import RULES, Refuse, Rule
 from jaxmem.graph._graph import Graph
 from jaxmem.graph._scan_axes import scan_rule
-from jaxmem.graph._split import NotSplittable, Split, remade, shape_of, where
+from jaxmem.graph._split import NotSplittable, Split, demanded_values, shape_of, where
 
 
 def _rule(graph: Graph, node, axes: list, strided: bool) -> Rule:
@@ -108,23 +108,12 @@ def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
     if read or reads_made:
       after.append(node.index)
       origin.update((o, (read or reads_made)[0]) for o in node.outs)
-  demanded: dict = {}
-  memo: dict = {}
   for i in region:
-    for position, axis in rules[i].demand:
+    for position, _ in rules[i].demand:
       vid = graph.nodes[i].ins[position]
-      if isinstance(vid, jex.Literal):
-        continue
-      if vid in origin:
+      if isinstance(vid, int) and vid in origin:
         raise _cross_example(graph.nodes[origin[vid]], graph.nodes[i])
-      stack = [(vid, axis)]
-      while stack:
-        key = stack.pop()
-        if key not in demanded:
-          demanded[key] = remade(graph, *key, memo, strided)
-          if demanded[key] is not None:
-            ins = graph.nodes[demanded[key][0]].ins
-            stack += [(ins[p], a) for p, a in demanded[key][1]]
+  demanded = demanded_values(graph, rules, sorted(region), strided)
   if whole and not any(graph.nodes[i].backward for i in region):
     raise NotSplittable("no part of the backward pass runs per example")
   if not whole:

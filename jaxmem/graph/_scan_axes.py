@@ -46,11 +46,12 @@ from jax.extend import core as jex
 
 from jaxmem.graph._axis_rules import ADD, Refuse, Rule
 from jaxmem.graph._graph import Graph, build_graph
-from jaxmem.graph._split import Split, remade, where
+from jaxmem.graph._split import Split, demanded_values, where
 
-# The bodies of ``jax.checkpoint`` inside a loop run inlined: the step in
-# micro-batches is planned anew.
-_INLINED = frozenset({"remat2", "checkpoint"})
+# ``jax.checkpoint`` (``nn.remat``): run in micro-batches, in a step or a
+# loop's body, its body is inlined, and the chunks' residuals are planned as
+# the step's are.
+REMAT = frozenset({"remat2", "checkpoint"})
 
 # Equations linear in their one operand: a reduction over the examples
 # passed through them still adds up across chunks.
@@ -124,22 +125,6 @@ def _reductions(body: Graph, rules: Mapping, seeds: Mapping[int, str],
   return how
 
 
-def _demanded(body: Graph, axes: Mapping, rules: Mapping, strided: bool) -> dict:
-  """The body's values without examples taken per chunk, as
-  ``graph._batch_axes`` finds them for a step."""
-  demanded, memo = {}, {}
-  for i in rules:
-    stack = [(body.nodes[i].ins[p], a) for p, a in rules[i].demand]
-    while stack:
-      key = stack.pop()
-      if isinstance(key[0], int) and key not in demanded:
-        demanded[key] = remade(body, *key, memo, strided)
-        if demanded[key] is not None:
-          ins = body.nodes[demanded[key][0]].ins
-          stack += [(ins[p], a) for p, a in demanded[key][1]]
-  return demanded
-
-
 def _read_whole(split: Split) -> set:
   """The body's values some equation reads whole (or the body returns)."""
   graph = split.graph
@@ -178,7 +163,7 @@ def _fixed_point(node, axes: Sequence, body: Graph, follow: Callable, strided: b
   while True:
     inner = [*axes[:nc], *carry, *xs]
     found, rules = follow(body, {v: a for v, a in zip(body.inputs, inner) if a is not None})
-    demanded = _demanded(body, found, rules, strided)
+    demanded = demanded_values(body, rules, rules, strided)
     outs = [_axis(found, o) for o in body.outputs[:ncar]]
     wanted = {body.inputs.index(v): a for v, a in demanded if v in body.inputs}
     grown = False
@@ -200,7 +185,7 @@ def scan_rule(node, axes: Sequence, follow: Callable, strided: bool) -> Rule:
   nc, ncar = p["num_consts"], p["num_carry"]
   if 0 in axes[nc + ncar:]:
     raise Refuse("it loops over the example axis")
-  body = build_graph(p["jaxpr"], inline=_INLINED)
+  body = build_graph(p["jaxpr"], inline=REMAT)
   carry, found, rules, demanded = _fixed_point(node, axes, body, follow, strided)
   split = Split(body, tuple(v for v in body.inputs if v in found), found, rules,
                 tuple(i for i in range(len(body.nodes)) if i not in rules),

@@ -208,3 +208,19 @@ def remade(graph: Graph, vid: int, axis: int, memo: dict, strided: bool = False)
   return found
 
 
+def demanded_values(graph: Graph, rules: Mapping, region, strided: bool = False) -> dict:
+  """The values without examples that the equations of ``region`` (with
+  their ``rules``) take per chunk, each with how it is taken
+  (:func:`remade`), the demands of those made again followed in turn."""
+  demanded, memo = {}, {}
+  for i in region:
+    stack = [(graph.nodes[i].ins[p], a) for p, a in rules[i].demand
+             if isinstance(graph.nodes[i].ins[p], int)]
+    while stack:
+      key = stack.pop()
+      if key not in demanded:
+        demanded[key] = remade(graph, *key, memo, strided)
+        if demanded[key] is not None:
+          ins = graph.nodes[demanded[key][0]].ins
+          stack += [(ins[p], a) for p, a in demanded[key][1]]
+  return demanded
