@@ -13,7 +13,9 @@ import jaxmem
 from jaxmem.cost._evaluate import candidate, unplanned_liveness
 from jaxmem.graph._graph import build_graph
 from jaxmem.planners import ILP, Greedy, _greedy, auto
-from jaxmem.planners._choices import Choice
+from jaxmem.planners import _highs as highs
+from jaxmem.planners._blocks import segments
+from jaxmem.planners._choices import Choice, Drop, _parent, plan_of
 from jaxmem.targets import xla_footprint
 from tests.helpers import assert_trees_close, assert_updates_close, xla_budget
 
@@ -290,3 +292,43 @@ def test_a_plan_taken_on_guesses_prices_nothing_and_is_within_its_gap(blocks, fr
   assert got.details.bound <= cost + 1e-6 and got.details.gap <= planner.mip_gap
   best = eager.plan(graph, int(base * fraction))
   assert cost <= (eager.cost(best.schedule) - eager.table(graph).base_cost) * (1 + planner.mip_gap)
+
+
+def test_binding_rows_keep_the_programs_solutions():
+  """Rows merged or dropped as implied by others leave the 0/1 points that
+  meet every row unchanged (enumerated), and drop the dominated ones."""
+  rng = np.random.default_rng(0)
+  rows = rng.integers(-3, 4, size=(60, 8)).astype(float)
+  rows = np.vstack([rows, rows[:5], rows[:5] - 1])  # repeated and dominated rows
+  base = rng.integers(0, 10, size=len(rows)).astype(float)
+  kept, top = highs.binding_rows(rows, base)
+  assert len(kept) < len(np.unique(rows, axis=0))
+  for x in itertools.product((0, 1), repeat=8):
+    for limit in (4.0, 9.0):
+      assert (base + rows @ x <= limit).all() == (top + kept @ x <= limit).all()
+
+
+def test_exclusive_groups_forbid_exactly_the_clashing_pairs(blocks):
+  """Clique rows forbid the pairs that a block's policies, nested blocks
+  and a rebuild group's clashing block choices make, and no other pair."""
+  graph, _ = blocks
+  table = ILP().table(graph)
+  choices = table.choices
+  decided = {i: plan_of(graph, [c]).as_dict() for i, c in enumerate(choices)
+             if isinstance(c, Choice)}
+  segs = segments(graph)
+  names = {s.name for s in segs if s.depth == 2}
+  pairs = set()
+  for group in table.exclusive:
+    pairs |= {frozenset(p) for p in itertools.combinations(group, 2)}
+  for i, j in itertools.combinations(range(len(choices)), 2):
+    a, b = choices[i], choices[j]
+    if isinstance(a, Drop) and isinstance(b, Drop):
+      clash = False
+    elif isinstance(a, Drop) or isinstance(b, Drop):
+      drop, k = (a, j) if isinstance(a, Drop) else (b, i)
+      clash = any(v in decided[k] for v in drop.values)
+    else:
+      clash = a.segment.name == b.segment.name or any(
+          _parent(x.segment, names) == y.segment.name for x, y in ((a, b), (b, a)))
+    assert (frozenset((i, j)) in pairs) == clash, (a, b)

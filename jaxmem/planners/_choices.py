@@ -133,7 +133,22 @@ def exclusive(graph: Graph, choices: list, segs: list) -> list[list[int]]:
       exclusive.append(groups.get(parent, []) + groups[seg.name])
   decided = {i: plan_of(graph, [c]).as_dict() for i, c in enumerate(choices)
              if isinstance(c, Choice)}
+  blocks = list(exclusive)
   for i, choice in enumerate(choices):
     if isinstance(choice, Drop):
-      exclusive += [[i, j] for j, d in decided.items() if any(v in d for v in choice.values)]
-  return exclusive
+      clash = {j for j, d in decided.items() if any(v in d for v in choice.values)}
+      # With each block group its clashing choices form a clique: one row
+      # each, fewer and tighter than a row per pair.
+      exclusive += [[i, *sorted(clash.intersection(g))] for g in blocks
+                    if clash.intersection(g)]
+  return _maximal(exclusive)
+
+
+def _maximal(groups: list[list[int]]) -> list[list[int]]:
+  """``groups`` less those inside another (which that one implies)."""
+  sets = sorted({frozenset(g) for g in groups}, key=len, reverse=True)
+  kept: list[frozenset] = []
+  for g in sets:
+    if not any(g <= k for k in kept):
+      kept.append(g)
+  return [sorted(g) for g in kept]

@@ -325,7 +325,7 @@ class ILP(Planner):
     nbytes, unit = max(table.base.max(), 1.0), max(np.abs(cost).max(), 1.0)
     constraints = self._program(table, refused, n + 1)
     if binding.any():
-      rows, base = highs.distinct_rows(memory[binding], table.base[binding])
+      rows, base = highs.binding_rows(memory[binding], table.base[binding])
       constraints.append(optimize.LinearConstraint(rows / nbytes, -np.inf,
                                                    (limit - base) / nbytes))
     x, bound, status = self._milp(highs.tie_broken(cost / unit, n), constraints, n + 1, time_limit)
@@ -449,7 +449,7 @@ class ILP(Planner):
                                       / max(np.abs(table.cost).max(initial=0.0), 1.0), n)
       cost[n + 1] = 1
       memory = np.hstack([table.delta, table.overhead[:, None]]) / nbytes
-      rows, base = highs.distinct_rows(memory, table.base / nbytes)
+      rows, base = highs.binding_rows(memory, table.base / nbytes)
       rows = np.hstack([rows, -np.ones((len(rows), 1))])
       constraints = [optimize.LinearConstraint(rows, -np.inf, -base)]
       solving = time.perf_counter()
