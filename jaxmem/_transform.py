@@ -14,6 +14,7 @@ from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError
 from jaxmem.cost._evaluate import Candidate, paused_gc, unplanned, with_state_hosted
+from jaxmem.graph._state import apply_host_decisions
 from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter, search
 from jaxmem.fit._unmet import budget_error, known_to_fail, remember
@@ -218,8 +219,9 @@ class Transformed:
     step = fingerprint(closed)
     count, region = self.micro_batches, False
     if self.saved is not None:
-      plan, source, count, region = load_plan(self.saved, step, self.micro_batches)
-      planner = Fixed(plan, source=source)
+      loaded = load_plan(self.saved, step, self.micro_batches)
+      count, region = loaded.micro_batches, loaded.region
+      planner = Fixed(loaded.plan, source=loaded.source, around=loaded.around)
     memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count, region)
     if known_to_fail(self.fun, memo, lambda u: self._budget_bytes(u, target),
                      find_smallest, planner.name, target.name):
@@ -278,6 +280,8 @@ class Transformed:
     graph = build_graph(closed) if graph is None else graph
     fit = functools.partial(self._fit_graph, closed, planner, written, target=target,
                             leaves=leaves, find_smallest=find_smallest, **options)
+    if isinstance(planner, Fixed) and planner.around:  # a saved plan's state on the host
+      return fit(graph=apply_host_decisions(graph, planner.around)[0])
     if not (self._may_host(target, leaves) and looped(graph)):
       return fit(graph=graph)
     first = found = None

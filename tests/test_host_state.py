@@ -11,6 +11,7 @@ targets where it is never done.
 """
 
 import json
+import logging
 
 import jax
 import jax.numpy as jnp
@@ -190,7 +191,7 @@ def test_saved_plan_keeps_the_state_on_the_host(fitted, tmp_path):
   assert again.graph.hosted_at == fit.graph.hosted_at
 
 
-def test_micro_batches_keep_the_state_on_the_host_too():
+def test_micro_batches_keep_the_state_on_the_host_too(tmp_path, caplog):
   """A budget that neither meets alone: the step runs in micro-batches, and
   its optimizer state stays in host memory between steps, copied in for
   the update after the chunks (``graph._graph``: the update after a loop
@@ -222,6 +223,18 @@ def test_micro_batches_keep_the_state_on_the_host_too():
     ours, want = transformed(*ours), jax.jit(sgd_step)(*want)
     _assert_close(ours, want)
     ours, want = (*ours[:2], args[2]), (*want[:2], args[2])
+  # Saved, the plan keeps the step's state on the host around the chunks'
+  # loop: reloaded, it is applied as saved, with nothing tried first.
+  path = tmp_path / "plan.json"
+  transformed.save_plan(path, *args)
+  around = json.loads(path.read_text())["around_loop"]
+  assert [d["kind"] for _, d in around] == ["host"] * DEPTH
+  with caplog.at_level(logging.INFO, logger="jaxmem"):
+    again = jaxmem.transform(sgd_step, budget="35%", target="t4", plan=path).fit(*args)
+  assert again.hosted == fit.hosted and again.micro.count == fit.micro.count
+  assert again.plan == fit.plan and again.footprint == fit.footprint
+  compiled = [r.getMessage() for r in caplog.records if "compiled" in r.getMessage()]
+  assert len(compiled) == 1 and "(fits)" in compiled[0], compiled  # nothing tried first
 
 
 def test_cpu_never_moves_state():

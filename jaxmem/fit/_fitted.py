@@ -121,7 +121,9 @@ class Fit:
   def saved(self) -> str:
     """The plan as JSON (:mod:`jaxmem.fit._saved`), with the budget, target,
     planner and footprint it was fitted for."""
+    around = self.stepped is not None and self.stepped is not self.graph
     return dumps(with_host_decisions(self.graph, self.plan), self.step,
+                 with_host_decisions(self.stepped, Plan()) if around else None,
                  budget=self.budget, target=self.target.name,
                  planner=self.planner.describe(), footprint=self.footprint,
                  micro_batches=1 if self.micro is None else self.micro.count,

@@ -20,6 +20,7 @@ import enum
 import os
 import hashlib
 import json
+from typing import NamedTuple
 
 import numpy as np
 
@@ -84,11 +85,16 @@ def _decode(record: dict) -> Decision:
                    f"{sorted([*_SIMPLE, 'offload', 'host', 'chunked'])}")
 
 
-def dumps(plan: Plan, step: str, **about) -> str:
-  """``plan`` as JSON, for the step of fingerprint ``step``; ``about``
-  (budget, target, planner) is recorded for people reading the file."""
-  return json.dumps({"format": FORMAT, "step": step, **about,
-                     "decisions": [[vid, _encode(d)] for vid, d in plan]}, indent=1)
+def dumps(plan: Plan, step: str, around: Plan | None = None, **about) -> str:
+  """``plan`` as JSON, for the step of fingerprint ``step``; ``around`` (the
+  :class:`Host` decisions of the step around the loop whose body ``plan``
+  is, in the step's own value ids) where there are any; ``about`` (budget,
+  target, planner) is recorded for people reading the file."""
+  record = {"format": FORMAT, "step": step, **about,
+            "decisions": [[vid, _encode(d)] for vid, d in plan]}
+  if around:
+    record["around_loop"] = [[vid, _encode(d)] for vid, d in around]
+  return json.dumps(record, indent=1)
 
 
 def micro_batches_of(text: str) -> tuple[int, bool]:
@@ -96,6 +102,10 @@ def micro_batches_of(text: str) -> tuple[int, bool]:
   whether only the region around the step's peak runs in them."""
   record = json.loads(text)
   return int(record.get("micro_batches", 1)), bool(record.get("region", False))
+
+
+def _decisions(record: list) -> Plan:
+  return Plan.of({int(vid): _decode(d) for vid, d in record})
 
 
 def loads(text: str, step: str, source: str = "the saved plan") -> Plan:
@@ -110,17 +120,30 @@ def loads(text: str, step: str, source: str = "the saved plan") -> Plan:
         f"jaxmem: {source} was made for another step (fingerprint {record.get('step')}, "
         f"this step's is {step}): the step's equations or its argument shapes changed. "
         "Plan it again (leave out plan=) and save the new plan.")
-  return Plan.of({int(vid): _decode(d) for vid, d in record["decisions"]})
+  return _decisions(record["decisions"])
 
 
-def load_plan(saved, step: str, micro_batches) -> tuple[Plan, str, int | str, bool]:
+class Saved(NamedTuple):
+  """A plan given as ``transform(..., plan=...)``: the plan, where it came
+  from, the chunks it runs the step in (``fit._micro``) and whether they
+  are a region's, and the host decisions of the step around the loop whose
+  body the plan is (empty where it is the whole step's)."""
+  plan: Plan
+  source: str
+  micro_batches: int | str
+  region: bool
+  around: Plan
+
+
+def load_plan(saved, step: str, micro_batches) -> Saved:
   """The plan given as ``transform(..., plan=saved)`` (a :class:`Plan`, or
-  a path to one saved by ``Fit.save_plan``, checked to be for ``step``),
-  with where it came from, the chunks it runs the step in and whether they
-  are a region's (``fit._micro``; for a :class:`Plan`, ``micro_batches``)."""
+  a path to one saved by ``Fit.save_plan``, checked to be for ``step``);
+  for a :class:`Plan`, ``micro_batches`` as given."""
   if isinstance(saved, Plan):
-    return saved, "given", micro_batches, False
+    return Saved(saved, "given", micro_batches, False, Plan())
   path = os.fspath(saved)
   with open(path) as f:
     text = f.read()
-  return (loads(text, step, source=path), path, *micro_batches_of(text))
+  plan = loads(text, step, source=path)
+  return Saved(plan, path, *micro_batches_of(text),
+               _decisions(json.loads(text).get("around_loop", [])))

@@ -22,6 +22,9 @@ class Fixed(Planner):
   """
   plan_given: Plan = dataclasses.field(default_factory=Plan)
   source: str = "a saved plan"
+  # Where ``plan_given`` is a loop body's (micro-batches, gradient
+  # accumulation): the host decisions of the step around the loop.
+  around: Plan = dataclasses.field(default_factory=Plan)
 
   @property
   def name(self) -> str:
