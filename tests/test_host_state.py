@@ -214,6 +214,11 @@ def test_micro_batches_keep_the_state_on_the_host_too(tmp_path, caplog):
   transformed = jaxmem.transform(sgd_step, budget="35%", target="t4")
   fit = transformed.fit(*args)
   assert fit.micro.count >= 2 and len(fit.hosted) == DEPTH
+  # The fewest chunks whose plan meets the budget (not the most, whose
+  # footprint as written is the smallest): half as many do not.
+  with pytest.raises(jaxmem.BudgetError):
+    jaxmem.transform(sgd_step, budget="35%", target="t4",
+                     micro_batches=fit.micro.count // 2).fit(*args)
   assert "micro-batches" in fit.report() and "optimizer state   4 leaves" in fit.report()
   compiled = transformed.lower(*placed(args, "t4")).compile()
   assert compiled.memory_analysis().host_argument_size_in_bytes == DEPTH * 256 * 256 * 4
