@@ -24,10 +24,11 @@ from jaxmem.graph._graph import Graph, build_graph, trace
 from jaxmem.fit._traced import (
     Written, as_written, changes, emitted, graphs, looped, target_clock)
 from jaxmem.fit._micro import (AUTO, MicroBatches, argument_groups, cheaper, checked_count,
-                               devices_of, fit_chunked, fit_micro_batches, spread)
+                               fit_chunked, fit_micro_batches, spread)
 from jaxmem.fit._saved import fingerprint, load_plan
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
+from jaxmem.targets._host_args import devices_of
 from jaxmem.targets._host_args import device_aval
 from jaxmem.fit._host_state import (
     compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state)
@@ -282,7 +283,7 @@ class Transformed:
                             leaves=leaves, find_smallest=find_smallest, **options)
     if isinstance(planner, Fixed) and planner.around:  # a saved plan's state on the host
       return fit(graph=apply_host_decisions(graph, planner.around)[0])
-    if not (self._may_host(target, leaves) and looped(graph)):
+    if not (self._may_host(target) and looped(graph)):
       return fit(graph=graph)
     first = found = None
     try:
@@ -337,7 +338,7 @@ class Transformed:
     cached = None if micro else self._cache_entry(step, leaves, target, budget, reserve, planner)
     saved = None if cached is None else _plan_cache.get(*cached, step)
     planned, planner, found = search(
-        fitter, planned, planner, find_smallest, loop is None and self._may_host(target, leaves),
+        fitter, planned, planner, find_smallest, loop is None and self._may_host(target),
         None if saved is None else (saved, _plan_cache.path(*cached)), timing_profile(target))
     if found is None:
       return None
@@ -379,9 +380,9 @@ class Transformed:
         description=None if target.profile is None else target.profile.description,
         planner=planner.describe(), max_rounds=self.max_rounds, host_state=self.host_state)
 
-  def _may_host(self, target: Target, leaves) -> bool:
+  def _may_host(self, target: Target) -> bool:
     """Whether a fit may keep the optimizer state in host memory."""
-    return self.host_state and target.may_host_state() and devices_of(leaves) < 2
+    return self.host_state and target.may_host_state()
 
   def _budget_bytes(self, unconstrained: int, target: Target) -> tuple[int, int]:
     return self.budget.in_bytes(unconstrained, self._reserve(target))

@@ -476,3 +476,68 @@ def test_a_shard_map_step_is_planned_for_gpus_not_here():
   assert kinds == {"Tesla T4"}  # XLA:GPU's program for the T4 mesh
   for got, want in zip(fitted(ws, x), jax.jit(step)(ws, x)):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+_HOSTED = textwrap.dedent("""
+    import optax
+    from jaxmem.targets import placed
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    opt = optax.adam(1e-2)
+
+    def loss(ws, x):
+      h = x
+      for w in ws:
+        h = jnp.tanh(h @ w)
+      return jnp.mean(h ** 2)
+
+    def step(ws, state, x):  # FSDP: weights and Adam's moments sharded
+      value, grads = jax.value_and_grad(loss)(ws, x)
+      updates, state = opt.update(grads, state, ws)
+      return optax.apply_updates(ws, updates), state, value
+
+    def spec(a):
+      return NamedSharding(mesh, P("data") if a.ndim else P())
+
+    keys = jax.random.split(jax.random.key(0), 5)
+    ws = jax.device_put([jax.random.normal(k, (512, 512)) / 23 for k in keys[:4]],
+                        NamedSharding(mesh, P("data")))
+    args = (ws, jax.tree.map(lambda a: jax.device_put(a, spec(a)), opt.init(ws)),
+            jax.device_put(jax.random.normal(keys[4], (128, 512)), spec(ws[0])))
+    own = xla_footprint(jax.jit(step).lower(*placed(args, "t4")).compile())
+    fitted = jaxmem.transform(step, budget="90%", target="t4")
+    fit = fitted.fit(*args)
+    compiled = fitted.lower(*placed(args, "t4")).compile()
+    ours, want, error = args, args, 0.0
+    for _ in range(3):
+      ours, want = fitted(*ours), jax.jit(step)(*want)
+      for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(want)):
+        error = max(error, float(np.max(np.abs(np.asarray(a) - np.asarray(b)))))
+      ours, want = (*ours[:2], args[2]), (*want[:2], args[2])
+    specs = [[str(a.sharding.spec) for a in jax.tree.leaves(out)] for out in (ours, want)]
+    kinds = [a.sharding.memory_kind for a in jax.tree.leaves(ours[1])]
+    donating = jaxmem.transform(step, budget="90%", target="t4", donate_argnums=(1,))
+    state = jax.tree.map(jnp.copy, args[1])
+    donating(args[0], state, args[2])
+    print(json.dumps(dict(
+        own=own, budget=fit.budget, footprint=xla_footprint(compiled), error=error,
+        hosted=len(fit.hosted), state=len(jax.tree.leaves(args[1])),
+        host_bytes=compiled.memory_analysis().host_argument_size_in_bytes,
+        state_bytes=sum(a.nbytes for a in jax.tree.leaves(args[1])) // 8,
+        specs=specs, kinds=kinds,
+        deleted=all(a.is_deleted() for a in jax.tree.leaves(state) if a.ndim))))
+""")
+
+
+def test_sharded_optimizer_state_is_kept_on_the_host_per_device():
+  """FSDP on 8 T4s (compiled here): where no plan fits with Adam's moments
+  on the device, they stay in host memory between steps, each device's
+  shard in its own host memory (XLA:GPU shows one device's shard of the
+  moments as host arguments); the step's numbers and shardings over three
+  steps, its state returned in ``pinned_host``, a donated state deleted."""
+  out = _run(_HOSTED)
+  assert out["footprint"] <= out["budget"] <= 0.9 * out["own"] + 1, out
+  assert out["hosted"] == 8 and out["host_bytes"] == out["state_bytes"] > 0, out
+  assert out["error"] < 1e-5 and out["specs"][0] == out["specs"][1], out
+  assert set(out["kinds"]) == {"pinned_host", "device"}, out  # the count stays
+  assert out["deleted"], out
+

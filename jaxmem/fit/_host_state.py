@@ -19,7 +19,8 @@ from jaxmem.graph._graph import Graph
 from jaxmem.graph._state import hosted_leaves, hosted_outputs, hosted_state
 from jaxmem.targets import Target, resolve
 from jaxmem.targets._host_args import (
-    HOST, as_device, compile_with_host_args, device_of, mark_host_args, on_host, to_host)
+    HOST, as_device, compile_with_host_args, device_of, devices_of, mark_host_args, on_host,
+    to_host)
 
 
 def place_state(arguments: Arguments, positions: tuple, args, kwargs,
@@ -80,8 +81,14 @@ def output_kinds(graph: Graph, leaves) -> list:
   """Each output's sharding on the device of the arguments ``leaves``: in
   host memory for the optimizer state ``graph`` returns there, else in
   device memory."""
-  device = device_of(leaves)
   host = hosted_outputs(graph)
+  if devices_of(leaves) > 1:
+    # Sharded: a hosted update keeps its input's sharding, in host memory;
+    # the rest are left to the partitioner.
+    leaf = {v: s.leaf for s in hosted_state(graph) for v in [s.value]}
+    return [leaves[leaf[host[i]]].sharding.with_memory_kind(HOST) if i in host else None
+            for i in range(len(graph.outputs))]
+  device = device_of(leaves)
   return [jax.sharding.SingleDeviceSharding(device, memory_kind=HOST if i in host else "device")
           for i in range(len(graph.outputs))]
 

@@ -41,6 +41,7 @@ from jaxmem.graph._graph import build_graph
 from jaxmem.graph._scan_axes import REMAT
 from jaxmem.schedule._emit import UNTYPED
 from jaxmem.schedule._microbatch import micro_batched
+from jaxmem.targets._host_args import devices_of
 
 _log = logging.getLogger("jaxmem")
 
@@ -138,15 +139,6 @@ def micro_step(split: Split, k: int, closed, around: dict | None = None):
   run = (micro_batched(split, k) if around is None
          else on_each_device(around, micro_batched(split, k, UNTYPED)))
   return jax.make_jaxpr(run)(*closed.in_avals)
-
-
-def devices_of(leaves) -> int:
-  """The number of devices the step's argument ``leaves`` lie on (1 for
-  abstract or unplaced leaves)."""
-  found = set()
-  for leaf in leaves:
-    found.update(getattr(getattr(leaf, "sharding", None), "device_set", ()))
-  return max(len(found), 1)
 
 
 def spread(leaves) -> bool:

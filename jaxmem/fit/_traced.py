@@ -20,7 +20,7 @@ from jaxmem.cost._xla_clock import program_time
 from jaxmem.fit._checks import fittable
 from jaxmem.cost._evaluate import Candidate
 from jaxmem.fit._inner import body_graph, embedded, inner_body
-from jaxmem.fit._micro import devices_of
+from jaxmem.targets._host_args import devices_of
 from jaxmem.cost._xla_shards import per_device, shard_elements
 from jaxmem.schedule._emit import emit
 from jaxmem.graph._graph import Graph, build_graph

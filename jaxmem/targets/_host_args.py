@@ -64,6 +64,15 @@ def device_of(leaves):
   return jax.devices()[0]
 
 
+def devices_of(leaves) -> int:
+  """The number of devices the step's argument ``leaves`` lie on (1 for
+  abstract or unplaced leaves)."""
+  found = set()
+  for leaf in leaves:
+    found.update(getattr(getattr(leaf, "sharding", None), "device_set", ()))
+  return max(len(found), 1)
+
+
 def as_device(leaf):
   """A stand-in in device memory for tracing a host-memory leaf (the step
   as written computes on its arguments where they are); other leaves as
