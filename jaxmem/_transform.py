@@ -28,8 +28,7 @@ from jaxmem.fit._micro import (AUTO, MicroBatches, argument_groups, cheaper, che
 from jaxmem.fit._saved import fingerprint, load_plan
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
-from jaxmem.targets._host_args import devices_of
-from jaxmem.targets._host_args import device_aval
+from jaxmem.targets._host_args import device_aval, devices_of
 from jaxmem.fit._host_state import (
     compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state)
 

@@ -80,12 +80,12 @@ def lower_placed(lowered, positions: tuple, args, kwargs):
 def output_kinds(graph: Graph, leaves) -> list:
   """Each output's sharding on the device of the arguments ``leaves``: in
   host memory for the optimizer state ``graph`` returns there, else in
-  device memory."""
+  device memory. Where ``leaves`` lie on several devices, a hosted update
+  keeps its input's sharding, in host memory, and the other outputs are
+  left to the partitioner (None)."""
   host = hosted_outputs(graph)
   if devices_of(leaves) > 1:
-    # Sharded: a hosted update keeps its input's sharding, in host memory;
-    # the rest are left to the partitioner.
-    leaf = {v: s.leaf for s in hosted_state(graph) for v in [s.value]}
+    leaf = {s.value: s.leaf for s in hosted_state(graph)}
     return [leaves[leaf[host[i]]].sharding.with_memory_kind(HOST) if i in host else None
             for i in range(len(graph.outputs))]
   device = device_of(leaves)

@@ -58,8 +58,8 @@ def binding_rows(rows: np.ndarray, base: np.ndarray) -> tuple[np.ndarray, np.nda
   largest ``base`` (equations between the same makings and reads of the
   chosen values), then each row dropped where another row is at least as
   large in ``base`` and in every coefficient. On the zoo's GPT-2 this
-  leaves 10-50 of 100-200 rows, and HiGHS solves the program in about
-  half the time."""
+  leaves about half of its 100-200 rows, and HiGHS's time over a sweep
+  of 20 budgets falls by about a third."""
   if not len(rows):
     return rows, base
   unique, inverse = np.unique(rows, axis=0, return_inverse=True)
