@@ -138,6 +138,35 @@ def test_fewest_micro_batches_that_fit():
                        planner="recompute").fit(params, batch)
 
 
+def test_planned_counts_back_off_to_the_fewest_that_fit():
+  """Where a plan is needed, the count of smallest footprint is planned
+  first, then fewer by bisection (footprints fall as counts grow): the
+  fewest that fit are kept, or on a target with a clock the fastest."""
+  import types
+  from jaxmem.fit import _micro
+
+  def fits_from(least, predicted=None):
+    tried = []
+
+    def fit(traced, micro, find_smallest, measured):
+      tried.append(micro)
+      return None if micro < least else types.SimpleNamespace(
+          micro=types.SimpleNamespace(count=micro),
+          predicted=None if predicted is None else predicted[micro])
+    return fit, tried
+
+  fewer = [(k, None, k, None) for k in (2, 4, 8, 16, 32)]
+  fit, tried = fits_from(8)
+  found = fit(None, 64, True, None)
+  assert _micro._fewest(fit, fewer[::-1], found).micro.count == 8
+  assert tried == [64, 8, 4]  # the planned count, then a bisection of five
+  # With a clock, the fastest of the fits found: here the planned count.
+  fit, _ = fits_from(8, {8: 3.0, 64: 2.0})
+  assert _micro._fewest(fit, fewer, fit(None, 64, True, None)).micro.count == 64
+  fit, _ = fits_from(128)  # none of the fewer fits: the planned count stays
+  assert _micro._fewest(fit, fewer, found).micro.count == 64
+
+
 def test_given_micro_batches_and_bad_counts():
   params, batch = _mlp_args(batch=64)
   fitted = jaxmem.transform(_mlp_step, budget="100%", micro_batches=4)
