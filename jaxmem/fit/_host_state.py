@@ -83,12 +83,11 @@ def output_kinds(graph: Graph, leaves) -> list:
   device memory. Where ``leaves`` lie on several devices, a hosted update
   keeps its input's sharding, in host memory, and the other outputs are
   left to the partitioner (None)."""
-  host = hosted_outputs(graph)
   if devices_of(leaves) > 1:
-    leaf = {s.value: s.leaf for s in hosted_state(graph)}
-    return [leaves[leaf[host[i]]].sharding.with_memory_kind(HOST) if i in host else None
+    leaf = {s.output: s.leaf for s in hosted_state(graph) if s.output is not None}
+    return [leaves[leaf[i]].sharding.with_memory_kind(HOST) if i in leaf else None
             for i in range(len(graph.outputs))]
-  device = device_of(leaves)
+  device, host = device_of(leaves), hosted_outputs(graph)
   return [jax.sharding.SingleDeviceSharding(device, memory_kind=HOST if i in host else "device")
           for i in range(len(graph.outputs))]
 

@@ -97,13 +97,6 @@ def dumps(plan: Plan, step: str, around: Plan | None = None, **about) -> str:
   return json.dumps(record, indent=1)
 
 
-def micro_batches_of(text: str) -> tuple[int, bool]:
-  """The chunks a saved plan runs its step in (1: the step whole), and
-  whether only the region around the step's peak runs in them."""
-  record = json.loads(text)
-  return int(record.get("micro_batches", 1)), bool(record.get("region", False))
-
-
 def _decisions(record: list) -> Plan:
   return Plan.of({int(vid): _decode(d) for vid, d in record})
 
@@ -111,7 +104,11 @@ def _decisions(record: list) -> Plan:
 def loads(text: str, step: str, source: str = "the saved plan") -> Plan:
   """The plan in ``text``, checked to be for the step of fingerprint
   ``step``."""
-  record = json.loads(text)
+  return _checked(json.loads(text), step, source)
+
+
+def _checked(record: dict, step: str, source: str) -> Plan:
+  """The plan of a parsed saved plan, checked to be one, for ``step``."""
   if record.get("format") != FORMAT:
     raise ValueError(f"jaxmem: {source} is not a jaxmem plan (format "
                      f"{record.get('format')!r}, expected {FORMAT!r})")
@@ -143,7 +140,8 @@ def load_plan(saved, step: str, micro_batches) -> Saved:
     return Saved(saved, "given", micro_batches, False, Plan())
   path = os.fspath(saved)
   with open(path) as f:
-    text = f.read()
-  plan = loads(text, step, source=path)
-  return Saved(plan, path, *micro_batches_of(text),
-               _decisions(json.loads(text).get("around_loop", [])))
+    record = json.load(f)
+  # The chunks the step runs in (1: whole), and whether only the region
+  # around its peak runs in them.
+  return Saved(_checked(record, step, path), path, int(record.get("micro_batches", 1)),
+               bool(record.get("region", False)), _decisions(record.get("around_loop", [])))
