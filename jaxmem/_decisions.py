@@ -29,8 +29,18 @@ class Keep(Decision):
 @dataclasses.dataclass(frozen=True)
 class Recompute(Decision):
   """The residual is freed after its last forward use and rebuilt, from kept
-  values, right before its first backward use."""
+  values, right before its first backward use.
+
+  Attributes:
+    with_block: rebuilt instead together with every residual of its block
+      so marked, when the block's backward pass first needs one of them,
+      behind one barrier tied to the gradient entering the block: as
+      per-block ``jax.checkpoint`` rebuilds a block. The block's
+      recomputation then fuses as XLA fuses ``jax.checkpoint``'s, at the
+      price of holding all of the block's rebuilt residuals at once.
+  """
   kind = "recompute"
+  with_block: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

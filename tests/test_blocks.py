@@ -17,7 +17,8 @@ import jaxmem
 from jaxmem.targets import xla_footprint
 import jaxmem_models as models
 from jaxmem.schedule._emit import emit
-from jaxmem.planners._blocks import block_plans, segments
+from jaxmem.fit._saved import dumps, loads
+from jaxmem.planners._blocks import block_plans, rebuilt_as_checkpointed, segments
 from jaxmem.cost._evaluate import Candidate, evaluate, unplanned
 from tests.helpers import assert_trees_close, xla_budget
 
@@ -129,6 +130,53 @@ def test_a_blocks_backward_reads_what_its_recomputation_started_from(gpt2):
           assert key == copies[key[0]], (graph.nodes[op.node].readable, key)
           checked += 1
   assert checked
+
+
+def _rebuild_barriers(graph, ops) -> collections.Counter:
+  """Block scope -> the barriers that open a recomputation for it."""
+  found = collections.Counter()
+  for pos, op in enumerate(ops):
+    following = [o for o in ops[pos + 1:] if o.kind in ("recompute", "node")]
+    if op.kind == "barrier" and following and following[0].kind == "recompute":
+      found[graph.nodes[next(o for o in following if o.kind == "node").node].scope()] += 1
+  return found
+
+
+def test_a_block_rebuilt_as_checkpointed_rebuilds_once_behind_one_barrier(gpt2):
+  """Rebuilt as per-block ``jax.checkpoint`` rebuilds (``with_block``), each
+  block's residuals are rebuilt together behind one barrier, tied to the
+  gradient entering the block; the block's output, read first by the
+  module after it, is kept. The numbers are the step's."""
+  task, (state, batch), graph = gpt2
+  lazy = block_plans(graph)[0]
+  plan = rebuilt_as_checkpointed(graph, lazy)
+  assert plan.values_with("recompute") and all(
+      d.with_block for _, d in plan if d.kind == "recompute")
+  kept = lazy.values_with("recompute") - plan.values_with("recompute")
+  block = lambda index: graph.nodes[index].scope()
+  assert all(block(graph.residual(v).first_backward_use)
+                      != block(graph.values[v].producer) for v in kept)
+  schedule, _ = evaluate(graph, plan)
+  barriers = _rebuild_barriers(graph, schedule.ops)
+  assert {"GPT2/block0", "GPT2/block1"} <= set(barriers)
+  assert all(n == 1 for n in barriers.values()), barriers
+  assert max(_rebuild_barriers(graph, evaluate(graph, lazy)[0].ops).values()) > 1
+  checked = 0
+  for pos, op in enumerate(schedule.ops):
+    if op.kind == "barrier" and schedule.ops[pos + 1].kind == "recompute":
+      anchor = op.ins[-1][0]  # the gradient entering the block
+      scope = block(next(o for o in schedule.ops[pos:] if o.kind == "node").node)
+      if scope not in ("GPT2/block0", "GPT2/block1"):
+        continue  # the head: the loss's gradient enters as a constant
+      checked += 1
+      assert graph.is_backward_value(anchor) and block(graph.values[anchor].producer) != scope
+      assert any(anchor in n.ins for n in graph.nodes if n.backward and n.scope() == scope)
+  assert checked == 2
+  assert loads(dumps(plan, "step"), "step") == plan
+  run = jax.jit(emit(schedule))
+  want = jax.jit(task.step)(state, batch)
+  assert_trees_close(run(*jax.tree_util.tree_leaves(((state, batch), {}))),
+                     jax.tree_util.tree_leaves(want))
 
 
 def flops(compiled) -> float:

@@ -24,7 +24,7 @@ from jaxmem.cost._evaluate import evaluate
 from jaxmem.graph._graph import build_graph
 from jaxmem.graph._state import optimizer_state, with_hosted
 from jaxmem.schedule._emit import emit
-from jaxmem.schedule._schedule import emission_position
+from jaxmem.schedule._order import emission_position
 from jaxmem.targets import placed
 
 pytest.importorskip("jax_plugins.xla_cuda13", reason="compiles for a T4 target")

@@ -27,6 +27,7 @@ LAYERS = [
     {"graph._split"},
     {"graph._scan_axes"},
     {"graph._batch_axes"},
+    {"schedule._order"},
     {"schedule._schedule"},
     {"schedule._scan_remat"},
     {"schedule._loop_segments"},

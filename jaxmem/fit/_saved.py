@@ -63,6 +63,8 @@ def _param(value):
 def _encode(decision: Decision) -> dict:
   if isinstance(decision, (Offload, Host)):
     return {"kind": decision.kind, "at": decision.at}
+  if isinstance(decision, Recompute) and decision.with_block:
+    return {"kind": "recompute", "with_block": True}
   if isinstance(decision, Chunked):
     return {"kind": "chunked", "axis": decision.axis,
             "bounds": [list(b) for b in decision.bounds],
@@ -72,6 +74,8 @@ def _encode(decision: Decision) -> dict:
 
 def _decode(record: dict) -> Decision:
   kind = record.get("kind")
+  if kind == "recompute" and record.get("with_block"):
+    return Recompute(with_block=True)
   if kind in _SIMPLE:
     return _SIMPLE[kind]()
   if kind == "offload":

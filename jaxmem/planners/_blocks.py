@@ -16,7 +16,7 @@ import dataclasses
 import re
 
 from jaxmem.graph import _primitives
-from jaxmem._decisions import KEEP, RECOMPUTE, SAVE, Plan
+from jaxmem._decisions import KEEP, RECOMPUTE, SAVE, Plan, Recompute
 from jaxmem.cost._evaluate import Candidate, candidate, recomputable
 from jaxmem.graph._graph import Graph, analysis
 
@@ -114,6 +114,24 @@ def checkpoint_block(graph: Graph, seg: Segment, keep: str, decisions: dict) -> 
           decisions.pop(vid, None)
         else:
           decisions[vid] = SAVE
+
+
+def rebuilt_as_checkpointed(graph: Graph, plan: Plan) -> Plan:
+  """``plan`` rebuilding its blocks as per-block ``jax.checkpoint`` does:
+  each residual it recomputes is rebuilt with its block
+  (``Recompute(with_block=True)``), but for one that the backward pass
+  reads first outside the block that made it (the block's output, which a
+  module after it reads), kept as a checkpointed function's outputs are."""
+  block = lambda index: graph.nodes[index].scope()
+  decisions = {}
+  for vid, decision in plan:
+    if decision.kind == "recompute":
+      residual = graph.residual(vid)
+      if block(residual.first_backward_use) != block(graph.values[vid].producer):
+        continue
+      decision = Recompute(with_block=True)
+    decisions[vid] = decision
+  return Plan.of(decisions)
 
 
 def _no_batch_dims(node) -> bool:

@@ -37,7 +37,9 @@ from typing import Callable
 from jax.extend import core as jex
 
 from jaxmem._decisions import Plan
-from jaxmem.graph._graph import Graph, analysis, forward_passes
+from jaxmem.graph._graph import Graph, forward_passes
+from jaxmem.schedule._order import (emission_order, emission_position, entering_values,
+                                    rebuilt_with_block)
 from jaxmem.graph._state import hosted_outputs
 from jaxmem.graph._xla_cpu_fusion import rebuilt_in_readers, separated_reads
 
@@ -109,6 +111,12 @@ class _Builder:
     self.graph, self.plan, self.fused = graph, plan, fused
     self.separating, self.pinning = separating, pinning
     self.saved = plan.values_with("save")
+    # Block scope -> its residuals rebuilt with the block
+    # (``Recompute.with_block``). Such a plan leaves backward reads
+    # unseparated, as per-block ``jax.checkpoint`` does: a separating copy
+    # ends a fusion that ``jax.checkpoint``'s program keeps.
+    self.with_block = rebuilt_with_block(graph, plan)
+    self.separate_reads = separating and not self.with_block
     # What goes to host memory is a *unit*: an offloaded residual's id, or
     # (id, chunk index) for a chunk of a vTensor. Unit -> its host copy /
     # its copy back; backward node -> the units copied back before it.
@@ -183,7 +191,7 @@ class _Builder:
                    and a in self.dropped and a not in self.cache] if self.dropped else ()
         if missing:
           self.recompute(missing, node)
-        if self.separating:
+        if self.separate_reads:
           rebuild = [a for a in self.to_rebuild.get(node.index, ())
                      if a not in self.cache and a not in self.dropped]
           if rebuild:
@@ -191,7 +199,7 @@ class _Builder:
       ins = tuple(self.read(a, late) for a in node.ins)
       if node.backward and self.pinned and node.scope() == self.scope:
         ins = self.copies_read(node, ins, self.pinned)
-      if node.backward and self.separating:
+      if node.backward and self.separate_reads:
         ins = self.separate(node, ins)
       if node.backward and self.pinning and graph.transposes_inputs(node):
         # XLA would transpose these inputs as soon as they exist and hold
@@ -242,11 +250,18 @@ class _Builder:
     """Re-runs the forward equations that rebuild ``missing`` before
     ``consumer``; with ``separated``, from the separated copies of the kept
     values it starts from (see ``separate``), and ``missing`` are kept for
-    later backward reads."""
+    later backward reads. The first recomputation in a block rebuilds all
+    of the block's residuals rebuilt with it (``Recompute.with_block``),
+    tied to the gradient entering the block (``entering``)."""
     graph = self.graph
     scope = consumer.scope()
+    entering = None
     if scope != self.scope:
       self.scope, self.scratch, self.pinned = scope, {}, {}
+      together = [v for v in self.with_block.get(scope, ())
+                  if v not in self.cache and v not in missing]
+      if together and not separated:
+        missing, entering = [*missing, *together], self.entering(scope)
     to_run: set[int] = set()
     leaves: set[int] = set()
     stack = list(missing)
@@ -274,7 +289,7 @@ class _Builder:
     if tied:
       size = max((graph.values[v].nbytes for n in to_run for v in graph.nodes[n].outs),
                  default=0)
-      copies = self.pin(tuple(map(self.key, tied)), consumer, size)
+      copies = self.pin(tuple(map(self.key, tied)), consumer, size, entering)
       local.update(zip(tied, copies))
       self.pinned.update(zip(tied, copies))
       if separated:
@@ -375,14 +390,15 @@ class _Builder:
     return tuple(copies.get(a, k) if isinstance(a, int) and k == self.key(a)
                  else k for a, k in zip(node.ins, ins))
 
-  def pin(self, keys: tuple, consumer, size: int) -> tuple:
-    """Passes non-literal ``keys`` through one barrier with an anchor (see
-    ``anchor``), so what reads the copies runs after the anchor; returns
-    ``keys`` with copies in place of the originals."""
+  def pin(self, keys: tuple, consumer, size: int, anchor: int | None = None) -> tuple:
+    """Passes non-literal ``keys`` through one barrier with an anchor
+    (``anchor`` where given, else see ``anchor``), so what reads the copies
+    runs after the anchor; returns ``keys`` with copies in place of the
+    originals."""
     real = [k for k in keys if not isinstance(k, jex.Literal)]
     if not real:
       return keys
-    anchor = self.anchor(consumer, size)
+    anchor = self.anchor(consumer, size) if anchor is None else anchor
     ins = tuple(real) + ((self.read(anchor, True),) if anchor is not None else ())
     outs = tuple(self.sized(self.fresh(k[0]), k) for k in ins)
     self.ops.append(Op("barrier", None, ins, outs))
@@ -394,6 +410,15 @@ class _Builder:
     copies = dict(zip(real, outs))
     return tuple(copies.get(k, k) if not isinstance(k, jex.Literal) else k
                  for k in keys)
+
+  def entering(self, scope: str) -> int | None:
+    """The gradient entering block ``scope``: the latest backward value
+    emitted that the block's backward equations read and none of them
+    made. Per-block ``jax.checkpoint`` ties the block's recomputation to
+    it in one barrier, so XLA runs the recomputation right where the
+    block's backward pass starts, and no earlier."""
+    outside = entering_values(self.graph, scope)
+    return next((v for v in reversed(self.made) if v in outside), None)
 
   def anchor(self, consumer, size: int) -> int | None:
     """The backward value that orders a group before ``consumer``: the
@@ -433,39 +458,6 @@ def readable(graph: Graph, fused: dict, dropped, saved) -> Callable[[int], bool]
           if graph.is_residual(vid) and vid not in dropped for b in bufs}
   return lambda vid: (not graph.is_forward_value(vid) or vid in held or vid in saved or (
       graph.is_residual(vid) and vid not in dropped and vid not in fused))
-
-
-@analysis
-def emission_order(graph: Graph) -> tuple:
-  """Graph nodes in emission order: optimizer-update nodes move up to just
-  after their last input is made, so each gradient is consumed (and freed)
-  as soon as it exists instead of waiting for the whole backward pass."""
-  slot: dict[int, int] = {}
-  # Update nodes that read only step inputs and constants (Adam's step
-  # count): placed just before their first reader, so they do not hold
-  # the updates that read them back.
-  floating: set[int] = set()
-  for node in graph.nodes:
-    if not node.update:
-      slot[node.index] = node.index
-      continue
-    producers = [graph.values[a].producer for a in node.ins
-                 if isinstance(a, int) and graph.values[a].producer is not None]
-    placed = [slot[p] for p in producers if p not in floating]
-    if placed:
-      slot[node.index] = max(placed)
-    else:
-      floating.add(node.index)
-  for index in sorted(floating, reverse=True):
-    readers = [u for v in graph.nodes[index].outs for u in graph.values[v].uses]
-    slot[index] = min((slot[u] for u in readers), default=index)
-  return tuple(sorted(graph.nodes, key=lambda n: (slot[n.index], n.index)))
-
-
-@analysis
-def emission_position(graph: Graph) -> dict[int, int]:
-  """Node index -> its place in emission order."""
-  return {n.index: i for i, n in enumerate(emission_order(graph))}
 
 
 def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
