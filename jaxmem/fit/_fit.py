@@ -319,9 +319,12 @@ class Fitter:
 
     With a clock, the cheapest :data:`STRUCTURED_COMPILES` whose model peak
     is within reach of the budget (and under that of any that did not fit)
-    are compiled; the fastest on the target whose XLA footprint fits
-    replaces the plan where it is faster (without ``cheaper``, whatever its
-    time): the planner's cost model does not rank these as the clock does.
+    are compiled, each rebuilt as ``jax.checkpoint`` rebuilds a block
+    (:func:`~jaxmem.planners._blocks.rebuilt_as_checkpointed`) and, where
+    that does not fit, as planned; the fastest on the target whose XLA
+    footprint fits replaces the plan where it is faster (without
+    ``cheaper``, whatever its time): the planner's cost model does not rank
+    these as the clock does.
     Without a clock, the first, cheapest first, that the planner's cost
     rates below the plan and that fits and is cheaper compiled replaces
     it."""
@@ -332,26 +335,27 @@ class Fitter:
     for shaped in self.planner.structured(self.graph):
       if self.clock is None and self.cost(shaped) >= limit:
         break
-      if self.clock is not None:
-        # On a clock's target a block rebuilds as ``jax.checkpoint`` does,
-        # all at once (fewer kernels), where the planner's plans rebuild
-        # each residual when first read.
-        shaped = candidate(self.graph, rebuilt_as_checkpointed(self.graph, shaped.plan))
-        if shaped.peak > reach:
+      # On a clock's target a block rebuilds all at once first (fewer
+      # kernels), then each residual when first read (less held at once).
+      forms = [shaped] if self.clock is None else [
+          candidate(self.graph, rebuilt_as_checkpointed(self.graph, shaped.plan)), shaped]
+      for form in forms:
+        if self.clock is not None:
+          if form.peak > reach:
+            continue
+          compiles += 1
+          if compiles > STRUCTURED_COMPILES:
+            return best
+        trial = self.compile(dataclasses.replace(form, aim=found.candidate.aim, fits=True))
+        if trial.measured > self.budget:
+          if form is shaped:  # plans the model rates as large will not fit either
+            reach = min(reach, form.peak * 0.999)
           continue
-        compiles += 1
-        if compiles > STRUCTURED_COMPILES:
-          break
-      shaped = dataclasses.replace(shaped, aim=found.candidate.aim, fits=True)
-      trial = self.compile(shaped)
-      if trial.measured > self.budget:
-        # Plans the model rates as large as this one will not fit either.
-        reach = min(reach, shaped.peak * 0.999)
-        continue
-      if (best is found and not cheaper) or self.cheaper(trial, best):
-        best = trial
-        if self.clock is None:
-          break
+        if (best is found and not cheaper) or self.cheaper(trial, best):
+          best = trial
+          if self.clock is None:
+            return best
+        break
     return best
 
   def lowest(self, tried: Trial) -> list[Trial]:
