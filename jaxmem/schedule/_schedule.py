@@ -260,7 +260,7 @@ class _Builder:
       self.scope, self.scratch, self.pinned = scope, {}, {}
       together = [v for v in self.with_block.get(scope, ())
                   if v not in self.cache and v not in missing]
-      if together and not separated:
+      if scope in self.with_block and not separated:
         missing, entering = [*missing, *together], self.entering(scope)
     to_run: set[int] = set()
     leaves: set[int] = set()
