@@ -333,6 +333,29 @@ def rebuilt_in_readers(graph: Graph, plan, fused: dict) -> frozenset:
   moved = {v for v, d in plan if d.kind in ("recompute", "offload", "chunked")}
   if not moved:  # the step as written, or a plan of saved boundaries only
     return frozenset()
+  saved = plan.values_with("save")
   return frozenset(v for v, sources in fused.items()
                    if v not in moved and v not in learned.materialized
-                   and graph.is_residual(v) and any(b in moved for b in sources))
+                   and graph.is_residual(v)
+                   and any(b in moved for b in _past_saved(graph, v, sources, saved)))
+
+
+def _past_saved(graph: Graph, vid: int, sources, saved) -> set:
+  """The buffers of ``sources`` that ``vid`` is computed from other than
+  through a value ``saved`` (a kept block output stands between a block's
+  residuals and the module after it that reads them)."""
+  if not saved:
+    return set(sources)
+  sources, found, seen, stack = set(sources), set(), set(), [vid]
+  while stack:
+    value = stack.pop()
+    if value in seen or not graph.is_forward_value(value):
+      continue
+    seen.add(value)
+    if value != vid and value in saved:
+      continue
+    if value != vid and value in sources:
+      found.add(value)
+      continue
+    stack.extend(a for a in graph.producer(value).ins if isinstance(a, int))
+  return found

@@ -119,18 +119,32 @@ def checkpoint_block(graph: Graph, seg: Segment, keep: str, decisions: dict) -> 
 def rebuilt_as_checkpointed(graph: Graph, plan: Plan) -> Plan:
   """``plan`` rebuilding its blocks as per-block ``jax.checkpoint`` does:
   each residual it recomputes is rebuilt with its block
-  (``Recompute(with_block=True)``), but for one that the backward pass
-  reads first outside the block that made it (the block's output, which a
-  module after it reads), kept as a checkpointed function's outputs are."""
+  (``Recompute(with_block=True)``), but for one that an equation outside
+  the block that made it reads (the block's output, which a module after
+  it reads), kept as a checkpointed function's outputs are. A residual the
+  target's program reads only through values it fuses (``read_through``
+  residuals, which no equation outside the block reads) is rebuilt with
+  its block: once the block's output is kept, nothing after the block
+  reads it."""
   block = lambda index: graph.nodes[index].scope()
-  decisions = {}
+  leaves = lambda vid: any(block(u) != block(graph.values[vid].producer)
+                           for u in graph.values[vid].uses)
+  decisions, rebuilt = {}, set()
   for vid, decision in plan:
     if decision.kind == "recompute":
-      residual = graph.residual(vid)
-      if block(residual.first_backward_use) != block(graph.values[vid].producer):
+      if leaves(vid):
         continue
       decision = Recompute(with_block=True)
+      rebuilt.add(block(graph.values[vid].producer))
     decisions[vid] = decision
+  # A rebuilt block's outputs stay, as a checkpointed function's do, so
+  # the modules after it read them and not what the block rebuilds.
+  for scope in rebuilt:
+    for index in graph.blocks(2).get(scope, ()):
+      for vid in graph.nodes[index].outs:
+        if (vid not in decisions and not graph.is_residual(vid) and leaves(vid)
+            and graph.is_forward_value(vid)):
+          decisions[vid] = SAVE
   return Plan.of(decisions)
 
 

@@ -43,13 +43,12 @@ def emission_position(graph: Graph) -> dict[int, int]:
 
 def rebuilt_with_block(graph: Graph, plan: Plan) -> dict[str, list[int]]:
   """Block scope -> the residuals ``plan`` rebuilds with their block
-  (``Recompute.with_block``), each under the scope of its first backward
-  reader."""
+  (``Recompute.with_block``), each under the scope of the block that
+  makes it."""
   found: dict[str, list[int]] = {}
   for vid, decision in plan:
     if decision.kind == "recompute" and decision.with_block:
-      reader = graph.nodes[graph.residual(vid).first_backward_use]
-      found.setdefault(reader.scope(), []).append(vid)
+      found.setdefault(graph.producer(vid).scope(), []).append(vid)
   return found
 
 

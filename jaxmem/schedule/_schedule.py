@@ -455,7 +455,8 @@ def readable(graph: Graph, fused: dict, dropped, saved) -> Callable[[int], bool]
   residual XLA computes inside its readers, would keep a buffer alive until
   there), a saved value, or a buffer a kept fused residual is computed from."""
   held = {b for vid, bufs in fused.items()
-          if graph.is_residual(vid) and vid not in dropped for b in bufs}
+          if graph.is_residual(vid) and vid not in dropped for b in bufs
+          if b not in dropped}
   return lambda vid: (not graph.is_forward_value(vid) or vid in held or vid in saved or (
       graph.is_residual(vid) and vid not in dropped and vid not in fused))
 
