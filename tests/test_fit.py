@@ -83,10 +83,10 @@ def test_the_step_as_written_is_taken_where_it_fits():
   assert not len(trial.candidate.plan)
 
 
-def test_a_long_search_says_so_before_it_starts(mlp, monkeypatch, caplog):
+def test_a_long_search_says_so_before_it_starts(mlp, monkeypatch, caplog, tmp_path):
   """Before its first search the fit times one evaluation and warns, with
   the estimate and why, where planning would pass ``LONG`` seconds; the
-  quick fits of the test models say nothing."""
+  quick fits of the test models, and a saved plan, say nothing."""
   import jaxmem.fit._forewarn as forewarn
   task, args, graph, _ = mlp
   with caplog.at_level("WARNING", logger="jaxmem"):
@@ -105,3 +105,10 @@ def test_a_long_search_says_so_before_it_starts(mlp, monkeypatch, caplog):
   assert len(said) == 1
   assert f"({len(graph.residuals)} residuals)" in said[0] and "plan_cache=dir" in said[0]
   assert "planner 'auto'" in said[0]
+  # A saved plan applied again searches nothing, so nothing is said.
+  path = tmp_path / "plan.json"
+  jaxmem.transform(task.step, budget="60%").fit(*args).save_plan(path)
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="jaxmem"):
+    jaxmem.transform(task.step, budget="60%", plan=path).fit(*args)
+  assert not [r for r in caplog.records if "may take" in r.getMessage()]

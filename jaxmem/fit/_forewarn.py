@@ -27,15 +27,15 @@ def forewarn(graph: Graph, where: str, planner: Planner) -> float:
   """Times one evaluation of a plan of ``graph`` and warns where
   ``planner``'s search (:meth:`~jaxmem.Planner.weighs` plans) would take
   more than ``LONG`` seconds; returns that estimate (0 where nothing can
-  be recomputed)."""
+  be recomputed, or where the planner weighs one plan: a saved plan's)."""
   rebuildable = recomputable(graph)
-  if not rebuildable:
+  plans = planner.weighs(graph)
+  if not rebuildable or plans <= 1:
     return 0.0
   plan = Plan.of({max(rebuildable.values(), key=lambda r: r.nbytes).value: RECOMPUTE})
   # The faster of two: the first also builds the graph's cached analyses,
   # and one pause (a collection, a busy core) is not the search's pace.
   each = min(_seconds(graph, plan) for _ in range(2))
-  plans = planner.weighs(graph)
   estimate = each * plans
   if estimate > LONG:
     _log.warning(

@@ -33,5 +33,9 @@ class Fixed(Planner):
   def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
     return candidate(graph, self.plan_given, aim)
 
+  def weighs(self, graph: Graph) -> int:
+    """One plan, the one given: applying it searches nothing."""
+    return 1
+
   def may_offload(self) -> bool:
     return self.plan_given.uses_host
