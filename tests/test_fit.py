@@ -14,6 +14,7 @@ from jaxmem.cost._evaluate import candidate, unplanned
 from jaxmem.fit._fit import Fitter
 from jaxmem.graph._graph import build_graph
 from jaxmem.planners import Greedy, ILP
+from jaxmem.planners._blocks import rebuilt_as_checkpointed
 
 
 def _step(w, x):
@@ -112,3 +113,37 @@ def test_a_long_search_says_so_before_it_starts(mlp, monkeypatch, caplog, tmp_pa
   with caplog.at_level("WARNING", logger="jaxmem"):
     jaxmem.transform(task.step, budget="60%", plan=path).fit(*args)
   assert not [r for r in caplog.records if "may take" in r.getMessage()]
+
+
+def test_block_shaped_forms_are_compiled_only_where_their_kind_may_fit():
+  """On a target with a clock, once a block-rebuilt form has compiled over
+  its model peak by some ratio, another block-rebuilt form that the same
+  ratio puts over the budget is not compiled (the model-to-XLA ratio of
+  the whole step would let it be), and neither is its planned form."""
+  graph = _graph()
+  residuals = [r.value for r in graph.residuals]
+  first, second = (candidate(graph, Plan().with_decision(v, RECOMPUTE)) for v in residuals[:2])
+  rebuilt = [candidate(graph, rebuilt_as_checkpointed(graph, c.plan)) for c in (first, second)]
+  # Both block-rebuilt forms may fit by the step's ratio (1.0, and 10% more);
+  # the second does not by the first's (1 / 1.3, and 3% more).
+  budget = int(max(c.peak for c in rebuilt) / 1.1) + 1
+  assert rebuilt[1].peak * 1.3 / 1.03 > budget
+  searched = candidate(graph, Plan.of({v: RECOMPUTE for v in residuals}))
+  compiled = []
+
+  def jit(c):  # XLA takes 30% more than the model for every shaped form
+    compiled.append(c.plan)
+    if c.plan == searched.plan:
+      return _compiled(budget, 2.0)
+    return _compiled(int(c.peak * 1.3), 1.0)
+
+  class Shaped(_Table):
+    def structured(self, graph):
+      return [first, second]
+
+  fitter = Fitter(graph, Shaped(searched, []), budget, unconstrained=10 * budget,
+                  model_scale=1.0, jit=jit, max_rounds=1, clock=lambda c: c.seconds)
+  found = fitter.compile(searched)
+  assert fitter.structured(found) is found  # nothing shaped fits
+  assert rebuilt[0].plan in compiled
+  assert rebuilt[1].plan not in compiled and second.plan not in compiled

@@ -44,7 +44,7 @@ LAYERS = [
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed"},
     {"planners._ilp"},
     {"planners"},
-    {"fit._forewarn"},
+    {"fit._forewarn", "fit._aims"},
     {"fit._report", "fit._fit", "fit._host_state", "fit._checks", "fit._micro"},
     {"fit._traced"},
     {"fit._fitted"},

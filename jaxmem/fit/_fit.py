@@ -33,6 +33,7 @@ from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import (
     Candidate, candidate, unplanned, unplanned_liveness, with_state_hosted)
+from jaxmem.fit._aims import reaim
 from jaxmem.fit._forewarn import forewarn
 from jaxmem.fit._unmet import budget_error
 from jaxmem.graph._graph import Graph
@@ -89,6 +90,12 @@ SMALLEST_AGAIN = 3
 # plans of the zoo's ResNet-18 the figure spans 0.95-1.08, of GPT-2's
 # 0.59-0.88 (the highest far above the smallest footprint).
 LOWEST_MARGIN = 0.1
+
+# The same for a plan shaped like a per-block policy, from the forms of its
+# kind compiled so far (``Fitter.structured``): on GPT-2 at the zoo's CPU
+# sizes on an H100, block-rebuilt forms span 0.92-0.95 model bytes per XLA
+# byte.
+ALIKE_MARGIN = 0.03
 
 
 @dataclasses.dataclass
@@ -317,20 +324,25 @@ class Fitter:
     """The planner's plans shaped like the per-block remat policies
     (:meth:`Planner.structured`) against the plan found.
 
-    With a clock, the cheapest :data:`STRUCTURED_COMPILES` whose model peak
-    is within reach of the budget (and under that of any that did not fit)
-    are compiled, each rebuilt as ``jax.checkpoint`` rebuilds a block
-    (:func:`~jaxmem.planners._blocks.rebuilt_as_checkpointed`) and, where
-    that does not fit, as planned; the fastest on the target whose XLA
-    footprint fits replaces the plan where it is faster (without
-    ``cheaper``, whatever its time): the planner's cost model does not rank
-    these as the clock does.
+    With a clock, the cheapest :data:`STRUCTURED_COMPILES` that may fit
+    the budget are compiled, each rebuilt as ``jax.checkpoint`` rebuilds a
+    block (:func:`~jaxmem.planners._blocks.rebuilt_as_checkpointed`) and,
+    where that does not fit, as planned. A form may fit by
+    :meth:`may_come_under`, with the model-to-XLA ratios of the forms of its
+    kind compiled so far where there are any (XLA follows forms of one kind
+    alike). A planned form must also be under the model peak of any planned
+    form that did not fit, and of its block-rebuilt form where that one was
+    not compiled. The fastest on the target whose XLA footprint
+    fits replaces the plan where it is faster (without ``cheaper``,
+    whatever its time): the planner's cost model does not rank these as
+    the clock does.
     Without a clock, the first, cheapest first, that the planner's cost
     rates below the plan and that fits and is cheaper compiled replaces
     it."""
     best = found
     limit = self.cost(found) if cheaper else float("inf")
-    reach = self._model_part(self.budget) * self.model_scale / 0.9
+    ceiling = float("inf")
+    ratios: dict[bool, list] = {True: [], False: []}  # block-rebuilt? -> ratios
     compiles = 0
     for shaped in self.planner.structured(self.graph):
       if self.clock is None and self.cost(shaped) >= limit:
@@ -339,17 +351,22 @@ class Fitter:
       # kernels), then each residual when first read (less held at once).
       forms = [shaped] if self.clock is None else [
           candidate(self.graph, rebuilt_as_checkpointed(self.graph, shaped.plan)), shaped]
+      below = ceiling
       for form in forms:
+        rebuilt = form is not shaped
         if self.clock is not None:
-          if form.peak > reach:
+          if not (self.may_come_under(form, self.budget, ratios[rebuilt])
+                  and (rebuilt or form.peak < below)):
+            below = min(below, form.peak)  # the planned form must hold less
             continue
           compiles += 1
           if compiles > STRUCTURED_COMPILES:
             return best
         trial = self.compile(dataclasses.replace(form, aim=found.candidate.aim, fits=True))
+        ratios[rebuilt].append(form.peak / self._model_part(trial.measured))
         if trial.measured > self.budget:
           if form is shaped:  # plans the model rates as large will not fit either
-            reach = min(reach, form.peak * 0.999)
+            ceiling = min(ceiling, form.peak)
           continue
         if (best is found and not cheaper) or self.cheaper(trial, best):
           best = trial
@@ -385,45 +402,24 @@ class Fitter:
 
   def may_beat(self, candidate: Candidate, trials: list[Trial]) -> bool:
     """Whether ``candidate`` may come under the smallest footprint of
-    ``trials``, or the budget where one fits, by the most model bytes per
-    XLA byte the steps compiled so far show, ``LOWEST_MARGIN`` more (the
-    smallest footprint it may have)."""
-    most = max([self.model_scale, *self._ratios]) * (1 + LOWEST_MARGIN)
-    smallest = min(t.measured for t in trials)
-    return candidate.peak / most + self.fixed <= max(smallest, self.budget)
+    ``trials``, or the budget where one fits (:meth:`may_come_under`)."""
+    return self.may_come_under(candidate, max(min(t.measured for t in trials), self.budget))
+
+  def may_come_under(self, candidate: Candidate, footprint: int,
+                     alike: list | None = None) -> bool:
+    """Whether XLA's footprint of ``candidate`` may come under
+    ``footprint``, by the most model bytes per XLA byte the steps compiled
+    so far show, ``LOWEST_MARGIN`` more (the smallest footprint it may
+    have); or, where given, by those of the plans ``alike`` it (ratios),
+    ``ALIKE_MARGIN`` more."""
+    most = (max(alike) * (1 + ALIKE_MARGIN) if alike else
+            max([self.model_scale, *self._ratios]) * (1 + LOWEST_MARGIN))
+    return candidate.peak / most + self.fixed <= footprint
 
   def error(self, smallest: int) -> BudgetError:
     """The error for a budget under ``smallest``, the least reached."""
     return budget_error(self.budget + self.reserve, self.reserve, self.unconstrained,
                         smallest, self.planner.name, self.where)
-
-
-def reaim(points: list[tuple[float, int]], room: int, aim: int) -> int:
-  """The next model aim where the plan of the last point was over ``room``
-  (the budget less what the model does not hold) in XLA's footprint:
-  where that footprint falls with the model's peak between the last two
-  points, the peak at which the line through them meets 1% under
-  ``room`` (XLA keeps some bytes whatever a plan does, so a plan
-  recomputing more saves less than its model peak says); else the last
-  peak scaled by how far XLA overshot. Always under the last peak and
-  ``aim`` (a plan well within its aim would otherwise come back unchanged),
-  and not under half the scaled aim: a line that XLA's footprint barely
-  follows reaches far, past where two points say anything.
-
-  Example:
-    >>> reaim([(100, 110), (80, 95)], 90, 90)  # XLA = 35 + 0.75 x model
-    72
-    >>> reaim([(100, 110), (80, 109)], 90, 90)  # XLA follows the model little
-    32
-  """
-  (before, over_before), (peak, over) = points[-2:]
-  under = min(aim, peak)
-  scaled = under * room / over * 0.99
-  if before > peak and over_before > over:
-    slope = (over_before - over) / (before - peak)
-    line = min(peak - (over - 0.99 * room) / slope, under * 0.999)
-    return int(max(line, scaled / 2))
-  return int(scaled)
 
 
 def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
