@@ -336,7 +336,7 @@ def rebuilt_in_readers(graph: Graph, plan, fused: dict) -> frozenset:
   saved = plan.values_with("save")
   return frozenset(v for v, sources in fused.items()
                    if v not in moved and v not in learned.materialized
-                   and graph.is_residual(v)
+                   and graph.is_residual(v) and any(b in moved for b in sources)
                    and any(b in moved for b in _past_saved(graph, v, sources, saved)))
 
 

@@ -258,9 +258,9 @@ class _Builder:
     entering = None
     if scope != self.scope:
       self.scope, self.scratch, self.pinned = scope, {}, {}
-      together = [v for v in self.with_block.get(scope, ())
-                  if v not in self.cache and v not in missing]
       if scope in self.with_block and not separated:
+        together = [v for v in self.with_block[scope]
+                    if v not in self.cache and v not in missing]
         missing, entering = [*missing, *together], self.entering(scope)
     to_run: set[int] = set()
     leaves: set[int] = set()
