@@ -16,15 +16,17 @@ from jaxmem._budget import Budget, BudgetError
 from jaxmem.cost._evaluate import Candidate, paused_gc, unplanned, with_state_hosted
 from jaxmem.graph._state import apply_host_decisions
 from jaxmem.fit._checks import fittable, no_backward
-from jaxmem.fit._fit import Fitter, search
+from jaxmem.fit._fit import Fitter
+from jaxmem.fit._search import search
 from jaxmem.fit._unmet import budget_error, known_to_fail, remember
 from jaxmem.fit._fitted import Fit
 from jaxmem.fit._inner import body_of
 from jaxmem.graph._graph import Graph, build_graph, trace
 from jaxmem.fit._traced import (
     Written, as_written, changes, emitted, graphs, looped, target_clock)
-from jaxmem.fit._micro import (AUTO, MicroBatches, argument_groups, cheaper, checked_count,
-                               fit_chunked, fit_micro_batches, spread)
+from jaxmem.fit._micro import (
+    AUTO, MicroBatches, argument_groups, cheaper, checked_count, fit_chunked, fit_micro_batches,
+    fit_whole_or_chunked, splittable, spread)
 from jaxmem.fit._saved import fingerprint, load_plan
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
@@ -230,26 +232,29 @@ class Transformed:
     fittable(graph, self.__name__)
     fitting = functools.partial(self._fit_traced, out_tree=out_tree, step=step,
                                 target=target, args=args, kwargs=kwargs, leaves=leaves,
-                                start=start, find_smallest=find_smallest, graph=graph)
+                                start=start, find_smallest=find_smallest, graph=graph,
+                                programs={})
     written = self._written(closed, out_tree, target, leaves, args, kwargs)
-    if count not in (AUTO, 1):
-      return self._micro_batched(fitting, closed, planner, written, args, kwargs, memo,
-                                 counts=[count], region=region)
+    chunked = functools.partial(self._micro_batched, fitting, closed, planner, written,
+                                args, kwargs)
     try:
-      found = fitting(closed, planner, written)
+      if count not in (AUTO, 1):
+        return chunked(counts=[count], region=region)
+      if count == 1:
+        return fitting(closed, planner, written)
+      groups = argument_groups(self.fun, self.arguments, args, kwargs)
+      return fit_whole_or_chunked(
+          functools.partial(fitting, closed, planner, written), chunked,
+          splittable(graph, closed, *groups, spread(leaves)), find_smallest)
     except BudgetError as err:
-      if count != AUTO:
-        remember(self.fun, memo, err.smallest - self._reserve(target), written.footprint)
-        raise
-      return self._micro_batched(fitting, closed, planner, written, args, kwargs, memo,
-                                 error=err)
-    return found if count != AUTO else self._micro_batched(  # chunks where they are cheaper
-        fitting, closed, planner, written, args, kwargs, memo, fitted=found)
+      remember(self.fun, memo, err.smallest - self._reserve(target), written.footprint)
+      raise
 
   def _micro_batched(self, fitting: Callable, closed, planner, written: Written, args,
-                     kwargs, memo: tuple, error: BudgetError | None = None,
+                     kwargs, error: BudgetError | None = None,
                      counts=None, region: bool | None = None, fitted=None) -> Fit | None:
-    """``fit._micro.fit_chunked`` by ``fitting``; an unmet budget is remembered."""
+    """``fit._micro.fit_chunked`` by ``fitting`` (where a plan ``fitted``,
+    ``fit._micro.cheaper``)."""
     where = fitting.keywords
     budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
     measure = functools.partial(self._written, out_tree=where["out_tree"], args=args,
@@ -263,11 +268,7 @@ class Transformed:
         strided=spread(where["leaves"]), written=written.footprint,
         unmet=written.footprint and (lambda least: budget_error(
             budget, reserve, written.footprint, least, planner.name, where["target"].name)))
-    try:
-      return cheaper(fitted, split) if fitted else fit_chunked(split, error, counts, region)
-    except BudgetError as err:
-      remember(self.fun, memo, err.smallest - reserve, written.footprint)
-      raise
+    return cheaper(fitted, split) if fitted else fit_chunked(split, error, counts, region)
 
   def _fit_traced(self, closed, planner, written: Written, *, target: Target, leaves,
                   find_smallest: bool, graph=None, **options) -> Fit | None:
@@ -302,9 +303,12 @@ class Transformed:
   def _fit_graph(self, closed, planner, written: Written, *, out_tree, step: str,
                  target: Target, args, kwargs, leaves, start: float, find_smallest: bool,
                  micro: MicroBatches | None = None, own: Written | None = None,
-                 graph=None) -> Fit | None:
+                 graph=None, only_fitting: bool = False,
+                 programs: dict | None = None) -> Fit | None:
     """:meth:`_fit_traced` of one graph of the step (its optimizer state
-    kept in host memory, ``Graph.hosted``, or not)."""
+    kept in host memory, ``Graph.hosted``, or not); ``only_fitting`` as
+    :meth:`Fitter.fit` takes it; ``programs``: the executables compiled so
+    far in this fit, by program (each is compiled once)."""
     here = resolve(None, leaves)  # where the step runs, which the target may not be
     graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves)
     own = own or written
@@ -322,7 +326,7 @@ class Transformed:
       measuring = self._jit(emitter(candidate), out_tree, target, hosting,
                             target.place(leaves), measuring=True)
       return compile_placed(measuring, target, hosting, self.arguments,
-                            placed_args, placed_kwargs)
+                            placed_args, placed_kwargs, programs)
 
     budget, reserve = self._budget_bytes(unconstrained, target)
     model = base_memory if loop is None else unplanned(planned, 0).memory
@@ -338,7 +342,8 @@ class Transformed:
     saved = None if cached is None else _plan_cache.get(*cached, step)
     planned, planner, found = search(
         fitter, planned, planner, find_smallest, loop is None and self._may_host(target),
-        None if saved is None else (saved, _plan_cache.path(*cached)), timing_profile(target))
+        None if saved is None else (saved, _plan_cache.path(*cached)), timing_profile(target),
+        only_fitting)
     if found is None:
       return None
     trial, attempts = found

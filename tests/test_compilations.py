@@ -208,6 +208,13 @@ def test_a_plan_for_the_smallest_footprint_is_compiled_only_where_it_may_come_un
     fitter.budget = int(0.05 * unconstrained)
     assert len(fitter.lowest(trials[0])) < len(Greedy().lowest(graph)) + 1
   assert len(made) < len(Greedy().lowest(graph))
+  # Where micro-batches may fit instead, only those that may fit the budget:
+  # none at 5%, though the search for the smallest would compile some.
+  tried = fitter.compile(high)
+  assert any(fitter.may_beat(c, [tried]) for c in Greedy().lowest(graph))
+  with counted() as made:
+    assert fitter.lowest(tried, only_fitting=True) == [tried]
+  assert not made
 
 
 def test_each_plan_and_compilation_is_logged(args, caplog):

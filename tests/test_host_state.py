@@ -267,7 +267,8 @@ def test_the_search_with_state_on_the_host_starts_from_the_smallest_plans(graph)
   candidates again (each costs a compilation); the error names the least
   of both."""
   from jaxmem._decisions import Plan
-  from jaxmem.fit._fit import NoPlanFits, search
+  from jaxmem.fit._fit import NoPlanFits
+  from jaxmem.fit._search import search
   from jaxmem.planners import get_planner
   smallest = (Plan(), Plan())
   calls = []
@@ -276,7 +277,7 @@ def test_the_search_with_state_on_the_host_starts_from_the_smallest_plans(graph)
     def __init__(self, tried, planner, smallest_from=None):
       calls.append((tried, smallest_from))
 
-    def fit(self, find_smallest):
+    def fit(self, find_smallest, only_fitting=False):
       raise NoPlanFits(jaxmem.BudgetError("over", smallest=100 - len(calls)), smallest)
 
   with pytest.raises(jaxmem.BudgetError) as error:

@@ -46,6 +46,7 @@ LAYERS = [
     {"planners"},
     {"fit._forewarn", "fit._aims"},
     {"fit._report", "fit._fit", "fit._host_state", "fit._checks", "fit._micro"},
+    {"fit._search"},
     {"fit._traced"},
     {"fit._fitted"},
     {"_transform", "_analyze"},

@@ -167,6 +167,75 @@ def test_planned_counts_back_off_to_the_fewest_that_fit():
   assert _micro._fewest(fit, fewer, found).micro.count == 64
 
 
+def _whole_and_chunked(whole_fits: bool, chunks, smallest: int):
+  """Stubs for ``fit_whole_or_chunked``: the whole step's fit (a plan where
+  ``whole_fits``, else its search for the smallest raises, naming
+  ``smallest``) and the chunks' (``chunks``: a fit, None, or an error)."""
+  calls = []
+
+  def whole(only_fitting=False):
+    calls.append(("whole", only_fitting))
+    if whole_fits and not only_fitting:
+      return "whole plan"
+    if only_fitting:
+      return None
+    raise jaxmem.BudgetError("whole", smallest=smallest)
+
+  def chunked(error=None, fitted=None):
+    calls.append(("chunks", None if error is None else error.smallest))
+    if isinstance(chunks, Exception) and error is None:
+      raise chunks
+    if error is not None and not isinstance(chunks, str):
+      raise jaxmem.BudgetError("why they cannot help", smallest=error.smallest)
+    return chunks
+  return whole, chunked, calls
+
+
+def test_micro_batches_come_before_the_whole_steps_smallest():
+  """Where no plan of the whole step may fit and its batch splits, the
+  chunks are tried before the search for the whole step's smallest
+  footprint (a compilation per candidate), which runs only where they fail
+  too; the error names the least of both. A batch that cannot split keeps
+  the search first, so the chunks' error can say why."""
+  from jaxmem.fit._micro import fit_whole_or_chunked
+  whole, chunked, calls = _whole_and_chunked(False, "chunks", 50)
+  assert fit_whole_or_chunked(whole, chunked, splits=True) == "chunks"
+  assert calls == [("whole", True), ("chunks", None)]
+  for chunk_least, least in ((60, 50), (40, 40)):
+    whole, chunked, calls = _whole_and_chunked(
+        False, jaxmem.BudgetError("chunks", smallest=chunk_least), 50)
+    with pytest.raises(jaxmem.BudgetError) as error:
+      fit_whole_or_chunked(whole, chunked, splits=True)
+    assert error.value.smallest == least
+    assert calls == [("whole", True), ("chunks", None), ("whole", False)]
+  # A plan the quick search's margins passed over is still found.
+  whole, chunked, calls = _whole_and_chunked(True, jaxmem.BudgetError("c", smallest=9), 50)
+  assert fit_whole_or_chunked(whole, chunked, splits=True) == "whole plan"
+  whole, chunked, calls = _whole_and_chunked(False, None, 50)
+  with pytest.raises(jaxmem.BudgetError, match="cannot help") as error:
+    fit_whole_or_chunked(whole, chunked, splits=False)
+  assert calls == [("whole", False), ("chunks", 50)]
+
+
+def test_a_fit_compiles_each_program_once():
+  """``compile_placed`` with the fit's ``programs`` compiles a program met
+  again (the same plan, in a second search) once, and each other anew."""
+  from jaxmem.fit._arguments import Arguments
+  from jaxmem.fit._host_state import compile_placed
+  from jaxmem.targets import resolve
+  x = jnp.ones((64, 64))
+  graph = build_graph(jax.make_jaxpr(jnp.sin)(x))
+  here, programs, arguments = resolve(None, [x]), {}, Arguments.resolve(jnp.sin)
+
+  def compiled(op):
+    def run(y):  # a new function each time, as each plan's emitted step is
+      return op(y)
+    return compile_placed(jax.jit(run), here, graph, arguments, (x,), {}, programs)
+  first = compiled(jnp.sin)
+  assert compiled(jnp.sin) is first and len(programs) == 1
+  assert compiled(jnp.cos) is not first and len(programs) == 2
+
+
 def test_given_micro_batches_and_bad_counts():
   params, batch = _mlp_args(batch=64)
   fitted = jaxmem.transform(_mlp_step, budget="100%", micro_batches=4)

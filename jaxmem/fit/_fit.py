@@ -31,17 +31,15 @@ from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._decisions import Plan
-from jaxmem.cost._evaluate import (
-    Candidate, candidate, unplanned, unplanned_liveness, with_state_hosted)
+from jaxmem.cost._evaluate import Candidate, candidate, unplanned, unplanned_liveness
 from jaxmem.fit._aims import reaim
 from jaxmem.fit._forewarn import forewarn
 from jaxmem.fit._unmet import budget_error
 from jaxmem.graph._graph import Graph
-from jaxmem.graph._state import apply_host_decisions
 from jaxmem.schedule._scan_remat import loop_variants
 from jaxmem.planners._blocks import rebuilt_as_checkpointed
-from jaxmem.planners import Fixed, Planner
-from jaxmem.targets import DeviceProfile, holds_host_memory, xla_footprint
+from jaxmem.planners import Planner
+from jaxmem.targets import holds_host_memory, xla_footprint
 
 # How many plans shaped like the per-block policies a fit compiles on a
 # target with a clock, to rank them by predicted time (one compilation each).
@@ -152,12 +150,15 @@ class Fitter:
     """The part of an XLA footprint the memory model's figures stand for."""
     return max(footprint - self.fixed, 1)
 
-  def fit(self, find_smallest: bool = True) -> tuple[Trial, int] | None:
+  def fit(self, find_smallest: bool = True,
+          only_fitting: bool = False) -> tuple[Trial, int] | None:
     """The trial that fits and the planning rounds it took. Where none fits,
-    :class:`BudgetError` names the smallest footprint reached, or without
+    :class:`NoPlanFits` names the smallest footprint reached; without
     ``find_smallest`` the answer is None before searching for it (after the
     structured plans, which can fit where a search toward the budget
-    fails)."""
+    fails), and with ``only_fitting`` it is None after compiling only the
+    candidates for the smallest that may fit the budget (where micro-batches
+    may fit instead, the smallest is sought only where they do not)."""
     trial, rounds = self.tighten()
     if trial.measured <= self.budget:
       if find_smallest and len(trial.candidate.plan):
@@ -167,9 +168,11 @@ class Fitter:
       shaped = self.structured(trial, cheaper=False)
       return (shaped, rounds) if shaped.measured <= self.budget else None
     _log.info("jaxmem: no plan toward the budget fits; compiling the candidates for "
-              "the smallest footprint")
-    trials = self.lowest(trial)
+              "the smallest footprint%s", " that may fit it" if only_fitting else "")
+    trials = self.lowest(trial, only_fitting)
     fitting = [t for t in trials if t.measured <= self.budget]
+    if not fitting and only_fitting:
+      return None
     if not fitting:
       least = sorted(trials, key=lambda t: t.measured)
       raise NoPlanFits(self.error(least[0].measured),
@@ -375,13 +378,14 @@ class Fitter:
         break
     return best
 
-  def lowest(self, tried: Trial) -> list[Trial]:
+  def lowest(self, tried: Trial, only_fitting: bool = False) -> list[Trial]:
     """The planner's candidates for the smallest footprint
     (:meth:`Planner.lowest`) and the last plan with its loops in each
     shape (:func:`~jaxmem.schedule._scan_remat.loop_variants`), each compiled, with
     ``tried`` (the last plan compiled): the smallest of them is the
     smallest budget an error names (XLA's figure, not the model's), and of
-    those that fit the budget the fit takes the cheapest."""
+    those that fit the budget the fit takes the cheapest. With
+    ``only_fitting``, only those that may fit the budget are compiled."""
     candidates = [unplanned(self.graph, 0)]  # the step as written is always one
     if self.smallest_from is not None:
       candidates += [candidate(self.graph, p) for p in self.smallest_from]
@@ -394,7 +398,8 @@ class Fitter:
     # Lowest model peak first; one that cannot come under the smallest
     # footprint so far (or the budget) is not compiled.
     for option in sorted(list(candidates) + variants, key=lambda c: c.peak):
-      if option.plan in seen or not self.may_beat(option, trials):
+      if option.plan in seen or not (self.may_come_under(option, self.budget) if only_fitting
+                                     else self.may_beat(option, trials)):
         continue
       seen.add(option.plan)
       trials.append(self.compile(option))
@@ -420,61 +425,6 @@ class Fitter:
     """The error for a budget under ``smallest``, the least reached."""
     return budget_error(self.budget + self.reserve, self.reserve, self.unconstrained,
                         smallest, self.planner.name, self.where)
-
-
-def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
-             source: str) -> tuple[Fixed, tuple[Trial, int]] | None:
-  """A given plan (from ``source``) as a fit: compiled once, without
-  planning, and taken where it fits. ``fitter`` makes the fit loop for a
-  planner; the answer is the planner proposing the plan with the loop's
-  ``(trial, rounds)``, or None where the plan does not fit."""
-  fixed = Fixed(plan, source=source)
-  found = fitter(planner=fixed).fit(find_smallest=False)
-  return None if found is None else (fixed, found)
-
-
-def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
-           find_smallest: bool, may_host: bool, saved: tuple[Plan, str] | None = None,
-           profile: DeviceProfile | None = None):
-  """``(graph, planner, (trial, rounds))``: a saved plan (``(plan,
-  source)``, from the plan cache) where one is given and fits (``Fixed``
-  its planner), else the fit loop's (``fitter(graph, planner=...)``) with
-  ``planner``; where no plan fits and ``may_host``, the same with the
-  step's optimizer state kept in host memory (``graph._state``), the
-  graph then the one that keeps it there (with a ``profile``, each leaf's
-  copy to the device issued early enough for the compute before its update
-  to cover it). ``(graph, planner, None)``
-  where :meth:`Fitter.fit`'s quick answer (``find_smallest=False``) is
-  no; else the :class:`BudgetError` naming the smallest footprint of
-  both."""
-  if saved is not None:
-    hosted, plan = apply_host_decisions(graph, saved[0])
-    hit = fit_plan(functools.partial(fitter, hosted), plan, saved[1])
-    if hit is not None:
-      return (hosted, *hit)
-  hosted = with_state_hosted(graph, profile) if may_host else None
-  error = smallest_from = None
-  for tried in [graph] + ([hosted] if hosted else []):
-    try:
-      found = fitter(tried, planner=planner, smallest_from=smallest_from).fit(find_smallest)
-    except BudgetError as err:
-      error = err if error is None or err.smallest < error.smallest else error
-      if isinstance(err, NoPlanFits):
-        # With the state on the host, the smallest is sought among the plans
-        # that were smallest with it on the device (and the plans the second
-        # fit tries toward the budget), not over all the planner's
-        # candidates again: the state's place changes their order little,
-        # and each costs a compilation.
-        smallest_from = err.plans
-      continue
-    if found is not None:
-      if tried.hosted:
-        _log.info("jaxmem: no plan fits with the optimizer state on the device; "
-                  "it is kept in host memory between steps")
-      return tried, planner, found
-  if error is not None:  # the user's error, without the search's plans or its frames
-    raise BudgetError(str(error), smallest=error.smallest) from None
-  return graph, planner, None
 
 
 class NoPlanFits(BudgetError):

@@ -51,19 +51,29 @@ def on_device(arguments: Arguments, args, kwargs) -> tuple[tuple, dict, list]:
   return args, kwargs, leaves
 
 
-def compile_placed(jitted, target: Target, graph: Graph, arguments: Arguments, args, kwargs):
+def compile_placed(jitted, target: Target, graph: Graph, arguments: Arguments, args, kwargs,
+                   programs: dict | None = None):
   """``jitted`` lowered for ``args`` and compiled, with the optimizer state
   ``graph`` keeps in host memory placed there (marked so in the module on
-  a compile-only device, whose shardings carry no memory kind)."""
+  a compile-only device, whose shardings carry no memory kind). Where
+  ``programs`` is given (lowered module text -> executable), a program
+  compiled before is not compiled again: a fit that searches again (for
+  the smallest footprint, after micro-batches) meets the same plans."""
   positions = hosted_leaves(graph)
-  if not positions:
-    return jitted.lower(*args, **kwargs).compile()
-  args, kwargs = place_state(arguments, positions, args, kwargs, abstract=True)
+  if positions:
+    args, kwargs = place_state(arguments, positions, args, kwargs, abstract=True)
   lowered = jitted.lower(*args, **kwargs)
-  if not target.compile_only:
-    return lowered.compile()
-  nbytes = sum(leaf.nbytes for leaf in hosted_state(graph))
-  return compile_with_host_args(lowered, positions, nbytes)
+  key = None if programs is None else (lowered.as_text(), positions, target.name)
+  if key in (programs or {}):
+    return programs[key]
+  if not positions or not target.compile_only:
+    compiled = lowered.compile()
+  else:
+    nbytes = sum(leaf.nbytes for leaf in hosted_state(graph))
+    compiled = compile_with_host_args(lowered, positions, nbytes)
+  if key is not None:
+    programs[key] = compiled
+  return compiled
 
 
 def lower_placed(lowered, positions: tuple, args, kwargs):

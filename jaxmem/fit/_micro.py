@@ -141,6 +141,16 @@ def micro_step(split: Split, k: int, closed, around: dict | None = None):
   return jax.make_jaxpr(run)(*closed.in_avals)
 
 
+def splittable(graph, closed, groups, names, strided: bool) -> bool:
+  """Whether the traced step ``closed`` (of ``graph``) splits into
+  micro-batches (see :func:`fit_micro_batches`)."""
+  try:
+    _split(graph, closed, groups, names, False, strided)
+  except NotSplittable:
+    return False
+  return True
+
+
 def spread(leaves) -> bool:
   """Whether the step's argument ``leaves`` lie on several devices: its
   chunks are then strided (``schedule._microbatch._chunks``), so that a
@@ -281,6 +291,42 @@ def fit_chunked(fit_split: Callable, error: BudgetError | None, counts, region: 
     if found is not None or region:
       return found
   return fit_split(error, counts, region=False)
+
+
+def fit_whole_or_chunked(whole: Callable, chunked: Callable, splits: bool,
+                         find_smallest: bool = True):
+  """The step fitted whole (``whole(only_fitting=...)``, ``None`` where no
+  plan fits) or in chunks of its batch (``chunked(error=..., fitted=...)``,
+  :func:`fit_chunked`; where a plan fits, :func:`cheaper`).
+
+  Where no plan of the whole step may fit and its batch ``splits``, the
+  chunks are fitted before the search for the whole step's smallest
+  footprint (a compilation per candidate), which runs only where they do
+  not fit either; the error names the least of both. Where the batch does
+  not split, that search comes first, and the chunks' error says why
+  they cannot help."""
+  if not (find_smallest and splits):
+    try:
+      found = whole()
+    except BudgetError as err:
+      return chunked(error=err)
+    return chunked(fitted=found)
+  found = whole(only_fitting=True)
+  if found is not None:
+    return chunked(fitted=found)
+  first = None
+  try:
+    found = chunked()
+  except BudgetError as err:
+    first = err
+  if found is not None:
+    return found
+  try:
+    return whole()  # a candidate the margins passed over may still fit
+  except BudgetError as err:
+    if first is None:
+      return chunked(error=err)
+    raise err if err.smallest <= first.smallest else first from None
 
 
 def cheaper(fitted, fit_split: Callable):

@@ -1,0 +1,80 @@
+"""Where the fit loop runs: a saved plan first, then the step with its
+optimizer state on the device, then in host memory.
+
+:func:`search` runs :class:`~jaxmem.fit._fit.Fitter` on the step's graph
+and, where no plan fits and the target may keep optimizer state in host
+memory, on the graph that keeps it there (``graph._state``); a plan from
+the plan cache or a file is compiled once first (:func:`fit_plan`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Callable
+
+from jaxmem._budget import BudgetError
+from jaxmem._decisions import Plan
+from jaxmem.cost._evaluate import with_state_hosted
+from jaxmem.fit._fit import Fitter, NoPlanFits, Trial
+from jaxmem.graph._graph import Graph
+from jaxmem.graph._state import apply_host_decisions
+from jaxmem.planners import Fixed, Planner
+from jaxmem.targets import DeviceProfile
+
+_log = logging.getLogger("jaxmem")
+
+
+def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
+             source: str) -> tuple[Fixed, tuple[Trial, int]] | None:
+  """A given plan (from ``source``) as a fit: compiled once, without
+  planning, and taken where it fits. ``fitter`` makes the fit loop for a
+  planner; the answer is the planner proposing the plan with the loop's
+  ``(trial, rounds)``, or None where the plan does not fit."""
+  fixed = Fixed(plan, source=source)
+  found = fitter(planner=fixed).fit(find_smallest=False)
+  return None if found is None else (fixed, found)
+
+
+def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
+           find_smallest: bool, may_host: bool, saved: tuple[Plan, str] | None = None,
+           profile: DeviceProfile | None = None, only_fitting: bool = False):
+  """``(graph, planner, (trial, rounds))``: a saved plan (``(plan,
+  source)``, from the plan cache) where one is given and fits (``Fixed``
+  its planner), else the fit loop's (``fitter(graph, planner=...)``) with
+  ``planner``; where no plan fits and ``may_host``, the same with the
+  step's optimizer state kept in host memory (``graph._state``), the
+  graph then the one that keeps it there (with a ``profile``, each leaf's
+  copy to the device issued early enough for the compute before its update
+  to cover it). ``(graph, planner, None)`` where :meth:`Fitter.fit`'s
+  quick answer (``find_smallest=False``, or ``only_fitting``) is no; else
+  the :class:`BudgetError` naming the smallest footprint of both."""
+  if saved is not None:
+    hosted, plan = apply_host_decisions(graph, saved[0])
+    hit = fit_plan(functools.partial(fitter, hosted), plan, saved[1])
+    if hit is not None:
+      return (hosted, *hit)
+  hosted = with_state_hosted(graph, profile) if may_host else None
+  error = smallest_from = None
+  for tried in [graph] + ([hosted] if hosted else []):
+    try:
+      found = fitter(tried, planner=planner, smallest_from=smallest_from).fit(
+          find_smallest, only_fitting)
+    except BudgetError as err:
+      error = err if error is None or err.smallest < error.smallest else error
+      if isinstance(err, NoPlanFits):
+        # With the state on the host, the smallest is sought among the plans
+        # that were smallest with it on the device (and the plans the second
+        # fit tries toward the budget), not over all the planner's
+        # candidates again: the state's place changes their order little,
+        # and each costs a compilation.
+        smallest_from = err.plans
+      continue
+    if found is not None:
+      if tried.hosted:
+        _log.info("jaxmem: no plan fits with the optimizer state on the device; "
+                  "it is kept in host memory between steps")
+      return tried, planner, found
+  if error is not None:  # the user's error, without the search's plans or its frames
+    raise BudgetError(str(error), smallest=error.smallest) from None
+  return graph, planner, None
