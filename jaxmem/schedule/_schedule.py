@@ -109,14 +109,18 @@ class _Builder:
   def __init__(self, graph: Graph, plan: Plan, fused: dict, separating: bool,
                pinning: bool):
     self.graph, self.plan, self.fused = graph, plan, fused
-    self.separating, self.pinning = separating, pinning
+    self.separating = separating
     self.saved = plan.values_with("save")
     # Block scope -> its residuals rebuilt with the block
     # (``Recompute.with_block``). Such a plan leaves backward reads
-    # unseparated, as per-block ``jax.checkpoint`` does: a separating copy
-    # ends a fusion that ``jax.checkpoint``'s program keeps.
+    # unseparated and kernel gradients unpinned, as per-block
+    # ``jax.checkpoint`` does: a barrier copy ends a fusion that
+    # ``jax.checkpoint``'s program keeps (on a T4, MobileNetV2's activation
+    # and its padding, read by a depthwise convolution and its kernel
+    # gradient).
     self.with_block = rebuilt_with_block(graph, plan)
     self.separate_reads = separating and not self.with_block
+    self.pinning = pinning and not self.with_block
     # What goes to host memory is a *unit*: an offloaded residual's id, or
     # (id, chunk index) for a chunk of a vTensor. Unit -> its host copy /
     # its copy back; backward node -> the units copied back before it.
