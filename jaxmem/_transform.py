@@ -245,7 +245,7 @@ class Transformed:
       groups = argument_groups(self.fun, self.arguments, args, kwargs)
       return fit_whole_or_chunked(
           functools.partial(fitting, closed, planner, written), chunked,
-          splittable(graph, closed, *groups, spread(leaves)), find_smallest)
+          lambda: splittable(graph, closed, *groups, spread(leaves)), find_smallest)
     except BudgetError as err:
       remember(self.fun, memo, err.smallest - self._reserve(target), written.footprint)
       raise

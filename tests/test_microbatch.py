@@ -199,22 +199,26 @@ def test_micro_batches_come_before_the_whole_steps_smallest():
   the search first, so the chunks' error can say why."""
   from jaxmem.fit._micro import fit_whole_or_chunked
   whole, chunked, calls = _whole_and_chunked(False, "chunks", 50)
-  assert fit_whole_or_chunked(whole, chunked, splits=True) == "chunks"
+  assert fit_whole_or_chunked(whole, chunked, splits=lambda: True) == "chunks"
   assert calls == [("whole", True), ("chunks", None)]
   for chunk_least, least in ((60, 50), (40, 40)):
     whole, chunked, calls = _whole_and_chunked(
         False, jaxmem.BudgetError("chunks", smallest=chunk_least), 50)
     with pytest.raises(jaxmem.BudgetError) as error:
-      fit_whole_or_chunked(whole, chunked, splits=True)
+      fit_whole_or_chunked(whole, chunked, splits=lambda: True)
     assert error.value.smallest == least
     assert calls == [("whole", True), ("chunks", None), ("whole", False)]
   # A plan the quick search's margins passed over is still found.
   whole, chunked, calls = _whole_and_chunked(True, jaxmem.BudgetError("c", smallest=9), 50)
-  assert fit_whole_or_chunked(whole, chunked, splits=True) == "whole plan"
+  assert fit_whole_or_chunked(whole, chunked, splits=lambda: True) == "whole plan"
+  # Where a plan of the whole step fits, the batch is not analysed at all.
+  assert fit_whole_or_chunked(lambda only_fitting=False: "plan",
+                              lambda error=None, fitted=None: fitted,
+                              splits=lambda: pytest.fail("the batch was analysed")) == "plan"
   whole, chunked, calls = _whole_and_chunked(False, None, 50)
   with pytest.raises(jaxmem.BudgetError, match="cannot help") as error:
-    fit_whole_or_chunked(whole, chunked, splits=False)
-  assert calls == [("whole", False), ("chunks", 50)]
+    fit_whole_or_chunked(whole, chunked, splits=lambda: False)
+  assert calls == [("whole", True), ("whole", False), ("chunks", 50)]
 
 
 def test_a_fit_compiles_each_program_once():

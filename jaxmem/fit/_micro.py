@@ -293,26 +293,28 @@ def fit_chunked(fit_split: Callable, error: BudgetError | None, counts, region: 
   return fit_split(error, counts, region=False)
 
 
-def fit_whole_or_chunked(whole: Callable, chunked: Callable, splits: bool,
+def fit_whole_or_chunked(whole: Callable, chunked: Callable, splits: Callable[[], bool],
                          find_smallest: bool = True):
   """The step fitted whole (``whole(only_fitting=...)``, ``None`` where no
   plan fits) or in chunks of its batch (``chunked(error=..., fitted=...)``,
   :func:`fit_chunked`; where a plan fits, :func:`cheaper`).
 
-  Where no plan of the whole step may fit and its batch ``splits``, the
+  Where no plan of the whole step may fit and its batch ``splits()``, the
   chunks are fitted before the search for the whole step's smallest
   footprint (a compilation per candidate), which runs only where they do
   not fit either; the error names the least of both. Where the batch does
   not split, that search comes first, and the chunks' error says why
   they cannot help."""
-  if not (find_smallest and splits):
+  if not find_smallest:
+    return chunked(fitted=whole())
+  found = whole(only_fitting=True)
+  if found is not None:
+    return chunked(fitted=found)
+  if not splits():
     try:
       found = whole()
     except BudgetError as err:
       return chunked(error=err)
-    return chunked(fitted=found)
-  found = whole(only_fitting=True)
-  if found is not None:
     return chunked(fitted=found)
   first = None
   try:
