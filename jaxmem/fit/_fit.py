@@ -17,7 +17,8 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
 4. *Lowest*: where the search toward the budget does not fit, every
    candidate for the smallest footprint is compiled; the cheapest that fits
    is taken (and 3. tried against it), or the error names the smallest
-   footprint XLA gives.
+   footprint XLA gives. Where micro-batches may fit instead
+   (``only_fitting``), only the candidates that may fit the budget are.
 """
 
 from __future__ import annotations
