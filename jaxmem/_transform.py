@@ -242,10 +242,10 @@ class Transformed:
         return chunked(counts=[count], region=region)
       if count == 1:
         return fitting(closed, planner, written)
-      groups = argument_groups(self.fun, self.arguments, args, kwargs)
       return fit_whole_or_chunked(
           functools.partial(fitting, closed, planner, written), chunked,
-          lambda: splittable(graph, closed, *groups, spread(leaves)), find_smallest)
+          lambda: splittable(graph, closed, *argument_groups(
+              self.fun, self.arguments, args, kwargs), spread(leaves)), find_smallest)
     except BudgetError as err:
       remember(self.fun, memo, err.smallest - self._reserve(target), written.footprint)
       raise

@@ -172,9 +172,9 @@ class Fitter:
               "the smallest footprint%s", " that may fit it" if only_fitting else "")
     trials = self.lowest(trial, only_fitting)
     fitting = [t for t in trials if t.measured <= self.budget]
-    if not fitting and only_fitting:
-      return None
     if not fitting:
+      if only_fitting:
+        return None
       least = sorted(trials, key=lambda t: t.measured)
       raise NoPlanFits(self.error(least[0].measured),
                        tuple(t.candidate.plan for t in least[:SMALLEST_AGAIN]))
