@@ -149,3 +149,37 @@ def test_kept_scores_plan_as_evaluating_every_move_does(mlp, monkeypatch, make):
   score = scores.Score.of(lowest, 0.0)
   for level in (0, lowest.peak // 2, lowest.peak, lowest.peak + 1):
     assert score.excess(level) == lowest.memory.excess(level)
+
+
+def test_groups_freeing_a_sliver_of_the_deficit_rank_last():
+  """A BatchNorm statistic costs next to no FLOPs to rebuild, so by bytes per
+  FLOP it leads; far above the goal it ranks after every group that frees a
+  real share of the bytes there, and near the goal by bytes per FLOP again."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+  from jaxmem._decisions import Plan
+  from jaxmem.cost._evaluate import candidate, chain_flops, recomputable
+  from jaxmem.graph._graph import build_graph
+  from jaxmem.planners._scores import SMALL_SHARE, ranked_groups
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(4):
+        x = x + jnp.tanh(nn.BatchNorm(use_running_average=False)(nn.Dense(64)(x)))
+      return jnp.sum(x ** 2)
+
+  net, x = Net(), jnp.ones((256, 64))
+  variables = net.init(jax.random.key(0), x)
+  loss = lambda p: net.apply({**variables, "params": p}, x, mutable=["batch_stats"])[0]
+  graph = build_graph(jax.make_jaxpr(jax.grad(loss))(variables["params"]))
+  current = candidate(graph, Plan())
+  ratio = lambda group, nbytes: nbytes / (sum(chain_flops(graph, r.value, set())
+                                              for r in group) + 1.0)
+  near = ranked_groups(graph, current, recomputable(graph), 0)
+  assert [ratio(*g) for g in near] == sorted((ratio(*g) for g in near), reverse=True)
+  first_small = next(i for i, (_, n) in enumerate(near) if n < 1024)
+  assert any(n >= 1024 for _, n in near[first_small:])  # a vector leads a larger group
+  far = ranked_groups(graph, current, recomputable(graph), current.peak)
+  large = [n >= SMALL_SHARE * current.peak for _, n in far]
+  assert large == sorted(large, reverse=True) and 0 < sum(large) < len(large)

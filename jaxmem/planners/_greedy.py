@@ -9,13 +9,13 @@ import time
 from jaxmem.planners._blocks import KEEPS, block_candidates, block_plans, checkpoint_moves, segments
 from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Offload, Plan
 from jaxmem.targets._profiles import PROFILES, get_profile
-from jaxmem.cost._evaluate import (Candidate, candidate, chain_flops, evaluate, fused_values,
-                              paused_gc, prefetch_point, recomputable)
+from jaxmem.cost._evaluate import (Candidate, candidate, evaluate, fused_values, paused_gc,
+                              prefetch_point, recomputable)
 from jaxmem.graph._graph import Graph, Residual
 from jaxmem.schedule._loop_segments import segmentable
 from jaxmem.schedule._scan_remat import hostable, rebuildable
 from jaxmem.planners._base import Planner
-from jaxmem.planners._scores import Scores, scored
+from jaxmem.planners._scores import Scores, ranked_groups, scored
 
 # Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
 _log = logging.getLogger("jaxmem")
@@ -29,7 +29,7 @@ class Greedy(Planner):
   ``recompute=False`` leaves only those). Each step looks at the current
   peak, takes the kept residuals that are live there and not read again
   until the backward pass, ranks them by bytes per FLOP of their rebuild
-  chain, simulates the best ``evaluations`` of them exactly (a chain can
+  chain (those freeing a sliver of the bytes above the goal last), simulates the best ``evaluations`` of them exactly (a chain can
   add a new peak in the backward pass; the peak can move), and drops the
   one that lowers the peak most per added FLOP. When a recompute segment
   has itself become the peak, keeping one of its residuals again is tried
@@ -72,6 +72,11 @@ class Greedy(Planner):
   # chosen on a unified-memory one); host_budget caps pinned host bytes.
   recompute: bool = True
   offload: bool = False
+  # Whether a run from a given start that stalls above the aim climbs the
+  # ladder (runs from nothing) as a run from nothing does. The hybrid's
+  # offload greedy does not: it goes on from the recompute greedy's plan,
+  # which its ladder would ignore.
+  climbs: bool = True
   target: object = None
   host_budget: int | None = None
   assumed_target: bool = False
@@ -122,7 +127,7 @@ class Greedy(Planner):
       fitting = [r for r in self._block_results(graph) if r.peak <= aim]
       if fitting:
         best = min(fitting, key=lambda r: self.cost(r.schedule)).aimed(aim)
-    if best is None or not best.fits:
+    if best is None or (not best.fits and (self.climbs or start is None)):
       # The ladder, always the same goals: when nothing fits, its best is
       # the lowest plan of this graph whatever the aim, so the smallest
       # footprint named in an error is met when asked for.
@@ -312,7 +317,7 @@ class Greedy(Planner):
     """One greedy step from ``current``: of the first batch of moves with
     one that helps, the move that lowers the peak most per added cost (at a
     plateau, the time spent above ``goal``); None if no move helps."""
-    ranked = self._rank(graph, current, candidates)
+    ranked = ranked_groups(graph, current, candidates, current.peak - goal)
     base = (current.peak, current.memory.excess(goal), self.cost(current.schedule))
     choice = None
     for moves in self._batches(graph, current, ranked, goal, candidates):
@@ -452,43 +457,6 @@ class Greedy(Planner):
     live = [k for k in current.memory.live_at_peak if k[1] > 0 and k[0] in dropped]
     live.sort(key=lambda k: -graph.values[k[0]].nbytes)
     return [graph.residual(k[0]) for k in live[:max(1, self.evaluations // 2)]]
-
-  @staticmethod
-  def _rank(graph, current: Candidate, candidates) -> list[tuple[list[Residual], int]]:
-    """Candidate groups with the bytes they free, best bytes-per-FLOP first.
-
-    A group is a residual plus the kept residuals fused onto its buffer
-    (``1 - tanh(x)**2`` read in the backward pass keeps ``tanh(x)`` alive
-    there): dropping one without the others frees nothing.
-    """
-    plan, memory = current.plan, current.memory
-    dropped = plan.values_with("recompute")
-    moved = dropped | plan.values_with("offload")
-    live = set(memory.live_at_peak)
-    riders: dict = {}
-    # The schedule reads a kept fused residual's buffers for it (directly, or
-    # through a copy it rebuilds in the backward pass), so those stay.
-    for vid, bufs in fused_values(graph).items():
-      if vid in candidates and vid not in moved:
-        for buf in bufs:
-          riders.setdefault((buf, 0), []).append(candidates[vid])
-    ops = memory.schedule.ops
-    ranked = []
-    for buf in live:
-      own = [candidates[buf[0]]] if (
-          buf[1] == 0 and buf[0] in candidates and buf[0] not in moved) else []
-      group = own + riders.get(buf, [])
-      if not group:
-        continue
-      later = [p for p in memory.reads.get(buf, []) if p > memory.peak_op]
-      if any(ops[p].kind == "node" and not graph.nodes[ops[p].node].backward
-             for p in later):
-        continue  # still read by the forward pass after the peak
-      flops = sum(chain_flops(graph, g.value, dropped) for g in group)
-      nbytes = graph.values[buf[0]].nbytes
-      ranked.append((nbytes / (flops + 1.0), group, nbytes))
-    ranked.sort(key=lambda item: -item[0])
-    return [(group, nbytes) for _, group, nbytes in ranked]
 
 
 def _loop_stacks(graph: Graph, vid: int) -> frozenset[int]:
