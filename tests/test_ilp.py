@@ -197,6 +197,8 @@ def test_auto_offloads_from_the_descent_and_searches_once_from_nothing(mlp, monk
   climbed.clear()
   assert not auto("t4").plan(graph, int(floor * 0.2)).fits
   assert True not in climbed  # nor where its offloads stall
+  auto("t4").lowest(graph)
+  assert True not in climbed  # nor for the smallest footprint
 
 
 @pytest.mark.parametrize("fraction", [0.85, 0.75])

@@ -73,9 +73,10 @@ class Greedy(Planner):
   recompute: bool = True
   offload: bool = False
   # Whether a run from a given start that stalls above the aim climbs the
-  # ladder (runs from nothing) as a run from nothing does. The hybrid's
-  # offload greedy does not: it goes on from the recompute greedy's plan,
-  # which its ladder would ignore.
+  # ladder (runs from nothing) as a run from nothing does, and whether its
+  # lowest plans are the ladder's where it is given a start. The hybrid's
+  # offload greedy does neither: it goes on from the recompute greedy's
+  # plan, which its ladder would ignore.
   climbs: bool = True
   target: object = None
   host_budget: int | None = None
@@ -235,9 +236,11 @@ class Greedy(Planner):
     """The ladder's plans, lowest predicted peak first: the candidates for
     the smallest footprint (the model ranks them only within a few percent,
     so the caller may measure each). The ladder has its own starting points:
-    ``start`` is not used."""
+    ``start`` is not used, but by a greedy that does not climb
+    (``climbs``), whose lowest is its descent from ``start``."""
     began = time.perf_counter()
-    results = sorted(self._ladder(graph, 0, recomputable(graph)), key=lambda r: r.peak)
+    results = ([self.descended(graph, start)] if start is not None and not self.climbs else
+               sorted(self._ladder(graph, 0, recomputable(graph)), key=lambda r: r.peak))
     for result in results:
       result.seconds = time.perf_counter() - began
     return results
