@@ -29,9 +29,10 @@ class Greedy(Planner):
   ``recompute=False`` leaves only those). Each step looks at the current
   peak, takes the kept residuals that are live there and not read again
   until the backward pass, ranks them by bytes per FLOP of their rebuild
-  chain (those freeing a sliver of the bytes above the goal last), simulates the best ``evaluations`` of them exactly (a chain can
-  add a new peak in the backward pass; the peak can move), and drops the
-  one that lowers the peak most per added FLOP. When a recompute segment
+  chain (those freeing a sliver of the bytes above the goal last),
+  simulates the best ``evaluations`` of them exactly (a chain can add a new
+  peak in the backward pass; the peak can move), and drops the one that
+  lowers the peak most per added FLOP. When a recompute segment
   has itself become the peak, keeping one of its residuals again is tried
   as well (Libra's greedy refinement). It stops when the peak fits ``aim``
   or nothing lowers it further; the result is then the lowest peak reached.
