@@ -201,6 +201,22 @@ def test_auto_offloads_from_the_descent_and_searches_once_from_nothing(mlp, monk
   assert True not in climbed  # nor for the smallest footprint
 
 
+def test_auto_climbs_no_ladder_where_offloading_from_the_descent_fits(plain_mlp, monkeypatch):
+  """Where the offload greedy reaches the aim from the recompute greedy's
+  descent (and the block descents), the recompute greedy's ladder from
+  nothing, most of a search, is not climbed. Offloading from the descent
+  reaches lower on this MLP than from the ladder's lowest plan alone."""
+  graph, _ = plain_mlp
+  floor = Greedy().lowest(graph)[0].peak
+  climbed = []
+  ladder = Greedy._ladder
+  monkeypatch.setattr(Greedy, "_ladder", lambda self, *a: (
+      climbed.append(self.offload), ladder(self, *a))[1])
+  found = auto("t4").plan(graph, int(floor * 0.95))
+  assert found.fits and found.plan.uses_host
+  assert climbed == []
+
+
 @pytest.mark.parametrize("fraction", [0.85, 0.75])
 def test_gap_of_a_combination_is_its_distance_to_the_enumerated_optimum(blocks, fraction):
   graph, full = blocks

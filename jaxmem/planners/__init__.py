@@ -55,8 +55,8 @@ def hybrid(target=None, swap: str = "greedy", host_budget: int | None = None,
     then = LGM(target, host_budget=host_budget, name="hybrid")
   else:
     then = Greedy(name="hybrid", offload=True, target=target, host_budget=host_budget,
-                  climbs=False)
-  return Hybrid(Greedy(target=target), then, target=target, swaps=swaps,
+                  climbs="none")
+  return Hybrid(Greedy(target=target, climbs="blocks"), then, target=target, swaps=swaps,
                 host_budget=host_budget, assumed_target=assumed)
 
 

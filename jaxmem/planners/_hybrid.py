@@ -23,6 +23,10 @@ class Hybrid(Planner):
      afresh the stacked residuals of loops: a loop ``first`` nested drops
      every stack, which leaves nothing there to swap, while stacks kept in
      host memory one slice per iteration can beat any recomputation.
+     From a ``start`` where that does not fit either, ``then`` goes on
+     from ``first``'s lowest plan too: :func:`jaxmem.planners.hybrid`'s
+     ``first`` searches around a start only, and climbs its ladder from
+     nothing (most of a search) only here.
   3. Refinement: each recomputed residual, largest first (up to
      ``swaps``), is switched to an offload copied back early enough to hide
      the copy (behind the copies already queued on the link, and ahead of
@@ -67,6 +71,12 @@ class Hybrid(Planner):
     results = [found]
     if not found.fits:
       results.append(self.then.plan(graph, aim, start=_outside_loops(graph, found.plan)))
+      if not results[-1].fits and start is not None:
+        # ``first`` may not have climbed its ladder from ``start`` (``climbs``):
+        # its lowest plan from nothing may leave ``then`` less to move.
+        lowest = self.first.lowest(graph)[0]
+        if lowest.plan != found.plan:
+          results.append(self.then.plan(graph, aim, start=_outside_loops(graph, lowest.plan)))
     with paused_gc():
       results = [self._swap(graph, r, aim) for r in results]
     best = min(results, key=lambda r: (not r.fits, self.cost(r.schedule)
