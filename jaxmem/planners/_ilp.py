@@ -220,8 +220,8 @@ class ILP(Planner):
   def _fallback_plan(self, graph: Graph, lowest: Candidate, aim: int) -> Candidate:
     """The fallback's plan for ``aim``, from the recompute greedy's descent
     from the program's ``lowest`` plan where that does not reach ``aim``
-    (from nothing, it retraced the descent: on MobileNetV2 for a T4 at 50%,
-    163 greedy steps over 300 s before the first offload)."""
+    (a search from nothing retraces the descent: on MobileNetV2 for a T4 at
+    50%, 163 greedy steps over 300 s before the first offload)."""
     descent = self._recompute_greedy().descended(graph, lowest.plan).aimed(aim)
     return self.fallback.plan(graph, aim, start=None if descent.fits else descent.plan)
 
