@@ -13,7 +13,7 @@ from jaxmem.fit import _plan_cache
 from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError
-from jaxmem.cost._evaluate import Candidate, paused_gc, unplanned, with_state_hosted
+from jaxmem.cost._evaluate import Candidate, paused_gc, state_hosted_tiers, unplanned
 from jaxmem.graph._state import apply_host_decisions
 from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter
@@ -277,7 +277,8 @@ class Transformed:
     by :meth:`_fit_graph`) against the budget of the step as ``written``.
     Where the step's passes run in a loop (micro-batches, gradient
     accumulation) and no plan of the loop's body fits, the same with the
-    step's optimizer state in host memory between steps."""
+    step's optimizer state (then its master weights too) in host memory
+    between steps."""
     graph = build_graph(closed) if graph is None else graph
     fit = functools.partial(self._fit_graph, closed, planner, written, target=target,
                             leaves=leaves, find_smallest=find_smallest, **options)
@@ -290,15 +291,17 @@ class Transformed:
       found = fit(graph=graph)
     except BudgetError as err:
       first = err
-    hosted = None if found else with_state_hosted(graph, timing_profile(target))
-    if hosted is None and first is not None:
+    for hosted in [] if found else state_hosted_tiers(graph, timing_profile(target)):
+      try:
+        found = fit(graph=hosted)
+      except BudgetError as err:
+        first = err if first is None or err.smallest <= first.smallest else first
+        continue
+      if found is not None:
+        return found
+    if found is None and first is not None:
       raise first
-    if hosted is None:
-      return found
-    try:
-      return fit(graph=hosted)
-    except BudgetError as err:
-      raise (err if first is None or err.smallest <= first.smallest else first) from None
+    return found
 
   def _fit_graph(self, closed, planner, written: Written, *, out_tree, step: str,
                  target: Target, args, kwargs, leaves, start: float, find_smallest: bool,

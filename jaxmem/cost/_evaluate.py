@@ -302,13 +302,26 @@ def paused_gc():
       gc.enable()
 
 
-def with_state_hosted(graph: Graph, profile: DeviceProfile | None) -> Graph | None:
-  """``graph`` with all its optimizer state kept on the host between steps,
-  each leaf fetched in time on ``profile`` (:func:`state_fetch_points`;
-  before its first reader without one); None where it has none."""
-  state = [leaf.value for leaf in optimizer_state(graph)]
+def with_state_hosted(graph: Graph, profile: DeviceProfile | None,
+                      masters: bool = True) -> Graph | None:
+  """``graph`` with its optimizer state kept on the host between steps (its
+  master weights too, with ``masters``), each leaf fetched in time on
+  ``profile`` (:func:`state_fetch_points`; before its first reader without
+  one); None where it has none."""
+  state = [leaf.value for leaf in optimizer_state(graph) if masters or not leaf.master]
   if not state:
     return None
   hosted = with_hosted(graph, state)
   return hosted if profile is None else with_hosted(graph, state,
                                                     state_fetch_points(hosted, profile))
+
+
+def state_hosted_tiers(graph: Graph, profile: DeviceProfile | None) -> list[Graph]:
+  """The graphs a fit tries in turn where no plan fits with its state on
+  the device: the optimizer state alone in host memory, then with the
+  master weights (``graph._state``) too, whose copies in for the forward
+  pass cost link time the state's alone does not."""
+  tiers = [with_state_hosted(graph, profile, masters=False), with_state_hosted(graph, profile)]
+  if tiers[0] is not None and tiers[0].hosted == tiers[1].hosted:
+    tiers.pop()
+  return [tier for tier in tiers if tier is not None]

@@ -15,10 +15,10 @@ from typing import Callable
 
 from jaxmem._budget import BudgetError
 from jaxmem._decisions import Plan
-from jaxmem.cost._evaluate import with_state_hosted
+from jaxmem.cost._evaluate import state_hosted_tiers
 from jaxmem.fit._fit import Fitter, NoPlanFits, Trial
 from jaxmem.graph._graph import Graph
-from jaxmem.graph._state import apply_host_decisions
+from jaxmem.graph._state import apply_host_decisions, hosted_state
 from jaxmem.planners import Fixed, Planner
 from jaxmem.targets import DeviceProfile
 
@@ -43,20 +43,21 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
   source)``, from the plan cache) where one is given and fits (``Fixed``
   its planner), else the fit loop's (``fitter(graph, planner=...)``) with
   ``planner``; where no plan fits and ``may_host``, the same with the
-  step's optimizer state kept in host memory (``graph._state``), the
-  graph then the one that keeps it there (with a ``profile``, each leaf's
-  copy to the device issued early enough for the compute before its update
-  to cover it). ``(graph, planner, None)`` where :meth:`Fitter.fit`'s
-  quick answer (``find_smallest=False``, or ``only_fitting``) is no; else
-  the :class:`BudgetError` naming the smallest footprint of both."""
+  step's optimizer state kept in host memory (``graph._state``), then
+  with its master weights there too (``state_hosted_tiers``), the graph
+  then the one that keeps them there (with a ``profile``, each leaf's copy
+  to the device issued early enough for the compute before its update to
+  cover it). ``(graph, planner, None)`` where :meth:`Fitter.fit`'s quick
+  answer (``find_smallest=False``, or ``only_fitting``) is no; else the
+  :class:`BudgetError` naming the smallest footprint of all."""
   if saved is not None:
     hosted, plan = apply_host_decisions(graph, saved[0])
     hit = fit_plan(functools.partial(fitter, hosted), plan, saved[1])
     if hit is not None:
       return (hosted, *hit)
-  hosted = with_state_hosted(graph, profile) if may_host else None
+  hosted = state_hosted_tiers(graph, profile) if may_host else []
   error = smallest_from = None
-  for tried in [graph] + ([hosted] if hosted else []):
+  for tried in [graph, *hosted]:
     try:
       found = fitter(tried, planner=planner, smallest_from=smallest_from).fit(
           find_smallest, only_fitting)
@@ -72,8 +73,9 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
       continue
     if found is not None:
       if tried.hosted:
-        _log.info("jaxmem: no plan fits with the optimizer state on the device; "
-                  "it is kept in host memory between steps")
+        masters = " and master weights" if any(leaf.master for leaf in hosted_state(tried)) else ""
+        _log.info("jaxmem: no plan fits with the optimizer state%s on the device; "
+                  "it is kept in host memory between steps", masters)
       return tried, planner, found
   if error is not None:  # the user's error, without the search's plans or its frames
     raise BudgetError(str(error), smallest=error.smallest) from None

@@ -5,14 +5,21 @@ transposed equation reads, are needed on the device only while the update
 runs. Such a leaf may live in host memory between steps (ZeRO-Offload's
 placement): the step copies it to the device right before its first
 reader, and copies the output it becomes back to host memory as soon as
-that output is made. :func:`optimizer_state` finds those leaves and the
-output each one becomes; :func:`with_hosted` marks a graph whose schedules
-do so (``_schedule`` emits the copies, ``_memory`` counts them).
+that output is made. So may a mixed-precision step's *master weights*:
+float parameters the forward pass reads only through casts to a narrower
+float (Flax's ``param_dtype=float32, dtype=bfloat16``), beside their
+update. The step copies such a weight to the device for its casts (the copy
+dies after them; the narrow cast is what the passes read) and again for
+its update. :func:`optimizer_state` finds those leaves and the output each
+one becomes; :func:`with_hosted` marks a graph whose schedules do so
+(``_schedule`` emits the copies, ``_memory`` counts them).
 """
 
 from __future__ import annotations
 
 import dataclasses
+
+import jax.numpy as jnp
 
 from jaxmem._decisions import Host, Plan
 from jaxmem.graph._graph import Graph, analysis
@@ -33,18 +40,22 @@ class StateLeaf:
     output: the position among the step's outputs of the value it becomes
       (its update), or None where the step returns no update of it.
     name: the module path of its first reader, for reports.
+    master: whether the forward pass reads it too, through narrowing casts
+      (a mixed-precision step's master weight; see the module docstring).
   """
   value: int
   leaf: int
   nbytes: int
   output: int | None
   name: str
+  master: bool = False
 
 
 @analysis
 def optimizer_state(graph: Graph) -> tuple[StateLeaf, ...]:
   """The step's inputs of at least :data:`MIN_BYTES` read only by optimizer
-  updates (``Node.update``), each paired with the output it becomes.
+  updates (``Node.update``), or by updates and forward casts to a narrower
+  float (master weights), each paired with the output it becomes.
 
   An output made by the update is paired with the nearest input of its own
   shape and dtype among the values it is computed from (Adam's new first
@@ -64,13 +75,17 @@ def optimizer_state(graph: Graph) -> tuple[StateLeaf, ...]:
     >>> [(leaf.leaf, leaf.output) for leaf in optimizer_state(g)]  # mu, nu
     [(2, 2), (3, 3)]
   """
-  candidates = {}
+  candidates, masters = {}, set()
   for position, vid in enumerate(graph.inputs):
-    uses = graph.values[vid].uses
-    if (vid in graph.consts or graph.values[vid].nbytes < MIN_BYTES or not uses
-        or not all(graph.nodes[u].update for u in uses)):
+    uses = [graph.nodes[u] for u in graph.values[vid].uses]
+    if (vid in graph.consts or graph.values[vid].nbytes < MIN_BYTES
+        or not any(node.update for node in uses)):
+      continue
+    if not all(node.update or _narrowing_cast(graph, node, vid) for node in uses):
       continue
     candidates[vid] = position
+    if not all(node.update for node in uses):
+      masters.add(vid)
   paired: dict[int, int] = {}
   for position, out in enumerate(graph.outputs):
     if not isinstance(out, int):
@@ -83,8 +98,18 @@ def optimizer_state(graph: Graph) -> tuple[StateLeaf, ...]:
       paired[source] = position
   return tuple(
       StateLeaf(vid, leaf, graph.values[vid].nbytes, paired.get(vid),
-                graph.nodes[graph.values[vid].uses[0]].readable)
+                graph.nodes[graph.values[vid].uses[0]].readable, vid in masters)
       for vid, leaf in candidates.items())
+
+
+def _narrowing_cast(graph: Graph, node, vid: int) -> bool:
+  """Whether ``node`` is a forward cast of the float ``vid`` to a narrower
+  float (a mixed-precision step's compute copy of a master weight)."""
+  if node.backward or node.prim.name != "convert_element_type":
+    return False
+  source, made = graph.values[vid].aval.dtype, graph.values[node.outs[0]].aval.dtype
+  return (jnp.issubdtype(source, jnp.floating) and jnp.issubdtype(made, jnp.floating)
+          and made.itemsize < source.itemsize)
 
 
 def _nearest_input(graph: Graph, out: int) -> int | None:

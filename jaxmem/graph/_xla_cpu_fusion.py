@@ -15,10 +15,14 @@ instruction fusion does:
 
 :func:`separated_reads` finds the backward reads the schedule builder routes
 through barrier copies because XLA would otherwise share them with the
-forward pass (merged broadcasts, bias adds duplicated into readers).
+forward pass (merged broadcasts, bias adds duplicated into readers), and
+:func:`readable` which values the backward pass may read as the forward
+pass made them.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 from jax.extend import core as jex
 
@@ -359,3 +363,17 @@ def _past_saved(graph: Graph, vid: int, sources, saved) -> set:
       continue
     stack.extend(a for a in graph.producer(value).ins if isinstance(a, int))
   return found
+
+
+def readable(graph: Graph, fused: dict, dropped, saved) -> Callable[[int], bool]:
+  """Whether the backward pass may read a value as the forward pass made it,
+  with the residuals ``dropped`` rebuilt and the values ``saved`` kept:
+  step inputs, constants and backward values; of the forward values only a
+  kept residual with a buffer of its own (reading a pure intermediate, or a
+  residual XLA computes inside its readers, would keep a buffer alive until
+  there), a saved value, or a buffer a kept fused residual is computed from."""
+  held = {b for vid, bufs in fused.items()
+          if graph.is_residual(vid) and vid not in dropped for b in bufs
+          if b not in dropped}
+  return lambda vid: (not graph.is_forward_value(vid) or vid in held or vid in saved or (
+      graph.is_residual(vid) and vid not in dropped and vid not in fused))

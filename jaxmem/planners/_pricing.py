@@ -58,7 +58,7 @@ from jaxmem.cost._evaluate import candidate, fused_values
 from jaxmem.graph._graph import Graph
 from jaxmem.cost._memory import Liveness, fusion_of
 from jaxmem.planners._choices import Drop, levels, plan_of
-from jaxmem.schedule._schedule import readable
+from jaxmem.graph._xla_cpu_fusion import readable
 
 
 @dataclasses.dataclass

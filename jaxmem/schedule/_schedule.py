@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Callable
 
 from jax.extend import core as jex
 
@@ -41,7 +40,7 @@ from jaxmem.graph._graph import Graph, forward_passes
 from jaxmem.schedule._order import (emission_order, emission_position, entering_values,
                                     rebuilt_with_block)
 from jaxmem.graph._state import hosted_outputs
-from jaxmem.graph._xla_cpu_fusion import rebuilt_in_readers, separated_reads
+from jaxmem.graph._xla_cpu_fusion import readable, rebuilt_in_readers, separated_reads
 
 Key = tuple  # (value id, version)
 
@@ -156,6 +155,7 @@ class _Builder:
     self.chunks: dict[int, list[Key]] = {}  # vTensor -> its chunks' keys
     self.sizes: dict[Key, int] = {}
     self.fetch_at: dict[int, list] = {}
+    self.forward_copy: dict[int, Key] = {}  # master weight -> its copy for the casts
     # Optimizer state kept on the host comes in there, fetched like a residual.
     self.host.update((vid, self.key(vid)) for vid in graph.hosted)
     for vid, at in graph.hosted_at:
@@ -187,6 +187,8 @@ class _Builder:
       if late and (self.offloaded or graph.hosted):
         self.prefetch([a for a in node.ins if isinstance(a, int)
                        and (a in self.offloaded or a in graph.hosted)], node)
+      elif graph.hosted:
+        self.fetch_forward(node)
       if node.backward:
         for a in node.ins if self.chunked else ():
           if isinstance(a, int) and a in self.chunked:
@@ -246,9 +248,8 @@ class _Builder:
   def read(self, atom, backward: bool):
     if isinstance(atom, jex.Literal):
       return atom
-    if backward and atom in self.cache:
-      return self.cache[atom]
-    return self.routed.get(atom) or self.key(atom)
+    return ((self.cache if backward else self.forward_copy).get(atom)
+            or self.routed.get(atom) or self.key(atom))
 
   def recompute(self, missing: list[int], consumer, separated: bool = False) -> None:
     """Re-runs the forward equations that rebuild ``missing`` before
@@ -271,7 +272,7 @@ class _Builder:
     stack = list(missing)
     while stack:
       vid = stack.pop()
-      if vid in self.offloaded:
+      if vid in self.offloaded or vid in graph.hosted:
         self.prefetch([vid], consumer)  # rebuilt from its copy back
       elif vid in self.chunked:
         self.merge(vid, consumer)
@@ -318,6 +319,15 @@ class _Builder:
     right after it is made."""
     self.host[unit] = self.sized(self.fresh(key[0]), key)
     self.ops.append(Op("offload", None, (key,), (self.host[unit],)))
+
+  def fetch_forward(self, node) -> None:
+    """Copies the master weights kept on the host (``graph._state``) that
+    forward ``node`` casts to the device; the copy dies after the casts,
+    and the update fetches the weight again (``prefetch``)."""
+    for vid in node.ins:
+      if isinstance(vid, int) and vid in self.graph.hosted and vid not in self.forward_copy:
+        self.forward_copy[vid] = self.fresh(vid)
+        self.ops.append(Op("prefetch", None, (self.key(vid),), (self.forward_copy[vid],)))
 
   def prefetch(self, units, consumer) -> None:
     """Copies offloaded residuals and chunks back to the device before
@@ -449,20 +459,6 @@ class _Builder:
                                         for u in graph.values[vid].uses):
         return vid
     return None
-
-
-def readable(graph: Graph, fused: dict, dropped, saved) -> Callable[[int], bool]:
-  """Whether the backward pass may read a value as the forward pass made it,
-  with the residuals ``dropped`` rebuilt and the values ``saved`` kept:
-  step inputs, constants and backward values; of the forward values only a
-  kept residual with a buffer of its own (reading a pure intermediate, or a
-  residual XLA computes inside its readers, would keep a buffer alive until
-  there), a saved value, or a buffer a kept fused residual is computed from."""
-  held = {b for vid, bufs in fused.items()
-          if graph.is_residual(vid) and vid not in dropped for b in bufs
-          if b not in dropped}
-  return lambda vid: (not graph.is_forward_value(vid) or vid in held or vid in saved or (
-      graph.is_residual(vid) and vid not in dropped and vid not in fused))
 
 
 def build_schedule(graph: Graph, plan: Plan, fused: dict | None = None,
