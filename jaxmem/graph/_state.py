@@ -148,7 +148,8 @@ def with_hosted(graph: Graph, values, at: dict | None = None) -> Graph:
   values = frozenset(values)
   if not values <= known:
     raise ValueError(f"with_hosted: values {sorted(values - known)} are not optimizer "
-                     "state of this step (inputs read only by its optimizer update)")
+                     "state of this step (inputs read only by its optimizer update, or "
+                     "by it and forward casts to a narrower float)")
   points = tuple(sorted((v, n) for v, n in (at or {}).items() if v in values))
   return dataclasses.replace(graph, hosted=values, hosted_at=points)
 
