@@ -19,11 +19,15 @@ predicts for the fitted step over the step as written.
     python benchmarks/floor.py --models gpt2 resnet18 --target t4 --out DIR
     python benchmarks/floor.py --models gpt2 resnet18 --target cpu --out DIR
     python benchmarks/floor.py --models gpt2 vit --target t4 --budgets 33% 25% --out DIR
+
+``--set dtype=bfloat16`` changes a zoo option of every model (GPT-2 then
+trains in mixed precision, its float32 master weights cast where read).
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import sys
 import time
 
@@ -129,6 +133,16 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
+def _option(item: str) -> tuple[str, object]:
+  """``KEY=VALUE`` as a zoo option: a Python literal where it reads as one
+  (``batch=16``), else the string (``dtype=bfloat16``)."""
+  key, value = item.split("=", 1)
+  try:
+    return key, ast.literal_eval(value)
+  except (ValueError, SyntaxError):
+    return key, value
+
+
 def main(argv=None) -> None:
   from jaxmem._zoo import models
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -136,19 +150,22 @@ def main(argv=None) -> None:
   parser.add_argument("--target", default="t4", help="a GPU preset, or cpu (XLA:CPU here)")
   parser.add_argument("--budgets", nargs="*", default=[],
                       help="fit these budgets instead of finding the smallest footprint")
+  parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                      help="zoo options over the CPU sizes, such as dtype=bfloat16")
   parser.add_argument("--out", required=True)
   opts = parser.parse_args(argv)
-  sizes = models().CPU_SIZES
+  changed = dict(_option(item) for item in opts.set)
+  sizes = {name: {**config, **changed} for name, config in models().CPU_SIZES.items()}
   rows = []
   where = ("XLA:CPU" if opts.target == "cpu"
            else f"XLA:GPU for a {opts.target} target, compiled here")
   for name in opts.models if opts.budgets else ():
-    rows += at_budgets(name, sizes.get(name, {}), opts.target, opts.budgets)
+    rows += at_budgets(name, sizes.get(name, changed), opts.target, opts.budgets)
     print(budget_table(rows), flush=True)
     _results.write(opts.out, "benchmarks/floor.py", sys.argv[1:] if argv is None else argv,
                    "Budgets below the step's old floor", where, budget_table(rows), rows)
   for name in () if opts.budgets else opts.models:  # written after each model
-    rows.append(row(name, sizes.get(name, {}), opts.target))
+    rows.append(row(name, sizes.get(name, changed), opts.target))
     print(table(rows[-1:]).splitlines()[-1], flush=True)
     _results.write(opts.out, "benchmarks/floor.py", sys.argv[1:] if argv is None else argv,
                    "The smallest footprint: plans of residuals, optimizer state in host "

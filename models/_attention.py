@@ -30,6 +30,7 @@ class SelfAttention(nn.Module):
     dropout: dropout rate on the attention probabilities.
     causal: mask future positions.
     out_init_std: std of the output projection's normal initializer.
+    dtype: the computation's dtype (parameters stay float32).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -41,6 +42,7 @@ class SelfAttention(nn.Module):
   dropout: float = 0.0
   causal: bool = False
   out_init_std: float = 0.02
+  dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x, train: bool = True):
@@ -48,7 +50,7 @@ class SelfAttention(nn.Module):
       raise ValueError(f"dim {self.dim} is not a multiple of heads {self.heads}")
     proj = lambda name: nn.DenseGeneral(  # noqa: E731
         (self.heads, self.dim // self.heads),
-        kernel_init=normal(0.02), name=name)
+        kernel_init=normal(0.02), dtype=self.dtype, name=name)
     q = tag(proj("query")(x), "query_proj")
     k = tag(proj("key")(x), "key_proj")
     v = tag(proj("value")(x), "value_proj")
@@ -58,7 +60,7 @@ class SelfAttention(nn.Module):
       weights = dropout(weights, self.dropout, self.make_rng("dropout"))
     out = tag(jnp.einsum("...hqk,...khd->...qhd", weights, v), "attn_out")
     return nn.DenseGeneral(self.dim, axis=(-2, -1), name="out",
-                           kernel_init=normal(self.out_init_std))(out)
+                           kernel_init=normal(self.out_init_std), dtype=self.dtype)(out)
 
 
 class MLP(nn.Module):
@@ -71,11 +73,14 @@ class MLP(nn.Module):
   dim: int
   hidden: int
   out_init_std: float = 0.02
+  dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x):
-    h = tag(nn.Dense(self.hidden, kernel_init=normal(0.02), name="fc")(x), "mlp_hidden")
-    return nn.Dense(self.dim, kernel_init=normal(self.out_init_std), name="proj")(nn.gelu(h))
+    dense = lambda n, std, name: nn.Dense(  # noqa: E731
+        n, kernel_init=normal(std), dtype=self.dtype, name=name)
+    h = tag(dense(self.hidden, 0.02, "fc")(x), "mlp_hidden")
+    return dense(self.dim, self.out_init_std, "proj")(nn.gelu(h))
 
 
 class TransformerBlock(nn.Module):
@@ -90,6 +95,8 @@ class TransformerBlock(nn.Module):
     causal: causal self-attention.
     out_init_std: std of the two residual output projections (GPT-2 scales it
       by ``1 / sqrt(2 * depth)``).
+    dtype: the computation's dtype (mixed precision with ``bfloat16``; the
+      parameters stay float32).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -102,15 +109,17 @@ class TransformerBlock(nn.Module):
   attn_dropout: float = 0.0
   causal: bool = False
   out_init_std: float = 0.02
+  dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, x, train: bool = True):
     drop = lambda h: Dropout(self.dropout)(h, not train)  # noqa: E731
+    norm = lambda name: nn.LayerNorm(dtype=self.dtype, name=name)  # noqa: E731
     h = SelfAttention(self.dim, self.heads, self.attn_dropout, self.causal,
-                      self.out_init_std, name="attn")(nn.LayerNorm(name="ln1")(x), train)
+                      self.out_init_std, self.dtype, name="attn")(norm("ln1")(x), train)
     x = x + drop(h)
-    h = MLP(self.dim, int(self.mlp_ratio * self.dim), self.out_init_std,
-            name="mlp")(nn.LayerNorm(name="ln2")(x))
+    h = MLP(self.dim, int(self.mlp_ratio * self.dim), self.out_init_std, self.dtype,
+            name="mlp")(norm("ln2")(x))
     return x + drop(h)
 
 

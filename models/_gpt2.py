@@ -34,6 +34,8 @@ class GPT2(nn.Module):
       separate ``Dense(vocab)``.
     remat: ``None`` or a name from ``models.REMAT_POLICIES`` (per block).
     scan: the blocks as one ``nn.scan`` over stacked parameters.
+    dtype: the computation's dtype; ``bfloat16`` trains in mixed precision
+      (float32 parameters, each cast where it is read; float32 logits).
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -50,31 +52,36 @@ class GPT2(nn.Module):
   tied: bool = True
   remat: str | None = None
   scan: bool = False
+  dtype: jnp.dtype = jnp.float32
 
   @nn.compact
   def __call__(self, tokens, train: bool = True):
     if tokens.shape[1] > self.max_len:
       raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds max_len {self.max_len}")
     wte = nn.Embed(self.vocab, self.dim, embedding_init=nn.initializers.normal(0.02),
-                   name="wte")
+                   dtype=self.dtype, name="wte")
     wpe = nn.Embed(self.max_len, self.dim, embedding_init=nn.initializers.normal(0.01),
-                   name="wpe")
+                   dtype=self.dtype, name="wpe")
     x = wte(tokens) + wpe(jnp.arange(tokens.shape[1]))[None]
     x = Dropout(self.dropout)(x, not train)
     block = remat_block(TransformerBlock, self.remat)
     out_std = 0.02 / math.sqrt(2 * max(self.depth, 1))
     x = run_blocks(x, block, (self.dim, self.heads, 4.0, self.dropout, self.dropout, True,
-                              out_std), self.depth, train, self.scan)
-    x = nn.LayerNorm(name="ln_f")(x)
+                              out_std, self.dtype), self.depth, train, self.scan)
+    x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
     if self.tied:
-      return wte.attend(x)
-    return nn.Dense(self.vocab, use_bias=False, kernel_init=nn.initializers.normal(0.02),
-                    name="head")(x)
+      logits = wte.attend(x)
+    else:
+      logits = nn.Dense(self.vocab, use_bias=False, kernel_init=nn.initializers.normal(0.02),
+                        dtype=self.dtype, name="head")(x)
+    return logits if logits.dtype == jnp.float32 else logits.astype(jnp.float32)
 
 
 def gpt2(dim=256, depth=6, heads=4, seq=256, vocab=8192, batch=8, dropout=0.1,
-         tied=True, scan=False, remat=None):
+         tied=True, scan=False, remat=None, dtype="float32"):
   """Registry factory ``"gpt2"``: a 6-layer, 256-wide GPT-2 on 256 tokens;
-  ``scan=True`` runs its blocks as one ``nn.scan``."""
-  module = GPT2(vocab, seq, dim, depth, heads, dropout, tied, check_remat(remat), scan)
+  ``scan=True`` runs its blocks as one ``nn.scan``; ``dtype="bfloat16"``
+  trains it in mixed precision."""
+  module = GPT2(vocab, seq, dim, depth, heads, dropout, tied, check_remat(remat), scan,
+                jnp.dtype(dtype))
   return module, token_batch(batch, seq, vocab), classify

@@ -188,3 +188,44 @@ def test_numbers_of_the_step_as_written_over_three_steps(fits):
   kinds = {jax.tree_util.keystr(p): x.sharding.memory_kind
            for p, x in jax.tree_util.tree_flatten_with_path(ours[0])[0]}
   assert all(kind == "pinned_host" for path, kind in kinds.items() if "kernel" in path)
+
+
+def test_a_mixed_precision_transformers_weights_are_master_weights():
+  """The zoo's GPT-2 in bfloat16 (tied embeddings, attention, LayerNorms):
+  every parameter of at least 4 KiB is a master weight (the embedding is
+  cast for its lookup and for the tied head alike), its moments are state,
+  and the step in float32 has no master weight."""
+  import jaxmem_models as models
+  from jaxmem.graph._state import MIN_BYTES
+  config = dict(dim=64, depth=2, heads=2, seq=32, vocab=256, batch=2)
+  for dtype in ("bfloat16", "float32"):
+    task = models.get("gpt2", dtype=dtype, **config)
+    args = jax.eval_shape(task.init)
+    state = optimizer_state(build_graph(jax.make_jaxpr(task.step)(*args)))
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args)[0]]
+    masters = {paths[leaf.leaf] for leaf in state if leaf.master}
+    large = {path for path, (_, x) in zip(paths, jax.tree_util.tree_flatten_with_path(args)[0])
+             if "['params']" in path and x.size * x.dtype.itemsize >= MIN_BYTES}
+    assert masters == (large if dtype == "bfloat16" else set())
+    assert "[0]['params']['wte']['embedding']" in large
+    moments = [paths[leaf.leaf] for leaf in state if not leaf.master]
+    assert len(moments) == 2 * len(large) and all(".mu" in p or ".nu" in p for p in moments)
+
+
+def test_planners_price_plans_with_master_weights_on_the_host():
+  """With master weights on the host, a bf16 cast fused into its readers
+  reads the weight's copy in (an input's copy, no equation makes it): the
+  exact planner prices choices around it (the zoo's GPT-2 in bfloat16,
+  XLA:GPU's buffers for a T4) and plans under its aim."""
+  import jaxmem_models as models
+  from jaxmem.fit._traced import modelled
+  from jaxmem.planners import get_planner
+  from jaxmem.targets._compile import resolve
+  task = models.get("gpt2", dtype="bfloat16", dim=64, depth=2, heads=2, seq=32, vocab=256,
+                    batch=2)
+  graph = build_graph(jax.make_jaxpr(task.step)(*jax.eval_shape(task.init)))
+  graph = modelled(graph, resolve("t4", []))
+  hosted = with_hosted(graph, [leaf.value for leaf in optimizer_state(graph)])
+  peak = evaluate(hosted, jaxmem.Plan())[1].peak
+  found = get_planner("ilp").plan(hosted, int(0.9 * peak))
+  assert len(found.plan) and found.memory.peak <= 0.9 * peak

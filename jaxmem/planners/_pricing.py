@@ -342,8 +342,11 @@ class _Estimator:
 
   def _fusible(self, buf) -> bool:
     """Whether XLA may compute a recomputed copy of ``buf`` inside its
-    readers (an elementwise producer)."""
-    return primitives.fuses_elementwise(self.graph.producer(buf[0]).prim.name)
+    readers (an elementwise producer; not a step input's barrier copy,
+    such as a master weight a cast fused into its readers reads)."""
+    producer = self.graph.values[buf[0]].producer
+    return producer is not None and primitives.fuses_elementwise(
+        self.graph.nodes[producer].prim.name)
 
   def _buffers(self, values) -> set:
     """The buffers recomputing ``values`` may free: each value's own, the
