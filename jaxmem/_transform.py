@@ -276,9 +276,8 @@ class Transformed:
     micro-batches) and runs the fit loop (:class:`~jaxmem.fit._fit.Fitter`,
     by :meth:`_fit_graph`) against the budget of the step as ``written``.
     Where the step's passes run in a loop (micro-batches, gradient
-    accumulation) and no plan of the loop's body fits, the same with the
-    step's optimizer state (then its master weights too) in host memory
-    between steps."""
+    accumulation) and no plan of the loop's body fits, the same with its
+    optimizer state (then master weights) in host memory between steps."""
     graph = build_graph(closed) if graph is None else graph
     fit = functools.partial(self._fit_graph, closed, planner, written, target=target,
                             leaves=leaves, find_smallest=find_smallest, **options)
@@ -462,9 +461,10 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
       versions of jaxmem and JAX; a hit is compiled once, without planning,
       and taken where it fits (else the step is planned again).
     host_state: whether, on a GPU with a host link, the optimizer state
-      (arguments only its update reads: Adam's moments) may live in
-      ``pinned_host`` memory between steps where no plan fits with it on
-      the device; the step then takes and returns it there (``Fit.hosted``).
+      (arguments only its update reads: Adam's moments), then a
+      mixed-precision step's float32 master weights, may live in
+      ``pinned_host`` memory between steps where no plan fits with them on
+      the device; the step then takes and returns them there (``Fit.hosted``).
     micro_batches: ``"auto"``: where no plan fits, the region around the
       step's peak (a loss head) runs over chunks of the batch, else the whole
       step over micro-batches with gradients accumulated, as few as fit
