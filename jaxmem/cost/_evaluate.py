@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+from typing import Iterator
 
 from jaxmem._decisions import Keep, Plan
 from jaxmem.targets._profiles import DeviceProfile
@@ -316,12 +317,14 @@ def with_state_hosted(graph: Graph, profile: DeviceProfile | None,
                                                     state_fetch_points(hosted, profile))
 
 
-def state_hosted_tiers(graph: Graph, profile: DeviceProfile | None) -> list[Graph]:
+def state_hosted_tiers(graph: Graph, profile: DeviceProfile | None) -> Iterator[Graph]:
   """The graphs a fit tries in turn where no plan fits with its state on
-  the device: the optimizer state alone in host memory, then with the
-  master weights (``graph._state``) too, whose copies in for the forward
-  pass cost link time the state's alone does not."""
-  tiers = [with_state_hosted(graph, profile, masters=False), with_state_hosted(graph, profile)]
-  if tiers[0] is not None and tiers[0].hosted == tiers[1].hosted:
-    tiers.pop()
-  return [tier for tier in tiers if tier is not None]
+  the device, each built only when asked for: the optimizer state alone in
+  host memory, then with the master weights (``graph._state``) too, whose
+  copies in for the forward pass cost link time the state's alone does
+  not. A step with only one kind gives one graph."""
+  state = optimizer_state(graph)
+  if any(not leaf.master for leaf in state):
+    yield with_state_hosted(graph, profile, masters=False)
+  if any(leaf.master for leaf in state):
+    yield with_state_hosted(graph, profile)

@@ -10,6 +10,7 @@ the plan cache or a file is compiled once first (:func:`fit_plan`).
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from typing import Callable
 
@@ -55,9 +56,9 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
     hit = fit_plan(functools.partial(fitter, hosted), plan, saved[1])
     if hit is not None:
       return (hosted, *hit)
-  hosted = state_hosted_tiers(graph, profile) if may_host else []
+  hosted = state_hosted_tiers(graph, profile) if may_host else ()
   error = smallest_from = None
-  for tried in [graph, *hosted]:
+  for tried in itertools.chain([graph], hosted):
     try:
       found = fitter(tried, planner=planner, smallest_from=smallest_from).fit(
           find_smallest, only_fitting)
