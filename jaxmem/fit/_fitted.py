@@ -251,9 +251,9 @@ class Fit:
                          else f"argument leaf {leaf.leaf}")
     largest = sorted(state, key=lambda leaf: -leaf.nbytes)[:top]
     more = len(state) > len(largest)
-    masters = sum(leaf.master for leaf in state)
-    masters = (f" ({masters} master weights, also copied in for their casts in the forward "
-               "pass)") if masters else ""
+    count = sum(leaf.master for leaf in state)
+    masters = (f" ({count} master weights, also copied in for their casts in the forward "
+               "pass)") if count else ""
     return [f"optimizer state   {len(state)} leaves, {format_bytes(sum(l.nbytes for l in state))}, "
             "in host memory between steps (copied in before each update, its result "
             f"copied back){masters}: "

@@ -78,13 +78,13 @@ def optimizer_state(graph: Graph) -> tuple[StateLeaf, ...]:
   candidates, masters = {}, set()
   for position, vid in enumerate(graph.inputs):
     uses = [graph.nodes[u] for u in graph.values[vid].uses]
+    casts = [node for node in uses if not node.update]
     if (vid in graph.consts or graph.values[vid].nbytes < MIN_BYTES
-        or not any(node.update for node in uses)):
-      continue
-    if not all(node.update or _narrowing_cast(graph, node, vid) for node in uses):
+        or len(casts) == len(uses)
+        or not all(_narrowing_cast(graph, node, vid) for node in casts)):
       continue
     candidates[vid] = position
-    if not all(node.update for node in uses):
+    if casts:
       masters.add(vid)
   paired: dict[int, int] = {}
   for position, out in enumerate(graph.outputs):
