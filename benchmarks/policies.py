@@ -20,11 +20,16 @@ curve over budgets) per model and target.
 
   PYTHONPATH=. JAX_PLATFORMS=cpu python benchmarks/policies.py --targets t4 h100 \\
       --out benchmarks/results/policies
+
+``--gather FOLDER...`` measures nothing: it checks earlier runs' rows
+together and draws them in one figure (``all.png``), every axis a ratio to
+the step as written, each panel naming the folder and commit it comes from.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -144,36 +149,107 @@ def render(rows: list[dict]) -> str:
   return "\n".join(lines + [""] + checks(rows))
 
 
-def plot(rows: list[dict], out: str) -> list[str]:
+def _panel(ax, group: list[dict], title: str, relative: bool) -> None:
+  """One model on one target: each policy a point, jaxmem a curve over the
+  budgets it fits; in MiB and ms, or over the step as written's."""
+  base = next(r for r in group if r["method"] == "unmodified")
+  xs, ys = (base["footprint"], base["ms"]) if relative else (MIB, 1.0)
+  points: dict = {}  # policies that compile alike share a point and a label
+  for r in group:
+    if r["method"] != "jaxmem" and "ms" in r:
+      points.setdefault((r["footprint"] / xs, r["ms"] / ys), []).append(
+          r["method"].replace("remat:", ""))
+  for (x, y), names in points.items():
+    ax.plot(x, y, "o")
+    ax.annotate("\n".join(names), (x, y), fontsize=6 if relative else 7, xytext=(3, 3),
+                textcoords="offset points")
+  curve = sorted((r["footprint"] / xs, r["ms"] / ys) for r in group
+                 if r["method"] == "jaxmem" and "ms" in r)
+  if curve:
+    ax.plot(*zip(*curve), "k.-", label="jaxmem over budgets")
+    ax.legend(fontsize=7)
+  what = "over the step as written" if relative else ""
+  ax.set_xlabel(f"XLA:GPU footprint {what or '(MiB)'}", fontsize=8)
+  ax.set_ylabel(f"predicted time {what or '(ms)'}", fontsize=8)
+  ax.set_title(title, fontsize=9)
+
+
+def _pyplot():
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
+  return plt
+
+
+def plot(rows: list[dict], out: str) -> list[str]:
+  """One figure per model and target, in MiB and ms."""
+  plt = _pyplot()
   paths = []
   for key in sorted({(r["model"], r["target"]) for r in rows}):
-    group = [r for r in rows if (r["model"], r["target"]) == key and "ms" in r]
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    points: dict = {}  # policies that compile alike share a point and a label
-    for r in group:
-      if r["method"] != "jaxmem":
-        points.setdefault((r["footprint"] / MIB, r["ms"]), []).append(
-            r["method"].replace("remat:", ""))
-    for (x, y), names in points.items():
-      ax.plot(x, y, "o")
-      ax.annotate("\n".join(names), (x, y), fontsize=7, xytext=(3, 3),
-                  textcoords="offset points")
-    curve = sorted((r["footprint"] / MIB, r["ms"]) for r in group if r["method"] == "jaxmem")
-    if curve:
-      ax.plot(*zip(*curve), "k.-", label="jaxmem over budgets")
-      ax.legend(fontsize=8)
-    ax.set_xlabel("XLA:GPU footprint (MiB)")
+    _panel(ax, [r for r in rows if (r["model"], r["target"]) == key],
+           f"{key[0]} on {key[1]}", relative=False)
     ax.set_ylabel(f"predicted step time on {key[1]} (ms)")
-    ax.set_title(f"{key[0]} on {key[1]}")
     fig.tight_layout()
     path = os.path.join(out, f"{key[0]}-{key[1]}.png")
     fig.savefig(path, dpi=110)
     plt.close(fig)
     paths.append(path)
   return paths
+
+
+def gather(folders: list[str]) -> tuple[list[dict], dict]:
+  """The rows of earlier runs' ``results.json``, each tagged with its
+  folder; where two folders hold the same model and target, the later one
+  on the command line wins. Returns the rows and each (model, target)'s
+  folder and commit."""
+  rows, source = [], {}
+  for folder in folders:
+    with open(os.path.join(folder, "results.json")) as f:
+      data = json.load(f)
+    for key in {(r["model"], r["target"]) for r in data["rows"]}:
+      rows = [r for r in rows if (r["model"], r["target"]) != key]
+      source[key] = (os.path.basename(os.path.normpath(folder)),
+                     data["header"].get("commit") or "unknown")
+    rows += data["rows"]
+  return rows, source
+
+
+def plot_all(rows: list[dict], source: dict, path: str) -> str:
+  """Every model and target in one figure, a row per model and a column
+  per target, each axis over the step as written's footprint and time."""
+  plt = _pyplot()
+  names = sorted({r["model"] for r in rows})
+  targets = sorted({r["target"] for r in rows})
+  fig, axes = plt.subplots(len(names), len(targets), squeeze=False,
+                           figsize=(5.2 * len(targets), 3.6 * len(names)))
+  for i, name in enumerate(names):
+    for j, target in enumerate(targets):
+      group = [r for r in rows if (r["model"], r["target"]) == (name, target)]
+      if not group:
+        axes[i][j].axis("off")
+        continue
+      _panel(axes[i][j], group, f"{name} on {target} ({source[(name, target)][1][:7]})",
+             relative=True)
+  fig.tight_layout()
+  fig.savefig(path, dpi=90)
+  plt.close(fig)
+  return path
+
+
+def _gathered(folders: list[str], out: str | None, argv) -> None:
+  """``--gather``: the checks and one figure over earlier runs' folders."""
+  rows, source = gather(folders)
+  lines = ["| model | target | folder | commit |", "|---|---|---|---|"]
+  lines += [f"| {m} | {t} | `{f}` | {c[:7]} |" for (m, t), (f, c) in sorted(source.items())]
+  table = "\n".join(lines + [""] + checks(rows))
+  print(table)
+  if out:
+    write(out, "benchmarks/policies.py", sys.argv[1:] if argv is None else argv,
+          "jaxmem against per-block remat policies, every model and target",
+          "gathered from the folders named, each compiled on a 2-core CPU-only machine "
+          "for compile-only targets", table, rows)
+    plot_all(rows, source, os.path.join(out, "all.png"))
 
 
 def main(argv=None) -> None:
@@ -184,8 +260,13 @@ def main(argv=None) -> None:
   parser.add_argument("--budgets", nargs="*", default=list(BUDGETS))
   parser.add_argument("--cpu-sizes", action="store_true",
                       help="the zoo's CPU sizes instead of the GPU check's edge sizes")
+  parser.add_argument("--gather", nargs="+", metavar="FOLDER",
+                      help="measure nothing: check and plot earlier runs' results together "
+                           "(a later folder's model and target replace an earlier one's)")
   parser.add_argument("--out", default=None, help="folder for the results and plots")
   opts = parser.parse_args(argv)
+  if opts.gather:
+    return _gathered(opts.gather, opts.out, argv)
   configs = models().CPU_SIZES if opts.cpu_sizes else CONFIGS
   rows = [row for name in opts.models for target in opts.targets
           for row in measure(name, configs[name], target, opts.policies, opts.budgets)]
