@@ -4,6 +4,7 @@ second time; a saved plan is compiled once; a looser plan is compiled only
 where the plans compiled say it may fit."""
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -163,6 +164,44 @@ def test_a_plan_that_comes_back_unchanged_is_not_compiled_again(args):
   trial, rounds = fitter.tighten()
   assert trial.measured > fitter.budget and trial.candidate.plan == plan
   assert compiled == [plan] and rounds == 1
+
+
+def test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_planning_again(
+    args):
+  # The model rates the plan within its aim, XLA over the budget: a plan
+  # shaped like the per-block policies that XLA fits is taken, with no
+  # second plan (a saved plan's planner would answer the same plan).
+  graph = build_graph(jax.make_jaxpr(_step)(*args))
+  full = unplanned_liveness(graph).peak
+  found, shaped = Greedy().plan(graph, int(0.6 * full)), Greedy().plan(graph, int(0.3 * full))
+  planned = []
+
+  class Shaped(Fixed):
+    def plan(self, graph, aim, start=None):
+      planned.append(aim)
+      return super().plan(graph, aim, start)
+
+    def structured(self, graph):
+      return [shaped]
+
+  jit = lambda c: jax.jit(emit(c.schedule)).lower(*args).compile()
+  budget = xla_footprint(jit(found)) - 1
+  assert xla_footprint(jit(shaped)) <= budget
+  fitter = Fitter(graph, Shaped(found.plan), budget, 10 * budget,
+                  (found.peak + full) / 2 / budget, jit)
+  trial, rounds = fitter.tighten()
+  assert trial.candidate.plan == shaped.plan and trial.measured <= budget
+  assert len(planned) == 1 and rounds == 1
+
+
+def test_a_plan_is_compiled_once_per_fit(args):
+  graph, full, _, fitter = _fitter(args, 0.7)
+  plan = Greedy().plan(graph, int(0.6 * full))
+  with counted() as made:
+    first = fitter.compile(plan)
+    again = fitter.compile(dataclasses.replace(plan, aim=1))
+  assert len(made) == 1
+  assert (again.footprint, again.candidate.aim) == (first.footprint, 1)
 
 
 def _fitter(args, fraction: float):

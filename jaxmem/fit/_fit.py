@@ -7,7 +7,8 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
 :class:`Fitter` runs the loop for one graph:
 
 1. *Tighten*: plan toward the budget scaled by model/XLA on the
-   untransformed step; while XLA is over the budget, aim the model lower.
+   untransformed step; where XLA is over the budget, try the plans of 3.
+   that may fit, then aim the model lower while XLA stays over.
 2. *Loosen*: a plan far under the budget recomputes more than it needs to;
    plan again for a looser aim and keep it where XLA still fits and it
    costs less.
@@ -144,6 +145,8 @@ class Fitter:
   # Model bytes per XLA byte of each planned trial compiled: what the
   # model's peaks have been worth on the target so far in this fit.
   _ratios: list = dataclasses.field(default_factory=list, init=False, repr=False)
+  # Each plan compiled in this fit, with its trial (:meth:`compile`).
+  _trials: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
   # The best trial compiled so far (:meth:`best_so_far`), for the log.
   _best: Trial | None = dataclasses.field(default=None, init=False, repr=False)
 
@@ -192,9 +195,15 @@ class Fitter:
     return found
 
   def compile(self, candidate: Candidate) -> Trial:
-    """``candidate`` compiled, with its footprint (see :class:`Trial`)."""
+    """``candidate`` compiled, with its footprint (see :class:`Trial`); a
+    plan compiled before in this fit is not compiled again."""
+    key = (candidate.plan, candidate.changes_step)  # an empty plan may separate reads
+    known = self._trials.get(key)
+    if known is not None:
+      return dataclasses.replace(known, candidate=candidate)
     began = time.perf_counter()
     trial = self._compiled(candidate)
+    self._trials[key] = trial
     self._best = self.best_so_far(trial, self._best)
     _log.info("jaxmem: compiled %s: footprint %s against the budget %s%s in %.1f s; "
               "best so far: %s", _described(candidate), format_bytes(trial.measured),
@@ -279,6 +288,16 @@ class Fitter:
       if (trial.measured <= self.budget or not candidate.fits
           or rounds >= self.max_rounds):
         return trial, rounds
+      if rounds == 1:
+        # Over the budget where the model said it fits: the model misjudges
+        # this step's plans, so before planning again (minutes near a
+        # convolutional net's floor) the plans shaped like per-block
+        # policies, which XLA follows closely, are compiled where they may
+        # fit. Where the fit goes on, its later try of these plans reuses
+        # the compilations (:meth:`compile`).
+        shaped = self.structured(trial, cheaper=False, sparing=True)
+        if shaped.measured <= self.budget:
+          return shaped, rounds
       points.append((candidate.peak, self._model_part(trial.measured)))
       aim = reaim(points, room, aim)
 
@@ -324,7 +343,7 @@ class Fitter:
       high = scale
     return found
 
-  def structured(self, found: Trial, cheaper: bool = True) -> Trial:
+  def structured(self, found: Trial, cheaper: bool = True, sparing: bool = False) -> Trial:
     """The planner's plans shaped like the per-block remat policies
     (:meth:`Planner.structured`) against the plan found.
 
@@ -342,7 +361,8 @@ class Fitter:
     the clock does.
     Without a clock, the first, cheapest first, that the planner's cost
     rates below the plan and that fits and is cheaper compiled replaces
-    it."""
+    it; with ``sparing``, only forms that may fit are compiled, as with a
+    clock."""
     best = found
     limit = self.cost(found) if cheaper else float("inf")
     ceiling = float("inf")
@@ -358,7 +378,7 @@ class Fitter:
       below = ceiling
       for form in forms:
         rebuilt = form is not shaped
-        if self.clock is not None:
+        if self.clock is not None or sparing:
           if not (self.may_come_under(form, self.budget, ratios[rebuilt])
                   and (rebuilt or form.peak < below)):
             below = min(below, form.peak)  # the planned form must hold less
