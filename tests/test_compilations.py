@@ -169,11 +169,12 @@ def test_a_plan_that_comes_back_unchanged_is_not_compiled_again(args):
 def test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_planning_again(
     args):
   # The model rates the plan within its aim, XLA over the budget: a plan
-  # shaped like the per-block policies that XLA fits is taken, with no
-  # second plan (a saved plan's planner would answer the same plan).
+  # shaped like the per-block policies that XLA fits is compiled, and taken
+  # after one more round (a saved plan's planner answers the same plan,
+  # which is not compiled again).
   graph = build_graph(jax.make_jaxpr(_step)(*args))
   full = unplanned_liveness(graph).peak
-  found, shaped = Greedy().plan(graph, int(0.6 * full)), Greedy().plan(graph, int(0.3 * full))
+  found, shaped = Greedy().plan(graph, int(0.6 * full)), Greedy().plan(graph, int(0.55 * full))
   planned = []
 
   class Shaped(Fixed):
@@ -184,14 +185,34 @@ def test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_pl
     def structured(self, graph):
       return [shaped]
 
-  jit = lambda c: jax.jit(emit(c.schedule)).lower(*args).compile()
+  compiled = []
+
+  def jit(c):
+    compiled.append(c.plan)
+    return jax.jit(emit(c.schedule)).lower(*args).compile()
+
   budget = xla_footprint(jit(found)) - 1
   assert xla_footprint(jit(shaped)) <= budget
+  compiled.clear()
   fitter = Fitter(graph, Shaped(found.plan), budget, 10 * budget,
                   (found.peak + full) / 2 / budget, jit)
   trial, rounds = fitter.tighten()
   assert trial.candidate.plan == shaped.plan and trial.measured <= budget
-  assert len(planned) == 1 and rounds == 1
+  assert len(planned) == 2 and rounds == 1
+  assert compiled == [found.plan, shaped.plan]
+  # Where that round's plan fits and costs less, it is taken.
+  middle = Greedy().plan(graph, int(0.3 * full))
+  assert Greedy().cost(middle.schedule) < Greedy().cost(shaped.schedule)
+  answers = iter([found, middle])
+
+  class Lower(Shaped):
+    def plan(self, graph, aim, start=None):
+      return next(answers)
+
+  fitter = Fitter(graph, Lower(found.plan), budget, 10 * budget,
+                  (found.peak + full) / 2 / budget, jit)
+  trial, rounds = fitter.tighten()
+  assert trial.candidate.plan == middle.plan and trial.measured <= budget and rounds == 2
 
 
 def test_a_plan_is_compiled_once_per_fit(args):

@@ -7,8 +7,9 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
 :class:`Fitter` runs the loop for one graph:
 
 1. *Tighten*: plan toward the budget scaled by model/XLA on the
-   untransformed step; where XLA is over the budget, try the plans of 3.
-   that may fit, then aim the model lower while XLA stays over.
+   untransformed step; while XLA is over the budget, aim the model lower.
+   After a first plan over it, the plans of 3. that may fit are compiled;
+   where one fits, one more round is planned and the cheaper taken.
 2. *Loosen*: a plan far under the budget recomputes more than it needs to;
    plan again for a looser aim and keep it where XLA still fits and it
    costs less.
@@ -267,7 +268,7 @@ class Fitter:
     # The first aim keeps FIRST_MARGIN under the budget's share: the model
     # tracks XLA within about that much, and a first plan that fits saves
     # a compilation.
-    graph, previous, trial = self.graph, None, None
+    graph, previous, trial, shaped = self.graph, None, None, None
     room = self._model_part(self.budget)
     aim = int(room * self.model_scale * (1 - FIRST_MARGIN))
     # (model peak, XLA's footprint less ``fixed``) of each step compiled;
@@ -280,24 +281,26 @@ class Fitter:
           forewarn(self.graph, self.where, self.planner)
         candidate = self.plan(aim, start=previous)
         if trial is not None and candidate.plan == trial.candidate.plan:
-          return trial, rounds - 1
+          return self.best_so_far(trial, shaped), rounds - 1
         previous = candidate.plan
       else:
         candidate = self.start(aim)
       trial = self.compile(candidate)
+      if shaped is not None:  # one round after a plan shaped like the policies fit
+        return self.best_so_far(trial, shaped), rounds
       if (trial.measured <= self.budget or not candidate.fits
           or rounds >= self.max_rounds):
         return trial, rounds
       if rounds == 1:
         # Over the budget where the model said it fits: the model misjudges
-        # this step's plans, so before planning again (minutes near a
-        # convolutional net's floor) the plans shaped like per-block
-        # policies, which XLA follows closely, are compiled where they may
-        # fit. Where the fit goes on, its later try of these plans reuses
-        # the compilations (:meth:`compile`).
-        shaped = self.structured(trial, cheaper=False, sparing=True)
-        if shaped.measured <= self.budget:
-          return shaped, rounds
+        # this step's plans. The plans shaped like per-block policies, which
+        # XLA follows closely, are compiled where they may fit; where one
+        # does, one more round plans for a lower aim and the cheaper that
+        # fits is taken, rather than round after round (minutes each near a
+        # convolutional net's floor). Where the fit goes on, its later try
+        # of these plans reuses the compilations (:meth:`compile`).
+        found = self.structured(trial, cheaper=False, sparing=True)
+        shaped = found if found.measured <= self.budget else None
       points.append((candidate.peak, self._model_part(trial.measured)))
       aim = reaim(points, room, aim)
 
