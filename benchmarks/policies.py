@@ -167,11 +167,14 @@ def _panel(ax, group: list[dict], title: str, relative: bool) -> None:
                  if r["method"] == "jaxmem" and "ms" in r)
   if curve:
     ax.plot(*zip(*curve), "k.-", label="jaxmem over budgets")
-    ax.legend(fontsize=7)
-  what = "over the step as written" if relative else ""
-  ax.set_xlabel(f"XLA:GPU footprint {what or '(MiB)'}", fontsize=8)
-  ax.set_ylabel(f"predicted time {what or '(ms)'}", fontsize=8)
-  ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7 if relative else 8)
+  if relative:
+    ax.set_xlabel("XLA:GPU footprint over the step as written", fontsize=8)
+    ax.set_ylabel("predicted time over the step as written", fontsize=8)
+  else:
+    ax.set_xlabel("XLA:GPU footprint (MiB)")
+    ax.set_ylabel(f"predicted step time on {base['target']} (ms)")
+  ax.set_title(title, **({"fontsize": 9} if relative else {}))
 
 
 def _pyplot():
@@ -189,7 +192,6 @@ def plot(rows: list[dict], out: str) -> list[str]:
     fig, ax = plt.subplots(figsize=(6.5, 4))
     _panel(ax, [r for r in rows if (r["model"], r["target"]) == key],
            f"{key[0]} on {key[1]}", relative=False)
-    ax.set_ylabel(f"predicted step time on {key[1]} (ms)")
     fig.tight_layout()
     path = os.path.join(out, f"{key[0]}-{key[1]}.png")
     fig.savefig(path, dpi=110)
