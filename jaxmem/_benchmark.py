@@ -25,7 +25,7 @@ from jaxmem.targets import holds_host_memory, xla_footprint
 from jaxmem.targets._calibrate import median_seconds
 from jaxmem.cost._perf import predict_schedule
 from jaxmem._transform import transform
-from jaxmem.planners import ABLATIONS, PLANNERS, LayerReport
+from jaxmem.planners import ABLATIONS, NAMED, PLANNERS, LayerReport
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,15 +61,17 @@ class Method:
 
 
 def default_methods(model: str) -> list[Method]:
-  """Unconstrained, every jaxmem planner (the ablation variants left out:
-  ask for them by name), and the remat baselines the model supports
-  (models without block modules have none)."""
+  """Unconstrained, every jaxmem planner (the ablation variants and the
+  planner over named values left out: ask for them by name), and the
+  remat baselines the model supports (models without block modules have
+  none)."""
   models = _zoo.models()
   methods = [Method("unconstrained")]
   if models.supports_remat(model):
     methods += [Method("remat", p) for p in ("nothing_saveable", "dots_saveable",
                                               "dots_with_no_batch_dims_saveable")]
-  return methods + [Method("jaxmem", p) for p in sorted(PLANNERS) if p not in ABLATIONS]
+  return methods + [Method("jaxmem", p) for p in sorted(PLANNERS)
+                    if p not in ABLATIONS | NAMED]
 
 
 @dataclasses.dataclass

@@ -6,7 +6,7 @@ import pytest
 
 from jaxmem import bench
 from jaxmem._benchmark import Method
-from jaxmem.planners import ABLATIONS, PLANNERS
+from jaxmem.planners import ABLATIONS, NAMED, PLANNERS
 
 TINY = ["--model", "mlp", "--config", "depth=4", "width=16", "batch=32", "features=8"]
 
@@ -78,7 +78,7 @@ def test_methods_parse_and_refuse_unknown_names():
   with pytest.raises(ValueError, match="unknown method 'remat:everything'"):
     Method.parse("remat:everything")
   assert [m.name for m in bench.default_methods("mlp")] == ["unconstrained"] + [
-      f"jaxmem:{p}" for p in sorted(PLANNERS) if p not in ABLATIONS]
+      f"jaxmem:{p}" for p in sorted(PLANNERS) if p not in ABLATIONS | NAMED]
   assert Method.parse("jaxmem:lgm-whole").option == "lgm-whole"  # ablations by name
   assert "remat" in [m.kind for m in bench.default_methods("vit")]
 

@@ -14,7 +14,7 @@ from jaxmem.graph._state import hosted_leaves, hosted_state, with_host_decisions
 from jaxmem.cost._memory import Liveness
 from jaxmem.fit._inner import Body
 from jaxmem.fit._micro import MicroBatches
-from jaxmem.fit._policies import block_policies
+from jaxmem.fit._policies import NamePolicy, block_policies, name_policy
 from jaxmem.fit._report import decision_label, residual_table
 from jaxmem.fit._saved import dumps
 from jaxmem.planners import ILP, Gap, Planner
@@ -154,6 +154,19 @@ class Fit:
         plans that are per-block policies only.
     """
     return block_policies(self.graph, self.plan)
+
+  def name_policy(self) -> NamePolicy:
+    """The plan as a ``jax.checkpoint`` policy over the step's
+    ``checkpoint_name``\\ s for the model's layers: the names saved, those
+    offloaded to host memory, and the layers (module paths) to wrap in
+    ``nn.remat(Layer, policy=fitted.name_policy())``; every other value a
+    layer makes is rebuilt (:func:`jaxmem.fit._policies.name_policy`).
+
+    Raises:
+      ValueError: where the plan is not such a policy; fit with
+        ``planner="names"``, whose plans are.
+    """
+    return name_policy(self.graph, self.plan)
 
   @property
   def plan(self) -> Plan:

@@ -11,13 +11,46 @@ no per-block policy does.
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
+
 from jaxmem.planners._blocks import KEEPS, checkpoint_block, segments
+from jaxmem.planners._names import OFFLOADED, SAVE, choice_of, named_blocks, names_plan
 from jaxmem._decisions import Plan
 from jaxmem.graph._graph import Graph
 
 
 class NotPolicies(ValueError):
-  """A plan that per-block checkpoint policies cannot express."""
+  """A plan that per-block checkpoint policies, or a policy over the step's
+  ``checkpoint_name``\\ s, cannot express."""
+
+
+@dataclasses.dataclass(frozen=True)
+class NamePolicy:
+  """A ``jax.checkpoint`` policy over ``checkpoint_name``\\ s for the
+  model's layers: the names saved on the device and those offloaded to
+  host memory (every other value a layer makes is rebuilt), and the
+  layers (module paths) the plan checkpoints under it. Callable as the
+  policy itself: ``nn.remat(Layer, policy=p)`` or
+  ``jax.checkpoint(layer_fn, policy=p)``.
+  """
+  saved: tuple[str, ...]
+  offloaded: tuple[str, ...] = ()
+  layers: tuple[str, ...] = ()
+
+  @property
+  def policy(self):
+    """The ``jax.checkpoint_policies`` policy it stands for."""
+    if not self.offloaded:
+      return jax.checkpoint_policies.save_only_these_names(*self.saved)
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=list(self.saved),
+        names_which_can_be_offloaded=list(self.offloaded),
+        offload_src="device", offload_dst="pinned_host")
+
+  def __call__(self, *args, **params):
+    return self.policy(*args, **params)
 
 
 def block_policies(graph: Graph, plan: Plan) -> dict[str, str]:
@@ -94,3 +127,40 @@ def _names(graph: Graph, values, shown: int = 4) -> str:
   names = [graph.producer(v).label for v in values[:shown]]
   more = f", and {len(values) - shown} more" if len(values) > shown else ""
   return ", ".join(names) + more
+
+
+def name_policy(graph: Graph, plan: Plan) -> NamePolicy:
+  """``plan`` as a policy over the step's ``checkpoint_name``\\ s for
+  its layers (:func:`~jaxmem.planners._names.named_blocks`): each name the
+  plan keeps in the layers saved, each it offloads offloaded, every other
+  value a layer makes rebuilt from the layer's input. The names planner's
+  plans are such.
+
+  Raises:
+    NotPolicies: where no layer names a value, or the plan is not the one
+      any names policy on the layers gives.
+  """
+  layers = tuple(seg.name for seg in named_blocks(graph))
+  if not layers:
+    raise NotPolicies("no layer of the step (no module that repeats) names a value "
+                      "with checkpoint_name, so no policy over names applies")
+  if not len(plan):
+    raise NotPolicies("the plan keeps every residual (the step as written, or run in "
+                      "micro-batches, meets the budget): no checkpoint policy applies")
+  choice = choice_of(graph, plan)
+  nearest = names_plan(graph, choice)
+  differ = sorted(v for v in set(plan.as_dict()) | set(nearest.as_dict())
+                  if plan[v] != nearest[v])
+  if differ:
+    raise NotPolicies(
+        f"{len(differ)} residual decision(s) of the plan are not those of the layers "
+        f"{_shown(layers)} checkpointed under a policy over names ({_names(graph, differ)}; "
+        f"the nearest such policy: {choice}); fit with planner='names', whose plans are "
+        "such policies")
+  return NamePolicy(tuple(n for n, c in choice.items() if c == SAVE),
+                    tuple(n for n, c in choice.items() if c == OFFLOADED), layers)
+
+
+def _shown(names: tuple, shown: int = 3) -> str:
+  more = f", and {len(names) - shown} more" if len(names) > shown else ""
+  return ", ".join(names[:shown]) + more

@@ -34,6 +34,7 @@ from jaxmem.planners._greedy import Greedy
 from jaxmem.planners._hybrid import Hybrid
 from jaxmem.planners._ilp import ILP, Gap, Solution
 from jaxmem.planners._lgm import LGM, LayerReport, SwapRecord, reservation_floor
+from jaxmem.planners._names import Names, NoNames
 
 
 def recompute(target=None, **options) -> Greedy:
@@ -101,14 +102,25 @@ def lgm_unreserved(target=None, **options) -> LGM:
   return lgm(target, min_chunk=0, reserve=0.0, name="lgm-unreserved", **options)
 
 
+def names(target=None, **options) -> Names:
+  """The planner over the step's ``checkpoint_name``\\ s (:class:`Names`):
+  each name saved, offloaded (with a target that has a host link) or
+  rebuilt, every value no name covers rebuilt; its plans are written out as
+  a ``jax.checkpoint`` policy by ``Fitted.name_policy()``."""
+  return Names(target=target, **options)
+
+
 # Name -> factory taking an optional target (a name in jaxmem.PROFILES or a
 # DeviceProfile).
 PLANNERS: dict[str, Callable[..., Planner]] = {
     "recompute": recompute, "hybrid": hybrid, "offload": offload_only,
     "lgm": lgm, "ilp": ilp, "auto": auto, "lgm-whole": lgm_whole,
-    "lgm-unreserved": lgm_unreserved}
+    "lgm-unreserved": lgm_unreserved, "names": names}
 # Planners that exist to be compared against (left out of default runs).
 ABLATIONS = frozenset({"lgm-whole", "lgm-unreserved"})
+# Planners over the values a step names (checkpoint_name), left out of
+# default runs: the zoo's models name none.
+NAMED = frozenset({"names"})
 
 
 def get_planner(planner, target=None) -> Planner:
@@ -130,6 +142,6 @@ def get_planner(planner, target=None) -> Planner:
 
 __all__ = [
     "ABLATIONS", "DEFAULT_TARGET", "Fixed", "Gap", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport",
-    "PLANNERS", "Planner", "Solution", "SwapRecord", "auto", "get_planner", "hybrid", "ilp",
-    "lgm", "lgm_unreserved", "lgm_whole", "offload_only", "recompute", "reservation_floor",
+    "NAMED", "Names", "NoNames", "PLANNERS", "Planner", "Solution", "SwapRecord", "auto", "get_planner", "hybrid", "ilp",
+    "lgm", "lgm_unreserved", "lgm_whole", "names", "offload_only", "recompute", "reservation_floor",
 ]

@@ -166,7 +166,7 @@ KEEPS = {
 }
 
 
-def _repeated(names: list[str]) -> set[str]:
+def repeated(names: list[str]) -> set[str]:
   """The names that are layers of a stack: those that, digits aside, more
   than one name shares (``GPT2/block0``, ``GPT2/block1``; not
   ``GPT2/ln_f``)."""
@@ -181,7 +181,7 @@ def block_plans(graph: Graph, keep: str = "nothing_saveable",
   per-block ``jax.checkpoint`` with policy ``keep`` (a key of
   :data:`KEEPS`) would give: the outputs of the block's equations the
   policy saves are kept, the rest recomputed from the block's boundary.
-  With ``layers``, only the blocks that repeat (:func:`_repeated`), as
+  With ``layers``, only the blocks that repeat (:func:`repeated`), as
   wrapping a model's layers in ``nn.remat`` leaves its embedding and head
   alone. They serve as starting points and as candidates for the lowest
   footprint and for a plan's time (XLA follows them closely:
@@ -190,7 +190,7 @@ def block_plans(graph: Graph, keep: str = "nothing_saveable",
   for depth in (2, 3):
     decisions: dict = {}
     found = segments(graph, (depth,))
-    chosen = _repeated([seg.name for seg in found]) if layers else None
+    chosen = repeated([seg.name for seg in found]) if layers else None
     for seg in found:
       if chosen is None or seg.name in chosen:
         checkpoint_block(graph, seg, keep, decisions)
