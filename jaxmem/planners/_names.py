@@ -188,13 +188,9 @@ class Names(Planner):
     return names
 
   def _away(self, graph: Graph, name: str) -> str:
-    """Offloaded where the target has a host link and the name's values in
-    the layers are residuals with buffers of their own; else rebuilt."""
-    fused = fused_values(graph)
-    vids = _in_blocks(graph)[name]
-    drops = {v for seg in named_blocks(graph) for v in seg.drops}
-    return (OFFLOADED if self.may_offload()
-            and all(v in drops and v not in fused for v in vids) else REBUILT)
+    """Offloaded where the target has a host link and the name can be
+    (:func:`offloadable`); else rebuilt."""
+    return OFFLOADED if self.may_offload() and name in offloadable(graph) else REBUILT
 
   def _step(self, graph: Graph, choice: dict, current: Candidate,
             aim: int) -> tuple[dict, Candidate] | None:
@@ -245,6 +241,19 @@ def _in_blocks(graph: Graph) -> dict[str, list[int]]:
     if here:
       found[name] = here
   return found
+
+
+@analysis
+def offloadable(graph: Graph) -> frozenset[str]:
+  """The names the backward pass reads in the layers (a residual among
+  each name's values there), each such residual one the layers rebuild,
+  with a buffer of its own: what a plan may offload."""
+  fused = fused_values(graph)
+  drops = {v for seg in named_blocks(graph) for v in seg.drops}
+  read = {name: [v for v in vids if graph.is_residual(v)]
+          for name, vids in _in_blocks(graph).items()}
+  return frozenset(name for name, vids in read.items()
+                   if vids and all(v in drops and v not in fused for v in vids))
 
 
 def choice_of(graph: Graph, plan: Plan) -> dict[str, str]:
