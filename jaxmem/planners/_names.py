@@ -171,8 +171,9 @@ class Names(Planner):
     can be, lowest model peak first."""
     names = self._names(graph)
     plans = [{name: REBUILT for name in names}]
-    if self.may_offload():
-      plans.append({name: self._away(graph, name) for name in names})
+    away = {name: self._away(graph, name) for name in names}
+    if away != plans[0]:
+      plans.append(away)
     return sorted((candidate(graph, names_plan(graph, c)) for c in plans),
                   key=lambda c: c.peak)
 
@@ -201,7 +202,7 @@ class Names(Planner):
     for name, place in choice.items():
       if place != SAVE:
         continue
-      for moved in {self._away(graph, name), REBUILT}:
+      for moved in dict.fromkeys((self._away(graph, name), REBUILT)):
         trial = {**choice, name: moved}
         found = candidate(graph, names_plan(graph, trial), aim)
         gain = current.peak - found.peak
