@@ -6,7 +6,9 @@ those blocks in ``nn.remat(Block, policy=...)`` (or ``jax.checkpoint``)
 gives: :func:`block_policies` names them, so the plan can move into the
 model's own code and train without jaxmem. A plan that recomputes single
 residuals, or offloads, has no such form: the error names what it does that
-no per-block policy does.
+no per-block policy does. A plan of the model's layers checkpointed under
+one policy over ``checkpoint_name``\\ s (the names planner's plans are) is
+written out as that policy by :func:`name_policy`.
 """
 
 from __future__ import annotations
@@ -124,9 +126,7 @@ def _recomputed(decisions: dict) -> set:
 
 def _names(graph: Graph, values, shown: int = 4) -> str:
   """Readable names of the first ``shown`` of ``values``."""
-  names = [graph.producer(v).label for v in values[:shown]]
-  more = f", and {len(values) - shown} more" if len(values) > shown else ""
-  return ", ".join(names) + more
+  return _shown([graph.producer(v).label for v in values[:shown]], shown, len(values))
 
 
 def name_policy(graph: Graph, plan: Plan) -> NamePolicy:
@@ -161,6 +161,9 @@ def name_policy(graph: Graph, plan: Plan) -> NamePolicy:
                     tuple(n for n, c in choice.items() if c == OFFLOADED), layers)
 
 
-def _shown(names: tuple, shown: int = 3) -> str:
-  more = f", and {len(names) - shown} more" if len(names) > shown else ""
+def _shown(names, shown: int = 3, total: int | None = None) -> str:
+  """The first ``shown`` of ``names``, and how many more of ``total`` (all
+  of ``names`` where None) there are."""
+  total = len(names) if total is None else total
+  more = f", and {total - shown} more" if total > shown else ""
   return ", ".join(names[:shown]) + more
