@@ -69,6 +69,19 @@ def named_blocks(graph: Graph) -> tuple[Segment, ...]:
   return ()
 
 
+@analysis
+def _layer_values(graph: Graph) -> tuple[tuple[Segment, tuple[tuple[str, int], ...]], ...]:
+  """Each layer (:func:`named_blocks`) with the named values it makes, as
+  ``(name, value id)`` pairs in forward order."""
+  named = named_values(graph)
+  found = []
+  for seg in named_blocks(graph):
+    inside = set(graph.blocks(seg.depth)[seg.name])
+    found.append((seg, tuple((name, v) for name, vids in named.items() for v in vids
+                             if graph.values[v].producer in inside)))
+  return tuple(found)
+
+
 def names_plan(graph: Graph, choice: dict[str, str]) -> Plan:
   """The plan of the layers checkpointed under a names policy: each layer's
   input saved and the residuals it makes rebuilt, but a named one saved
@@ -76,23 +89,20 @@ def names_plan(graph: Graph, choice: dict[str, str]) -> Plan:
   named value no backward equation reads, where saved, is kept for the
   rebuild to start from."""
   decisions: dict = {}
-  named = named_values(graph)
-  for seg in named_blocks(graph):
+  for seg, values in _layer_values(graph):
     decisions.update(checkpoint_moves(graph, seg, decisions))
-    inside = set(graph.blocks(seg.depth)[seg.name])
     drops = set(seg.drops)
-    for name, vids in named.items():
+    for name, vid in values:
       place = choice.get(name, SAVE)
-      for vid in (v for v in vids if graph.values[v].producer in inside):
-        if place == REBUILT:
-          continue
-        if vid in drops:
-          if place == SAVE:
-            decisions.pop(vid)
-          else:
-            decisions[vid] = OFFLOAD
-        elif place == SAVE and not graph.is_residual(vid):
-          decisions[vid] = SAVED
+      if place == REBUILT:
+        continue
+      if vid in drops:
+        if place == SAVE:
+          decisions.pop(vid)
+        else:
+          decisions[vid] = OFFLOAD
+      elif place == SAVE and not graph.is_residual(vid):
+        decisions[vid] = SAVED
   return Plan.of(decisions)
 
 
@@ -226,8 +236,9 @@ class Names(Planner):
       ranked.append((base - self.cost(found.schedule), name, found))
     for _, name, found in sorted(ranked, key=lambda r: -r[0])[:self.refine]:
       trial = {**choice, name: SAVE}
-      if found.plan != names_plan(graph, trial):
-        found = candidate(graph, names_plan(graph, trial), aim)
+      plan = names_plan(graph, trial)
+      if found.plan != plan:  # another name saved again since it was ranked
+        found = candidate(graph, plan, aim)
       if found.fits and self.cost(found.schedule) <= self.cost(current.schedule):
         choice, current = trial, found
     return choice, current
@@ -235,13 +246,16 @@ class Names(Planner):
 
 def _in_blocks(graph: Graph) -> dict[str, list[int]]:
   """Each name made in a layer (:func:`named_blocks`) -> its values there."""
-  inside = {i for seg in named_blocks(graph) for i in graph.blocks(seg.depth)[seg.name]}
   found: dict[str, list[int]] = {}
-  for name, vids in named_values(graph).items():
-    here = [v for v in vids if graph.values[v].producer in inside]
-    if here:
-      found[name] = here
-  return found
+  for _, values in _layer_values(graph):
+    for name, vid in values:
+      found.setdefault(name, []).append(vid)
+  return {name: found[name] for name in named_values(graph) if name in found}
+
+
+def _layer_drops(graph: Graph) -> set[int]:
+  """The residuals the layers rebuild where nothing of them is saved."""
+  return {v for seg, _ in _layer_values(graph) for v in seg.drops}
 
 
 @analysis
@@ -249,8 +263,7 @@ def offloadable(graph: Graph) -> frozenset[str]:
   """The names the backward pass reads in the layers (a residual among
   each name's values there), each such residual one the layers rebuild,
   with a buffer of its own: what a plan may offload."""
-  fused = fused_values(graph)
-  drops = {v for seg in named_blocks(graph) for v in seg.drops}
+  fused, drops = fused_values(graph), _layer_drops(graph)
   read = {name: [v for v in vids if graph.is_residual(v)]
           for name, vids in _in_blocks(graph).items()}
   return frozenset(name for name, vids in read.items()
@@ -261,7 +274,7 @@ def choice_of(graph: Graph, plan: Plan) -> dict[str, str]:
   """Each name's place that ``plan`` gives its first residual made in a
   layer (saved for a name with none): the names policy nearest to it."""
   kinds = {"offload": OFFLOADED, "recompute": REBUILT}
-  drops = {v for seg in named_blocks(graph) for v in seg.drops}
+  drops = _layer_drops(graph)
   choice = {}
   for name, vids in _in_blocks(graph).items():
     residuals = [v for v in vids if v in drops]
