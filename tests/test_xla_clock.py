@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
+from jaxmem.cost._perf import OpCost
 from jaxmem.cost._xla_clock import program_time
 from jaxmem.targets import get_profile, placed, resolve
 
@@ -133,7 +134,8 @@ def test_convolutions_and_their_gradients_are_priced_by_the_forward_flops():
   N*H*W*Co*3*3*Ci multiply-adds, and so is the second's input gradient (the
   first's is not computed). cuDNN's gradient calls permute the forward
   convolution's arrays; the clock counts the forward convolution's FLOPs,
-  and runs the filter gradients at half the rate (``LIBRARY_CALLS``)."""
+  and runs the filter gradients at half the rate (``LIBRARY_CALLS``). The
+  profile names no GPU, so no call is priced by its occupancy."""
   conv = lambda x, w: jax.lax.conv_general_dilated(
       x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
   loss = lambda ws, x: jnp.sum(jnp.tanh(conv(conv(x, ws[0]), ws[1])))
@@ -143,9 +145,38 @@ def test_convolutions_and_their_gradients_are_priced_by_the_forward_flops():
   args = placed((ws, jnp.ones((n, h, w, c_in))), "t4")
   compiled = jax.jit(step, compiler_options=resolve("t4", ()).options()).lower(*args).compile()
   first, second = (2 * n * h * w * c * 9 * k for k in (c_in, c))
-  matmul_only = dataclasses.replace(TOY, memory_bandwidth=1e30)
+  matmul_only = dataclasses.replace(TOY, memory_bandwidth=1e30, description=None)
   assert program_time(compiled.as_text(), matmul_only).seconds == pytest.approx(
       (first + second + 2 * (first + second) + second) / 1e9, rel=1e-6)
+
+
+def test_a_forward_convolution_with_fewer_output_tiles_than_multiprocessors_runs_slower():
+  """The filter gradient of a stride-2 transposed convolution: XLA:GPU
+  emits it as a forward convolution whose window spans the image and whose
+  output is the 2x2 filter, one 128x128 tile of work, so it keeps one of the
+  T4's 40 multiprocessors busy and takes 40 times its FLOPs' time; the
+  forward pass and the input gradient write enough tiles to fill the GPU
+  (``occupancy``). Against the same profile naming no GPU, the clock adds
+  39 times the filter gradient's FLOPs over the rate."""
+  n, h, c_in, c = 8, 64, 32, 16  # the input gradient: 8*64*64*32 = 64 tiles
+  up = lambda x, w: jax.lax.conv_transpose(x, w, (2, 2), "VALID",
+                                           dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  loss = lambda w, x: jnp.sum(jnp.tanh(up(x, w)))
+  step = lambda w, x: w - jax.grad(loss)(w, x)
+  args = placed((jnp.ones((2, 2, c_in, c)), jnp.ones((n, h, h, c_in))), "t4")
+  text = jax.jit(step, compiler_options=resolve("t4", ()).options()).lower(
+      *args).compile().as_text()
+  matmul_only = dataclasses.replace(TOY, memory_bandwidth=1e30, kernel_latency=0.0)
+  assert matmul_only.description.core_count == 40
+  filter_gradient = 2 * n * h * h * c_in * c * 2 * 2
+  unnamed = dataclasses.replace(matmul_only, description=None)
+  added = program_time(text, matmul_only).seconds - program_time(text, unnamed).seconds
+  assert added == pytest.approx(39 * filter_gradient / matmul_only.matmul_throughput, rel=1e-6)
+  # The planners price the equation by the same rule.
+  op = OpCost("conv_general_dilated", filter_gradient, 0, matmul=True,
+              library="__cudnn$convForward", outputs=2 * 2 * c_in * c)
+  assert op.seconds(matmul_only) == pytest.approx(
+      40 * filter_gradient / matmul_only.matmul_throughput, rel=1e-6)
 
 
 @pytest.mark.parametrize("name, config", [

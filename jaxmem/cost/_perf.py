@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.cost._xla_clock import roofline_seconds
+from jaxmem.cost._xla_clock import occupancy, roofline_seconds
 from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis
 from jaxmem.targets._profiles import DeviceProfile
@@ -48,7 +48,8 @@ class OpCost:
   pays the profile's kernel latency), the bytes a collective moves
   between devices (on the profile's interconnect), and the library call
   the target's compiler runs it as (a custom call's target; ``""`` for
-  XLA's own kernels, or where the program is not known)."""
+  XLA's own kernels, or where the program is not known) and the elements
+  it writes (what a library call splits its work over)."""
   label: str
   flops: float
   nbytes: int
@@ -56,11 +57,14 @@ class OpCost:
   launch: bool = False
   exchanged: int = 0
   library: str = ""
+  outputs: int = 0
 
   def seconds(self, profile: DeviceProfile) -> float:
     """Its roofline time on ``profile`` (a library call's as the clock
-    gives it: :func:`~jaxmem.cost._xla_clock.roofline_seconds`)."""
+    gives it: :func:`~jaxmem.cost._xla_clock.roofline_seconds` at its
+    :func:`~jaxmem.cost._xla_clock.occupancy`)."""
     rate = profile.matmul_throughput if self.matmul else profile.flops
+    rate *= occupancy(self.library, self.outputs, profile)
     return (roofline_seconds(self.library, self.flops / rate,
                              self.nbytes / profile.memory_bandwidth,
                              profile.collective_seconds(self.exchanged))
@@ -174,7 +178,8 @@ def node_costs(graph: Graph) -> tuple[OpCost, ...]:
     costs.append(OpCost(name, node.flops, moved, matmul=name in _MATMULS,
                         launch=buffers is not None and node.index in buffers.launches,
                         exchanged=outs if _primitives.communicates(name) else 0,
-                        library="" if buffers is None else buffers.library.get(node.index, "")))
+                        library="" if buffers is None else buffers.library.get(node.index, ""),
+                        outputs=sum(graph.values[v].aval.size for v in node.outs)))
   return tuple(costs)
 
 

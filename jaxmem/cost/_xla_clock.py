@@ -74,6 +74,17 @@ _DIM_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 # and norms, Triton) take the roofline's max as XLA's own kernels do.
 LIBRARY_CALLS = (("__cublas", 2.0, 1.0), ("__cudnn$convBackwardFilter", 1.0, 0.5),
                  ("__cudnn$conv", 1.0, 1.0))
+# cuDNN's forward convolutions split their work over output tiles of
+# TILE_ELEMENTS (the 128x128 tiles the traced kernels name) and nothing
+# else, so one with fewer tiles than the GPU has multiprocessors leaves the
+# rest idle: its compute runs at tiles / multiprocessors of the rate. The
+# filter gradient of a strided transposed convolution is such a call (XLA
+# emits it as a forward convolution whose output is the small filter and
+# whose window spans the image); on the H100's trace these ran 4-60x over
+# the rate-only price. Filter-gradient and matmul kernels also split the
+# reduction, so the rule leaves them alone.
+TILED_CALLS = ("__cudnn$convForward",)
+TILE_ELEMENTS = 128 * 128
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +202,11 @@ def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
   nbytes = _bytes(inst, shapes, body)
   flops = _matmul_flops(inst, shapes, body)
   exchanged = (sum(a.nbytes for a in inst.results()) if inst.opcode in hlo.COLLECTIVES else 0)
+  target = inst.call_target()
+  outputs = sum(int(np.prod(a.dims)) for a in inst.results()) if target else 0
   return profile.kernel_latency + roofline_seconds(
-      inst.call_target(), flops / profile.matmul_throughput, nbytes / profile.memory_bandwidth,
-      profile.collective_seconds(exchanged))
+      target, flops / profile.matmul_throughput / occupancy(target, outputs, profile),
+      nbytes / profile.memory_bandwidth, profile.collective_seconds(exchanged))
 
 
 def roofline_seconds(target: str, compute: float, memory: float,
@@ -203,6 +216,25 @@ def roofline_seconds(target: str, compute: float, memory: float,
   ``target``: a custom call's target), else the largest."""
   call = library_seconds(target, compute, memory)
   return max(compute, memory, collective) if call is None else call
+
+
+def occupancy(target: str, outputs: int, profile: DeviceProfile) -> float:
+  """The share of the GPU's multiprocessors a call to ``target`` (a custom
+  call's target) that writes ``outputs`` elements keeps busy, by
+  :data:`TILED_CALLS`; 1 for every other kernel, and where the profile
+  does not say how many multiprocessors the GPU has.
+
+  Example:
+    >>> from jaxmem.targets import get_profile
+    >>> occupancy("__cudnn$convForward", 2 * 128 * 128, get_profile("h100"))  # 2 of 132
+    0.015151515151515152
+    >>> occupancy("__cublas$gemm", 16, get_profile("h100"))
+    1.0
+  """
+  cores = profile.description.core_count if profile.description else 0
+  if not (cores and outputs and target.startswith(TILED_CALLS)):
+    return 1.0
+  return min(1.0, -(-outputs // TILE_ELEMENTS) / cores)
 
 
 def library_seconds(target: str, compute: float, memory: float) -> float | None:
