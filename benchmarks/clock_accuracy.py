@@ -51,11 +51,13 @@ from benchmarks._steps import compile_for, task as zoo_task  # noqa: E402
 _LEAST_ELEMENTWISE = 2**28
 
 
-def measured_steps(folder: str) -> tuple[dict, list[dict]]:
+def measured_steps(folders: list[str]) -> tuple[dict, list[dict]]:
   """(model, config, method, slop) -> step times measured, and the profile
-  figures of the runs' calibrations."""
+  figures of the runs' calibrations, over the runs under ``folders``."""
   steps, calibrated = collections.defaultdict(list), []
-  for path in sorted(glob.glob(os.path.join(folder, "**", "rows.jsonl"), recursive=True)):
+  paths = [p for folder in folders
+           for p in sorted(glob.glob(os.path.join(folder, "**", "rows.jsonl"), recursive=True))]
+  for path in paths:
     for line in open(path):
       row = json.loads(line)
       if row.get("kind") == "calibrate" and row.get("status") == "ok":
@@ -168,7 +170,8 @@ def render(rows: list[dict], labels: list[str]) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--runs", required=True, help="a GPU check's results folder")
+  parser.add_argument("--runs", required=True, nargs="+",
+                      help="GPU check results folders (every run under each)")
   parser.add_argument("--target", required=True, help="the preset of the GPU it ran on")
   parser.add_argument("--models", nargs="*", default=None)
   parser.add_argument("--out", default=None, help="folder for results.md and results.json")
