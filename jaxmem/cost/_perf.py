@@ -175,11 +175,13 @@ def node_costs(graph: Graph) -> tuple[OpCost, ...]:
     outs = sum(graph.values[v].nbytes for v in node.outs)
     moved = (sum(graph.values[a].nbytes for a in node.ins if isinstance(a, int) and moves(a))
              + sum(graph.values[v].nbytes for v in node.outs if moves(v)))
+    library = "" if buffers is None else buffers.library.get(node.index, "")
     costs.append(OpCost(name, node.flops, moved, matmul=name in _MATMULS,
                         launch=buffers is not None and node.index in buffers.launches,
                         exchanged=outs if _primitives.communicates(name) else 0,
-                        library="" if buffers is None else buffers.library.get(node.index, ""),
-                        outputs=sum(graph.values[v].aval.size for v in node.outs)))
+                        library=library,
+                        outputs=sum(graph.values[v].aval.size for v in node.outs)
+                        if library else 0))
   return tuple(costs)
 
 
