@@ -14,6 +14,7 @@ written out as that policy by :func:`name_policy`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -41,9 +42,10 @@ class NamePolicy:
   offloaded: tuple[str, ...] = ()
   layers: tuple[str, ...] = ()
 
-  @property
+  @functools.cached_property
   def policy(self):
-    """The ``jax.checkpoint_policies`` policy it stands for."""
+    """The ``jax.checkpoint_policies`` policy it stands for (made once:
+    ``jax.checkpoint`` calls the policy for every equation it traces)."""
     if not self.offloaded:
       return jax.checkpoint_policies.save_only_these_names(*self.saved)
     return jax.checkpoint_policies.save_and_offload_only_these_names(

@@ -142,6 +142,7 @@ def get_planner(planner, target=None) -> Planner:
 
 __all__ = [
     "ABLATIONS", "DEFAULT_TARGET", "Fixed", "Gap", "Greedy", "Hybrid", "ILP", "LGM", "LayerReport",
-    "NAMED", "Names", "NoNames", "PLANNERS", "Planner", "Solution", "SwapRecord", "auto", "get_planner", "hybrid", "ilp",
-    "lgm", "lgm_unreserved", "lgm_whole", "names", "offload_only", "recompute", "reservation_floor",
+    "NAMED", "Names", "NoNames", "PLANNERS", "Planner", "Solution", "SwapRecord", "auto",
+    "get_planner", "hybrid", "ilp", "lgm", "lgm_unreserved", "lgm_whole", "names", "offload_only",
+    "recompute", "reservation_floor",
 ]
