@@ -14,7 +14,7 @@ LAYERS = [
     {"_flags", "_provenance", "_budget", "_progress", "graph._primitives", "_decisions",
      "fit._arguments",
      "fit._batching", "targets._description", "targets._host_args", "targets._remesh",
-     "cost._hlo",
+     "cost._hlo", "cost._heap",
      "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code
     {"fit._saved", "targets._profiles", "fit._unmet"},
     {"fit._plan_cache"},

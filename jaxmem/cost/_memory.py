@@ -122,6 +122,18 @@ def simulate(schedule: Schedule) -> Liveness:
                   max(walk.host_timeline, default=0), walk.host_timeline)
 
 
+def buffer_spans(schedule: Schedule) -> tuple[int, list[tuple[int, int, int]]]:
+  """The bytes held from the start (arguments and outputs), and every
+  other device buffer the walk allocates as ``(first op, last op, bytes)``:
+  what a compiler packs into its heap of temporaries (``cost._heap``).
+  Their most bytes live at one op, with the start's, is :func:`simulate`'s
+  peak."""
+  prepared = _prepare(schedule)
+  spans: list = []
+  _walk(schedule, *prepared.walk_args, spans=spans)
+  return prepared.start, spans
+
+
 def stacked(schedule: Schedule) -> dict[str, list[int]]:
   """The model's live device bytes after each op of ``schedule``, by what
   holds them: ``arguments and outputs`` (the step's inputs, constants and
@@ -292,7 +304,8 @@ KINDS = ("residuals", "recomputed", "copied back", "temporaries")
 
 def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
           in_outputs: set, start: int, on_host: int = 0, loops: dict | None = None,
-          copies_free_at: dict | None = None, classify=None) -> _Walk:
+          copies_free_at: dict | None = None, classify=None,
+          spans: list | None = None) -> _Walk:
   """Walks the ops in order: each op's own buffers are allocated with the
   copies beside them (host copies on the host; temporaries placed in
   output buffers add nothing), the timeline records the live bytes with
@@ -301,20 +314,27 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
   host bytes are held from the start; ``loops`` holds, per op that runs a
   loop, what its body holds while it runs (:func:`loop_scratch`). With ``classify`` (key -> one of
   :data:`KINDS`), ``kinds`` splits the timeline less ``start`` by kind (an
-  op's scratch among the temporaries)."""
+  op's scratch among the temporaries). With ``spans`` (a list), each device
+  buffer's ``(first op, last op, bytes)`` is appended to it: a value's, its
+  copies' and each op's scratch apart."""
   ops, nbytes = schedule.ops, schedule.nbytes
   live = start
   live_set: set = set()
   walk = _Walk(live, 0, [], [], [], {k: [] for k in KINDS} if classify else {})
   held = dict.fromkeys(KINDS, 0)
   besides: dict = {}  # key -> bytes of its copies still held
+  opened: dict = {}  # key -> the op that allocated it (where ``spans`` is kept)
 
-  def release(key, copies_only: bool = False) -> None:
+  def release(key, pos: int, copies_only: bool = False) -> None:
     nonlocal live
-    freed = besides.pop(key, 0) + (0 if copies_only else nbytes(key))
+    copies = besides.pop(key, 0)
+    freed = copies + (0 if copies_only else nbytes(key))
     live -= freed
     if classify:
       held[classify(key)] -= freed
+    if spans is not None:
+      spans.extend((opened[key], pos, n) for n in (copies, 0 if copies_only else nbytes(key))
+                   if n)
 
   for pos in range(len(ops)):
     for key in owned_by.get(pos, ()):
@@ -326,9 +346,12 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       besides[key] = fusion.beside(key)
       live += nbytes(key) + besides[key]
       live_set.add(key)
+      opened[key] = pos
       if classify:
         held[classify(key)] += nbytes(key) + besides[key]
     scratch = fusion.scratch(pos) + (loops or {}).get(pos, 0)
+    if spans is not None and scratch:
+      spans.append((pos, pos, scratch))
     walk.timeline.append(live + scratch)
     walk.host_timeline.append(on_host)
     for kind, series in walk.kinds.items():
@@ -337,12 +360,12 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       walk.peak, walk.peak_op, walk.live_at_peak = walk.timeline[-1], pos, list(live_set)
     for key in (copies_free_at or {}).get(pos, ()):
       if key in live_set:
-        release(key, copies_only=True)
+        release(key, pos, copies_only=True)
     for key in free_at.get(pos, ()):
       if key in host:
         on_host -= nbytes(key)
       elif key in live_set:
-        release(key)
+        release(key, pos)
         live_set.discard(key)
   return walk
 
