@@ -346,7 +346,8 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       besides[key] = fusion.beside(key)
       live += nbytes(key) + besides[key]
       live_set.add(key)
-      opened[key] = pos
+      if spans is not None:
+        opened[key] = pos
       if classify:
         held[classify(key)] += nbytes(key) + besides[key]
     scratch = fusion.scratch(pos) + (loops or {}).get(pos, 0)

@@ -203,7 +203,7 @@ def kernel_seconds(inst: hlo.Instruction, shapes: dict, program: hlo.Program,
   flops = _matmul_flops(inst, shapes, body)
   exchanged = (sum(a.nbytes for a in inst.results()) if inst.opcode in hlo.COLLECTIVES else 0)
   target = inst.call_target()
-  outputs = sum(int(np.prod(a.dims)) for a in inst.results()) if target else 0
+  outputs = sum(a.size for a in inst.results()) if target else 0
   return profile.kernel_latency + roofline_seconds(
       target, flops / profile.matmul_throughput / occupancy(target, outputs, profile),
       nbytes / profile.memory_bandwidth, profile.collective_seconds(exchanged))
