@@ -5,14 +5,9 @@ same graph and aim; exits after printing them.
   JAX_PLATFORMS=cpu PYTHONPATH=.:tests:benchmarks python \
       benchmarks/results/planning-mobilenetv2-t4-fallback/fb_compare.py 13015084 mobilenetv2
 """
-import logging, sys, time
-import jax
-import jaxmem
-from jaxmem._zoo import models
-from benchmarks._steps import task as zoo_task
-from jaxmem.targets import placed
+import sys, time
 from jaxmem.planners import _ilp
-budget, name = int(sys.argv[1]), sys.argv[2]
+from fb_fit import fit_with_fallback
 orig = _ilp.ILP._fallback_plan
 def patched(self, graph, lowest, aim):
   g = self._recompute_greedy()
@@ -26,7 +21,4 @@ def patched(self, graph, lowest, aim):
   for k, (r, s) in out.items():
     print(f"{k:22s} fits {r.fits} peak {r.peak} decisions {len(r.plan)} offloads {len(r.plan.values_with('offload'))} cost {self.cost(r.schedule)*1e3:.4f} ms  {s:.1f}s", flush=True)
   sys.exit(0)
-_ilp.ILP._fallback_plan = patched
-t = zoo_task(name, dict(models().CPU_SIZES[name]))
-shapes = placed(jax.eval_shape(t.init), "t4")
-jaxmem.transform(t.step, budget=budget, target="t4", reserve=0).fit(*shapes)
+fit_with_fallback(patched)
