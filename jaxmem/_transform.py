@@ -233,7 +233,7 @@ class Transformed:
     fitting = functools.partial(self._fit_traced, out_tree=out_tree, step=step,
                                 target=target, args=args, kwargs=kwargs, leaves=leaves,
                                 start=start, find_smallest=find_smallest, graph=graph,
-                                programs={})
+                                programs={}, plans={})
     written = self._written(closed, out_tree, target, leaves, args, kwargs)
     chunked = functools.partial(self._micro_batched, fitting, closed, planner, written,
                                 args, kwargs)
@@ -306,11 +306,11 @@ class Transformed:
                  target: Target, args, kwargs, leaves, start: float, find_smallest: bool,
                  micro: MicroBatches | None = None, own: Written | None = None,
                  graph=None, only_fitting: bool = False,
-                 programs: dict | None = None) -> Fit | None:
+                 programs: dict | None = None, plans: dict | None = None) -> Fit | None:
     """:meth:`_fit_traced` of one graph of the step (its optimizer state
     kept in host memory, ``Graph.hosted``, or not); ``only_fitting`` as
-    :meth:`Fitter.fit` takes it; ``programs``: the executables compiled so
-    far in this fit, by program (each is compiled once)."""
+    :meth:`Fitter.fit` takes it; ``programs`` and ``plans``: the executables
+    compiled and the plans made so far in this fit (each once)."""
     here = resolve(None, leaves)  # where the step runs, which the target may not be
     graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves)
     own = own or written
@@ -339,7 +339,7 @@ class Transformed:
                                model_scale=model.peak / max((own.footprint or model.peak)
                                                             - fixed, 1), jit=jit,
                                max_rounds=self.max_rounds, reserve=reserve, where=target.name,
-                               fixed=fixed, clock=clock)
+                               fixed=fixed, clock=clock, plans=plans)
     cached = None if micro else self._cache_entry(step, leaves, target, budget, reserve, planner)
     saved = None if cached is None else _plan_cache.get(*cached, step)
     planned, planner, found = search(

@@ -338,3 +338,26 @@ def test_a_budget_above_the_footprint_needs_no_plan_and_says_so(args):
   fit = fitted.fit(*args)
   assert made == 1 and not len(fit.plan) and fit.budget > fit.footprint
   assert "the step as written fits the budget, nothing needed planning" in fit.report()
+
+
+@dataclasses.dataclass
+class _Asked(Greedy):
+  """The greedy, recording what each call to its ``plan`` asked for."""
+  asked: list = dataclasses.field(default_factory=list)
+
+  def plan(self, graph, aim, start=None):
+    self.asked.append((len(graph.nodes), len(graph.values), aim, start))
+    return super().plan(graph, aim, start)
+
+
+@pytest.mark.parametrize("target", [None, "t4"])
+def test_a_plan_is_made_once_per_transform(args, target):
+  # Under the smallest footprint the quick fit fails, the micro-batches do
+  # too, and the fit that seeks the smallest footprint asks for the same
+  # plans again (of the same graph: for a GPU target, the one with the
+  # buffers its compiler gives): each is planned once.
+  step = lambda w, x: _step(w, x)
+  planner = _Asked()
+  with pytest.raises(jaxmem.BudgetError):
+    jaxmem.transform(step, budget="10%", planner=planner, target=target).fit(*args)
+  assert planner.asked and len(set(planner.asked)) == len(planner.asked), planner.asked

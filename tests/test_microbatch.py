@@ -376,3 +376,34 @@ def test_dropout_masks_drawn_per_micro_batch(strided):
   sliced = xla_footprint(jax.jit(micro_batched(whole, k)).lower(*leaves).compile())
   masks = 8 * 1024 * 32 * 4
   assert xla_footprint(run.lower(*leaves).compile()) + masks < sliced
+
+
+def _with_a_large_parameter(p, x):
+  """A tanh MLP beside a large parameter that no micro-batch shrinks."""
+  def loss(p):
+    w, big = p
+    h = x
+    for _ in range(6):
+      h = h + jnp.tanh(h @ w)
+    return jnp.sum(h) + jnp.sum(jnp.sin(big))
+  return jax.tree.map(lambda a, b: a - 1e-3 * b, p, jax.grad(loss)(p))
+
+
+def test_counts_of_micro_batches_are_skipped_once_the_footprint_levels(caplog):
+  # Each count of micro-batches tried is a compilation; once one more
+  # halving gains less than PLATEAU as written, only the most chunks are
+  # measured after it.
+  import logging
+  import re
+  from jaxmem.fit._micro import PLATEAU
+  caplog.set_level(logging.INFO, logger="jaxmem")
+  args = ((jnp.eye(64) * 0.1, jnp.ones((1024, 1024))), jnp.ones((512, 64)))
+  with pytest.raises(jaxmem.BudgetError):
+    jaxmem.transform(_with_a_large_parameter, budget="30%").fit(*args)
+  measured = [tuple(map(int, m.groups())) for m in re.finditer(
+      r"(\d+) micro-batches of \d+ examples.*? as written: (\d+)", caplog.text)]
+  counts = [k for k, _ in measured]
+  assert counts[-1] == 256 and len(counts) < 8, measured  # 2, 4, ..., 256 otherwise
+  levelled = next(i for i in range(1, len(measured))
+                  if measured[i][1] >= (1 - PLATEAU) * measured[i - 1][1])
+  assert levelled == len(measured) - 2, measured  # the largest count next, and last

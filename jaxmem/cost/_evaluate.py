@@ -303,12 +303,14 @@ def paused_gc():
       gc.enable()
 
 
+@analysis
 def with_state_hosted(graph: Graph, profile: DeviceProfile | None,
                       masters: bool = True) -> Graph | None:
   """``graph`` with its optimizer state kept on the host between steps (its
   master weights too, with ``masters``), each leaf fetched in time on
   ``profile`` (:func:`state_fetch_points`; before its first reader without
-  one); None where it has none."""
+  one); None where it has none. One graph per ``graph``, ``profile`` and
+  ``masters`` (arguments after the graph are positional)."""
   state = [leaf.value for leaf in optimizer_state(graph) if masters or not leaf.master]
   if not state:
     return None
@@ -325,6 +327,6 @@ def state_hosted_tiers(graph: Graph, profile: DeviceProfile | None) -> Iterator[
   not. A step with only one kind gives one graph."""
   state = optimizer_state(graph)
   if any(not leaf.master for leaf in state):
-    yield with_state_hosted(graph, profile, masters=False)
+    yield with_state_hosted(graph, profile, False)
   if any(leaf.master for leaf in state):
-    yield with_state_hosted(graph, profile)
+    yield with_state_hosted(graph, profile, True)

@@ -130,6 +130,10 @@ class Fitter:
       footprint compiles (besides the last plan tried) instead of the
       planner's candidates: the smallest plans another fit of the same step
       found (:func:`search`'s second fit).
+    plans: where given, the plans made so far in the transform's fits,
+      shared by them: ``(graph, aim, start) -> (planner, candidate)``. A
+      fit that asks its planner for a plan it made before (the fit that
+      seeks the smallest footprint after a quick one) takes it from there.
   """
   graph: Graph
   planner: Planner
@@ -143,6 +147,7 @@ class Fitter:
   fixed: int = 0
   clock: Callable[[object], float] | None = None
   smallest_from: tuple[Plan, ...] | None = None
+  plans: dict | None = None
   # Model bytes per XLA byte of each planned trial compiled: what the
   # model's peaks have been worth on the target so far in this fit.
   _ratios: list = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -187,8 +192,14 @@ class Fitter:
 
   def plan(self, aim: int, start: Plan | None = None) -> Candidate:
     """The planner's plan for ``aim`` model bytes (logged)."""
+    key = (self.graph, aim, start)
+    known = (self.plans or {}).get(key)
+    if known is not None and known[0] is self.planner:
+      return known[1]
     began = time.perf_counter()
     found = self.planner.plan(self.graph, aim, start=start)
+    if self.plans is not None:
+      self.plans[key] = (self.planner, found)
     _log.info("jaxmem: %s planned for %s (model bytes): %d decisions, model peak %s "
               "(%s) in %.1f s", self.planner.name, format_bytes(aim), len(found.plan),
               format_bytes(found.peak), "fits" if found.fits else "over",

@@ -23,7 +23,7 @@ from jaxmem.fit._inner import body_graph, embedded, inner_body
 from jaxmem.targets._host_args import devices_of
 from jaxmem.cost._xla_shards import per_device, shard_elements
 from jaxmem.schedule._emit import emit
-from jaxmem.graph._graph import Graph, build_graph
+from jaxmem.graph._graph import Graph, analysis, build_graph
 from jaxmem.graph._state import apply_host_decisions
 from jaxmem.planners import Fixed
 from jaxmem.targets import Target, xla_footprint
@@ -125,9 +125,17 @@ def looped(graph: Graph) -> bool:
 def modelled(graph: Graph, target: Target, mesh=None) -> Graph:
   """``graph`` (the body of a ``shard_map`` over ``mesh``, where given) with
   the buffers its target's compiler gives it where the target is a GPU; on
-  XLA:CPU the memory model emulates its fusion."""
+  XLA:CPU the memory model emulates its fusion. One graph per ``graph``,
+  target and mesh: the fits of a step (the quick one, then the one that
+  seeks the smallest footprint) plan the same graph, and what its
+  analyses and the planners' memos hold serves them all."""
   if target.platform == "cpu":
     return graph
+  return _learned(graph, target, mesh)
+
+
+@analysis
+def _learned(graph: Graph, target: Target, mesh) -> Graph:
   return with_buffers(graph, learn(graph, target, mesh))
 
 
