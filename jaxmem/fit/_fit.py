@@ -131,9 +131,10 @@ class Fitter:
       planner's candidates: the smallest plans another fit of the same step
       found (:func:`search`'s second fit).
     plans: where given, the plans made so far in the transform's fits,
-      shared by them: ``(graph, aim, start) -> (planner, candidate)``. A
-      fit that asks its planner for a plan it made before (the fit that
-      seeks the smallest footprint after a quick one) takes it from there.
+      shared by them: ``(graph, aim, start) -> (planner, candidate)``, and
+      ``(graph, "lowest") -> (planner, candidates)``. A fit that asks its
+      planner for plans it made before (the fit that seeks the smallest
+      footprint after a quick one) takes them from there.
   """
   graph: Graph
   planner: Planner
@@ -192,18 +193,26 @@ class Fitter:
 
   def plan(self, aim: int, start: Plan | None = None) -> Candidate:
     """The planner's plan for ``aim`` model bytes (logged)."""
-    key = (self.graph, aim, start)
-    known = (self.plans or {}).get(key)
-    if known is not None and known[0] is self.planner:
-      return known[1]
+    return self._remembered((self.graph, aim, start), lambda: self._planned(aim, start))
+
+  def _planned(self, aim: int, start: Plan | None) -> Candidate:
     began = time.perf_counter()
     found = self.planner.plan(self.graph, aim, start=start)
-    if self.plans is not None:
-      self.plans[key] = (self.planner, found)
     _log.info("jaxmem: %s planned for %s (model bytes): %d decisions, model peak %s "
               "(%s) in %.1f s", self.planner.name, format_bytes(aim), len(found.plan),
               format_bytes(found.peak), "fits" if found.fits else "over",
               time.perf_counter() - began)
+    return found
+
+  def _remembered(self, key: tuple, make: Callable[[], object]):
+    """``make()`` (the planner's answer for ``key``), or what it gave for
+    ``key`` before in the transform's fits (``plans``)."""
+    known = (self.plans or {}).get(key)
+    if known is not None and known[0] is self.planner:
+      return known[1]
+    found = make()
+    if self.plans is not None:
+      self.plans[key] = (self.planner, found)
     return found
 
   def compile(self, candidate: Candidate) -> Trial:
@@ -425,7 +434,8 @@ class Fitter:
     if self.smallest_from is not None:
       candidates += [candidate(self.graph, p) for p in self.smallest_from]
     elif self.graph.has_backward:
-      candidates += list(self.planner.lowest(self.graph))
+      candidates += self._remembered((self.graph, "lowest"),
+                                     lambda: list(self.planner.lowest(self.graph)))
     trials, seen = [tried], {tried.candidate.plan}
     variants = [candidate(self.graph, p)
                 for p in loop_variants(self.graph, tried.candidate.plan,
