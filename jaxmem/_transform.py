@@ -321,8 +321,8 @@ class Transformed:
     no_backward(planned)
 
     def jit(candidate: Candidate):
-      if own.in_place and not changes(candidate, graph):  # compiled as it runs, then run
-        return own.baseline if own.one_program else own.jitted.lower(
+      if not changes(candidate, graph):  # as written: for the target, or as it runs here
+        return own.baseline if own.one_program or not own.in_place else own.jitted.lower(
             *placed_args, **placed_kwargs).compile()
       hosting = candidate.schedule.graph if loop is None else graph
       measuring = self._jit(emitter(candidate), out_tree, target, hosting,

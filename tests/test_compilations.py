@@ -361,3 +361,16 @@ def test_a_plan_is_made_once_per_transform(args, target):
   with pytest.raises(jaxmem.BudgetError):
     jaxmem.transform(step, budget="10%", planner=planner, target=target).fit(*args)
   assert planner.asked and len(set(planner.asked)) == len(planner.asked), planner.asked
+
+
+def test_a_budget_the_step_meets_on_a_gpu_target_compiles_it_once_for_the_target(args):
+  # The step as written compiled for the target is measured once and stands
+  # for the plan that keeps everything; one more compilation learns the
+  # buffers the target's compiler gives.
+  from jaxmem.targets import timing_profile
+  timing_profile("t4")  # how its compiler schedules host copies: probed once a process
+  fitted = jaxmem.transform(_step, budget="100%", target="t4")
+  with counted() as made:
+    fit = fitted.fit(*args)
+  assert not len(fit.plan) and fit.target.compile_only
+  assert len(made) == 2, made
