@@ -234,7 +234,7 @@ class Transformed:
                                 target=target, args=args, kwargs=kwargs, leaves=leaves,
                                 start=start, find_smallest=find_smallest, graph=graph,
                                 programs={}, plans={})
-    written = self._written(closed, out_tree, target, leaves, args, kwargs)
+    written = self._written(closed, out_tree, target, leaves, args, kwargs, graph)
     chunked = functools.partial(self._micro_batched, fitting, closed, planner, written,
                                 args, kwargs)
     try:
@@ -312,7 +312,8 @@ class Transformed:
     :meth:`Fitter.fit` takes it; ``programs`` and ``plans``: the executables
     compiled and the plans made so far in this fit (each once)."""
     here = resolve(None, leaves)  # where the step runs, which the target may not be
-    graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves)
+    graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves,
+                                           own or written)
     own = own or written
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
     base_memory = unplanned(graph, 0).memory  # the step as written
@@ -365,13 +366,12 @@ class Transformed:
       _plan_cache.put(*cached, fit.saved())  # planned here: kept for the next run
     return fit
 
-  def _written(self, closed, out_tree, target: Target, leaves, args, kwargs) -> Written:
+  def _written(self, closed, out_tree, target: Target, leaves, args, kwargs,
+               graph=None) -> Written:
     """The traced step as written (:func:`~jaxmem.fit._traced.as_written`)."""
-    here = resolve(None, leaves)
-    run = jex.jaxpr_as_fun(closed)
-    donates = bool(self.arguments.donate_argnums or self.arguments.donate_argnames)
+    here, run = resolve(None, leaves), jex.jaxpr_as_fun(closed)
     return as_written(run, self._jit(run, out_tree, here, leaves=leaves), target, here, leaves,
-                      self._placed(target, args, kwargs), donates)
+                      self._placed(target, args, kwargs), self.arguments.donates, graph)
 
   def _cache_entry(self, step: str, leaves, target: Target, budget: int, reserve: int,
                    planner) -> tuple[str, str] | None:

@@ -8,12 +8,13 @@ import jax.numpy as jnp
 import optax
 import pytest
 
+import jaxmem
 import jaxmem_models as models
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.graph._graph import build_graph
 from jaxmem.cost import _hlo as hlo
-from jaxmem.cost._xla_buffers import (WrittenBuffer, assign, learn, with_buffers, workspaces,
-                                      written_buffers)
+from jaxmem.cost._xla_buffers import (WrittenBuffer, assign, compile_tagged, learn, read,
+                                      rewritten, with_buffers, workspaces, written_buffers)
 from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint
 
 # A scheduled program as XLA:GPU prints it, cut to what the reader uses: a
@@ -156,7 +157,9 @@ def test_the_learned_model_follows_xla_gpu_on_the_step_as_written(name):
   """With what XLA:GPU fuses learned from its program for a T4, the memory
   model's footprint of the step as written is within 10% of XLA:GPU's,
   the cuBLAS/cuDNN workspaces included (the model holds each while its
-  call runs)."""
+  call runs). The program it is learned from, the step with its equations
+  tagged, has the footprint of the step emitted from its graph untagged:
+  a fit for a compile-only GPU measures the step on it."""
   model, config = SMALL[name]
   task = models.get(model, optimizer=optax.adam(1e-3, eps=1e-3), **config)
   args = task.init()
@@ -166,7 +169,10 @@ def test_the_learned_model_follows_xla_gpu_on_the_step_as_written(name):
       *placed(args, "t4")).compile()
   assert workspace_bytes(compiled) > 0  # what the model must now hold
   xla = xla_footprint(compiled)
-  learned = unplanned(with_buffers(graph, learn(graph, target)), 0).peak
+  leaves = jax.tree_util.tree_leaves(args)
+  tagged = compile_tagged(graph, target, leaves)
+  assert xla_footprint(tagged) == xla_footprint(_compiled(rewritten(graph), leaves, target))
+  learned = unplanned(with_buffers(graph, read(graph, tagged)), 0).peak
   assert abs(learned / xla - 1) <= 0.10, (learned, xla)
 
 
@@ -235,3 +241,43 @@ def test_a_padded_copy_lives_with_the_forward_reads_of_a_block_checkpointed_whol
   assert not ops[last].kind == "node" or not graph.nodes[ops[last].node].backward
   extra = [a - b for a, b in zip(held.timeline, without.timeline)]
   assert extra == [0] * start + [copy] * (last + 1 - start) + [0] * (len(ops) - last - 1)
+
+
+def test_a_fit_for_a_compile_only_gpu_names_the_footprint_of_the_step_it_returns():
+  """A fit for a T4 measures the step as written on its compilation with
+  every equation tagged; where no plan is needed, the step it returns is
+  that program untagged, of the footprint it names. (The step emitted from
+  its graph may differ by a few bytes from the traced jaxpr: blocks under
+  ``nn.scan`` do.)"""
+  model, config = SMALL["scanned gpt2"]
+  task = models.get(model, optimizer=optax.adam(1e-3, eps=1e-3), **config)
+  args = task.init()
+  fit = jaxmem.transform(task.step, budget="100%", target="t4").fit(*args)
+  assert not len(fit.plan) and fit.target.compile_only
+  returned = _compiled(fit.run, jax.tree_util.tree_leaves(args), fit.target)
+  assert xla_footprint(returned) == fit.footprint <= fit.budget
+
+
+def _compiled(run, leaves, target):
+  """``run`` over flat ``leaves`` compiled for ``target`` as a fit measures."""
+  return jax.jit(target.compiles(run, leaves), compiler_options=target.options(measuring=True)
+                 ).lower(*target.place(leaves)).compile()
+
+
+def test_a_fit_for_a_compile_only_gpu_plans_a_loops_body_with_the_bodys_buffers():
+  """Where the step's passes run in a loop (gradient accumulation over a
+  ``lax.scan``), the graph planned for a T4 is the loop's body, with the
+  buffers XLA:GPU gives the body, not those of the step around it."""
+  def loss(ws, x):
+    return jnp.mean(jax.lax.scan(lambda h, w: (h + jnp.tanh(h @ w), None), x, ws)[0] ** 2)
+
+  def step(ws, xs):
+    grads = jax.lax.scan(lambda g, x: (g + jax.grad(loss)(ws, x), None), jnp.zeros_like(ws),
+                         xs)[0]
+    return ws - 0.01 * grads
+
+  args = (jnp.ones((4, 64, 64)) / 64, jnp.ones((2, 128, 64)))
+  fit = jaxmem.transform(step, budget="100%", target="t4").fit(*args)
+  assert not build_graph(jax.make_jaxpr(step)(*args)).residuals  # the step's: a loop
+  assert fit.graph.residuals and fit.graph.buffers is not None
+  assert fit.graph.buffers == learn(fit.graph, fit.target)

@@ -220,9 +220,15 @@ def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
 
 def tagged(graph: Graph, binds=None):
   """``graph``'s step as written, each equation under the name scope
-  ``jaxmem#<node>``: what is compiled to read the target's program back
-  (without the barriers a plan adds, kernel gradients' pins among them)."""
-  return emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=TAG,
+  ``jaxmem#<node>``: what is compiled to read the target's program back."""
+  return rewritten(graph, TAG, binds)
+
+
+def rewritten(graph: Graph, tag: str | None = None, binds=None):
+  """``graph``'s step as written, emitted from the graph (without the
+  barriers a plan adds, kernel gradients' pins among them); with ``tag``,
+  each equation under a name scope of its own (see ``_emit.emit``)."""
+  return emit(build_schedule(graph, Plan(), separate=False, pin=False), tag=tag,
               binds=binds or {})
 
 
@@ -235,14 +241,29 @@ def learn(graph: Graph, target, mesh=None) -> Buffers:
   avals = [jax.ShapeDtypeStruct(graph.values[v].aval.shape, graph.values[v].aval.dtype)
            for v in graph.inputs]
   if mesh is None:
-    run, args = target.compiles(tagged(graph), avals, one_device=True), target.place(avals)
-  else:
-    run = target.compiles(_on_every_device(tagged(graph, UNTYPED), mesh), avals)
-    replicated = jax.sharding.NamedSharding(target.mesh_like(mesh), jax.sharding.PartitionSpec())
-    args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in avals]
-  text = jax.jit(run, compiler_options=target.options(measuring=True) or None
-                 ).lower(*args).compile().as_text()
-  program = hlo.parse(text)
+    return read(graph, compile_tagged(graph, target, avals, one_device=True))
+  run = target.compiles(_on_every_device(tagged(graph, UNTYPED), mesh), avals)
+  replicated = jax.sharding.NamedSharding(target.mesh_like(mesh), jax.sharding.PartitionSpec())
+  args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in avals]
+  return read(graph, jax.jit(run, compiler_options=target.options(measuring=True) or None
+                             ).lower(*args).compile())
+
+
+def compile_tagged(graph: Graph, target, leaves, one_device: bool = False):
+  """``graph``'s step as written with every equation tagged, compiled for
+  ``target`` on the flat arguments ``leaves`` (abstract or not) as
+  ``target.compiles`` takes them: the program :func:`read` reads. Tags are
+  name scopes, metadata only: XLA's footprint is that of the step
+  :func:`rewritten` untagged."""
+  run = target.compiles(tagged(graph), leaves, one_device=one_device)
+  return jax.jit(run, compiler_options=target.options(measuring=True) or None
+                 ).lower(*target.place(leaves)).compile()
+
+
+def read(graph: Graph, compiled) -> Buffers:
+  """The buffers the program ``compiled`` (``graph``'s step with its
+  equations tagged, compiled for a target) gives ``graph``'s values."""
+  program = hlo.parse(compiled.as_text())
   kernels = _kernels(program)
   found = assign(graph, _written(kernels))
   ours = lambda per_tag: {t: v for t, v in per_tag.items() if t < len(graph.nodes)}

@@ -97,6 +97,11 @@ class Arguments:
       args.insert(i, value)
     return tuple(args), {**dyn_kwargs, **dict(named)}
 
+  @property
+  def donates(self) -> bool:
+    """Whether any argument is donated."""
+    return bool(self.donate_argnums or self.donate_argnames)
+
   def donated_leaves(self, args: tuple, kwargs: dict) -> frozenset[int]:
     """Positions, among the dynamic arguments' flat leaves, of the leaves
     of donated arguments."""
