@@ -17,7 +17,7 @@ from jaxmem.cost._evaluate import Candidate, paused_gc, state_hosted_tiers, unpl
 from jaxmem.graph._state import apply_host_decisions
 from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter
-from jaxmem.fit._search import search
+from jaxmem.fit._search import first_fit, search
 from jaxmem.fit._unmet import budget_error, known_to_fail, remember
 from jaxmem.fit._fitted import Fit
 from jaxmem.fit._inner import body_of
@@ -285,22 +285,11 @@ class Transformed:
       return fit(graph=apply_host_decisions(graph, planner.around)[0])
     if not (self._may_host(target) and looped(graph)):
       return fit(graph=graph)
-    first = found = None
-    try:
-      found = fit(graph=graph)
-    except BudgetError as err:
-      first = err
-    for hosted in [] if found else state_hosted_tiers(graph, timing_profile(target)):
-      try:
-        found = fit(graph=hosted)
-      except BudgetError as err:
-        first = err if first is None or err.smallest <= first.smallest else first
-        continue
-      if found is not None:
-        return found
-    if found is None and first is not None:
-      raise first
-    return found
+
+    def tiers():  # the state's places, each tried once the one before fits no plan
+      yield graph
+      yield from state_hosted_tiers(graph, timing_profile(target))
+    return first_fit(functools.partial(fit, graph=tried) for tried in tiers())
 
   def _fit_graph(self, closed, planner, written: Written, *, out_tree, step: str,
                  target: Target, args, kwargs, leaves, start: float, find_smallest: bool,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
-from typing import Callable
+from typing import Callable, Iterable, TypeVar
 
 from jaxmem._budget import BudgetError
 from jaxmem._decisions import Plan
@@ -24,6 +24,26 @@ from jaxmem.planners import Fixed, Planner
 from jaxmem.targets import DeviceProfile
 
 _log = logging.getLogger("jaxmem")
+T = TypeVar("T")
+
+
+def first_fit(tries: Iterable[Callable[[], T | None]]) -> T | None:
+  """The answer of the first of ``tries`` (run in turn, each once the ones
+  before it answered no: None, or a :class:`BudgetError`) that answers;
+  where none does, the ``BudgetError`` naming the smallest footprint of
+  those raised (the first of equals), or None where none raised."""
+  error = None
+  for attempt in tries:
+    try:
+      found = attempt()
+    except BudgetError as err:
+      error = err if error is None or err.smallest < error.smallest else error
+      continue
+    if found is not None:
+      return found
+  if error is not None:
+    raise error
+  return None
 
 
 def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
@@ -57,27 +77,28 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
     if hit is not None:
       return (hosted, *hit)
   hosted = state_hosted_tiers(graph, profile) if may_host else ()
-  error = smallest_from = None
-  for tried in itertools.chain([graph], hosted):
+  smallest_from = [None]
+
+  def attempt(tried: Graph):
     try:
-      found = fitter(tried, planner=planner, smallest_from=smallest_from).fit(
+      found = fitter(tried, planner=planner, smallest_from=smallest_from[0]).fit(
           find_smallest, only_fitting)
-    except BudgetError as err:
-      error = err if error is None or err.smallest < error.smallest else error
-      if isinstance(err, NoPlanFits):
-        # With the state on the host, the smallest is sought among the plans
-        # that were smallest with it on the device (and the plans the second
-        # fit tries toward the budget), not over all the planner's
-        # candidates again: the state's place changes their order little,
-        # and each costs a compilation.
-        smallest_from = err.plans
-      continue
-    if found is not None:
-      if tried.hosted:
-        masters = " and master weights" if any(leaf.master for leaf in hosted_state(tried)) else ""
-        _log.info("jaxmem: no plan fits with the optimizer state%s on the device; "
-                  "it is kept in host memory between steps", masters)
-      return tried, planner, found
-  if error is not None:  # the user's error, without the search's plans or its frames
+    except NoPlanFits as err:
+      # With the state on the host, the smallest is sought among the plans
+      # that were smallest with it on the device (and the plans the second
+      # fit tries toward the budget), not over all the planner's candidates
+      # again: the state's place changes their order little, and each
+      # costs a compilation.
+      smallest_from[0] = err.plans
+      raise
+    if found is not None and tried.hosted:
+      masters = " and master weights" if any(leaf.master for leaf in hosted_state(tried)) else ""
+      _log.info("jaxmem: no plan fits with the optimizer state%s on the device; "
+                "it is kept in host memory between steps", masters)
+    return None if found is None else (tried, planner, found)
+
+  try:
+    hit = first_fit(functools.partial(attempt, tried) for tried in itertools.chain([graph], hosted))
+  except BudgetError as error:  # the user's error, without the search's plans or its frames
     raise BudgetError(str(error), smallest=error.smallest) from None
-  return graph, planner, None
+  return hit or (graph, planner, None)
