@@ -3,6 +3,7 @@ target: one place for what each script would otherwise spell out again."""
 
 from __future__ import annotations
 
+import ast
 import time
 
 import jax
@@ -17,6 +18,20 @@ def task(name: str, config: dict, remat: str | None = None):
   policy where given."""
   config = dict(config)
   return models().get(config.pop("zoo", name), remat=remat, **config)
+
+
+def zoo_options(items) -> dict:
+  """``KEY=VALUE`` items (a script's ``--set``) as zoo options: each value
+  a Python literal where it reads as one (``batch=16``), else the string
+  (``dtype=bfloat16``)."""
+  options = {}
+  for item in items:
+    key, value = item.split("=", 1)
+    try:
+      options[key] = ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+      options[key] = value
+  return options
 
 
 def compile_for(step, shapes, target: str | None, measuring: bool = False,

@@ -27,7 +27,6 @@ trains in mixed precision, its float32 master weights cast where read).
 from __future__ import annotations
 
 import argparse
-import ast
 import sys
 import time
 
@@ -40,7 +39,7 @@ from jaxmem.targets import placed, xla_footprint
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import _results  # noqa: E402
-from benchmarks._steps import compile_for, task  # noqa: E402
+from benchmarks._steps import compile_for, task, zoo_options  # noqa: E402
 
 MIB = 2**20
 
@@ -133,16 +132,6 @@ def table(rows) -> str:
   return "\n".join(lines)
 
 
-def _option(item: str) -> tuple[str, object]:
-  """``KEY=VALUE`` as a zoo option: a Python literal where it reads as one
-  (``batch=16``), else the string (``dtype=bfloat16``)."""
-  key, value = item.split("=", 1)
-  try:
-    return key, ast.literal_eval(value)
-  except (ValueError, SyntaxError):
-    return key, value
-
-
 def main(argv=None) -> None:
   from jaxmem._zoo import models
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -154,7 +143,7 @@ def main(argv=None) -> None:
                       help="zoo options over the CPU sizes, such as dtype=bfloat16")
   parser.add_argument("--out", required=True)
   opts = parser.parse_args(argv)
-  changed = dict(_option(item) for item in opts.set)
+  changed = zoo_options(opts.set)
   sizes = {name: {**config, **changed} for name, config in models().CPU_SIZES.items()}
   rows = []
   where = ("XLA:CPU" if opts.target == "cpu"

@@ -19,6 +19,9 @@ For each model (the zoo's CPU sizes, XLA:CPU):
   is named, and the JSON rows hold each budget's time.
 
     python benchmarks/planning.py --models mlp gpt2 resnet18 --out DIR
+
+``--set KEY=VALUE ...`` changes zoo options of every model (over its CPU
+size); ``--jit-runs N`` times ``jax.jit``'s compile in N processes.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from jaxmem.planners import ILP, PLANNERS
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import _results  # noqa: E402
-from benchmarks._steps import task  # noqa: E402
+from benchmarks._steps import task, zoo_options  # noqa: E402
 
 _COMPILES: list = []
 monitoring.register_event_duration_secs_listener(
@@ -54,37 +57,37 @@ def _timed(fn):
   return out, time.perf_counter() - began, len(_COMPILES)
 
 
-def transforms(name: str, budgets) -> list[dict]:
-  """``jax.jit``'s compile and the transform at each of ``budgets``, each in
-  a fresh process (as a user's run starts: nothing traced or compiled)."""
+def transforms(name: str, budgets, sets=(), jit_runs: int = 3) -> list[dict]:
+  """``jax.jit``'s compile (the median of ``jit_runs``) and the transform
+  at each of ``budgets``, each in a fresh process (as a user's run starts:
+  nothing traced or compiled), the zoo options ``sets`` (``KEY=VALUE``)
+  over the model's CPU size."""
   # A compile's time varies by a tenth or more from process to process.
-  jit_s = float(np.median([_fresh(name, None)["seconds"] for _ in range(_JIT_RUNS)]))
+  jit_s = float(np.median([_fresh(name, None, sets)["seconds"] for _ in range(jit_runs)]))
   rows = []
   for budget in budgets:
-    got = _fresh(name, budget)
+    got = _fresh(name, budget, sets)
     rows.append(dict(model=name, kind="transform", budget=budget, jit_s=jit_s,
                      ratio=got["seconds"] / jit_s, **got))
   return rows
 
 
-_JIT_RUNS = 3
-
-
-def _fresh(name: str, budget: str | None) -> dict:
+def _fresh(name: str, budget: str | None, sets=()) -> dict:
   """:func:`_measured` in a process of its own."""
-  command = [sys.executable, __file__, "--fresh", name] + ([budget] if budget else [])
+  command = ([sys.executable, __file__, "--fresh", name] + ([budget] if budget else [])
+             + (["--set", *sets] if sets else []))
   done = subprocess.run(command, capture_output=True, text=True)
   if done.returncode:
     raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
   return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _measured(name: str, budget: str | None = None) -> dict:
-  """The zoo model ``name`` (CPU size) compiled by ``jax.jit`` (``budget``
-  None), else transformed at ``budget`` and fitted: seconds and backend
-  compilations, from its arguments made on."""
+def _measured(name: str, budget: str | None = None, sets=()) -> dict:
+  """The zoo model ``name`` (CPU size, ``sets`` over it) compiled by
+  ``jax.jit`` (``budget`` None), else transformed at ``budget`` and fitted:
+  seconds and backend compilations, from its arguments made on."""
   from jaxmem._zoo import models
-  t = task(name, models().CPU_SIZES.get(name, {}))
+  t = task(name, {**models().CPU_SIZES.get(name, {}), **zoo_options(sets)})
   args = jax.block_until_ready(t.init())
   if budget is None:
     _, seconds, compiles = _timed(lambda: jax.jit(t.step).lower(*args).compile())
@@ -167,12 +170,16 @@ def main(argv=None) -> None:
   parser.add_argument("--planners", nargs="+", default=["ilp", "recompute"])
   parser.add_argument("--sweep", type=int, default=20,
                       help="budgets each planner plans (0: none, the transforms only)")
+  parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                      help="zoo options over the CPU sizes, such as depth=4")
+  parser.add_argument("--jit-runs", type=int, default=3,
+                      help="processes jax.jit's compile is timed in (the median)")
   parser.add_argument("--out")
   parser.add_argument("--fresh", nargs="+", metavar=("MODEL", "BUDGET"),
                       help=argparse.SUPPRESS)  # one measurement, for _fresh
   opts = parser.parse_args(argv)
   if opts.fresh:
-    print(json.dumps(_measured(*opts.fresh)))
+    print(json.dumps(_measured(*opts.fresh, sets=opts.set)))
     return
   if not opts.out:
     parser.error("--out is required")
@@ -180,8 +187,8 @@ def main(argv=None) -> None:
     parser.error("--planners must include ilp (plans are costed against it)")
   rows = []
   for name in opts.models:
-    config = models().CPU_SIZES.get(name, {})
-    rows += transforms(name, opts.budgets)
+    config = {**models().CPU_SIZES.get(name, {}), **zoo_options(opts.set)}
+    rows += transforms(name, opts.budgets, opts.set, opts.jit_runs)
     if opts.sweep:  # 0: the transforms' rows only
       rows += sweep(name, config, opts.planners, opts.sweep)
     print(table(rows), flush=True)

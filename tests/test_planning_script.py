@@ -12,8 +12,8 @@ from benchmarks import planning  # noqa: E402
 
 
 def test_rows_count_compilations_and_cost_plans_against_the_exact_planner(tmp_path):
-  planning.main(["--models", "mlp", "--budgets", "100%", "--sweep", "3",
-                 "--out", str(tmp_path)])
+  planning.main(["--models", "mlp", "--set", "depth=6", "width=64", "batch=256",
+                 "--budgets", "100%", "--sweep", "3", "--jit-runs", "1", "--out", str(tmp_path)])
   rows = json.loads((tmp_path / "results.json").read_text())["rows"]
   (fit,) = [r for r in rows if r["kind"] == "transform"]
   assert fit["fits"] and fit["compiles"] == 1  # the step as written: jax.jit's one
