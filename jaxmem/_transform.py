@@ -301,9 +301,9 @@ class Transformed:
     :meth:`Fitter.fit` takes it; ``programs`` and ``plans``: the executables
     compiled and the plans made so far in this fit (each once)."""
     here = resolve(None, leaves)  # where the step runs, which the target may not be
-    graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves,
-                                           own or written)
     own = own or written
+    graph, loop, planned, planner = graphs(closed, target, planner, self.__name__, graph, leaves,
+                                           own)
     placed_args, placed_kwargs = self._placed(target, args, kwargs)
     base_memory = unplanned(graph, 0).memory  # the step as written
     unconstrained = written.footprint or base_memory.peak

@@ -77,11 +77,12 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
     if hit is not None:
       return (hosted, *hit)
   hosted = state_hosted_tiers(graph, profile) if may_host else ()
-  smallest_from = [None]
+  smallest_from = None
 
   def attempt(tried: Graph):
+    nonlocal smallest_from
     try:
-      found = fitter(tried, planner=planner, smallest_from=smallest_from[0]).fit(
+      found = fitter(tried, planner=planner, smallest_from=smallest_from).fit(
           find_smallest, only_fitting)
     except NoPlanFits as err:
       # With the state on the host, the smallest is sought among the plans
@@ -89,7 +90,7 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
       # fit tries toward the budget), not over all the planner's candidates
       # again: the state's place changes their order little, and each
       # costs a compilation.
-      smallest_from[0] = err.plans
+      smallest_from = err.plans
       raise
     if found is not None and tried.hosted:
       masters = " and master weights" if any(leaf.master for leaf in hosted_state(tried)) else ""
