@@ -10,8 +10,8 @@ import pytest
 
 import jaxmem
 from jaxmem._decisions import RECOMPUTE, Plan
-from jaxmem.cost._evaluate import candidate, unplanned
-from jaxmem.fit._fit import Fitter
+from jaxmem.cost._evaluate import candidate, model_floor, unplanned
+from jaxmem.fit._fit import LOWEST_MARGIN, Fitter
 from jaxmem.graph._graph import build_graph
 from jaxmem.planners import Greedy, ILP
 from jaxmem.planners._blocks import rebuilt_as_checkpointed
@@ -147,3 +147,29 @@ def test_block_shaped_forms_are_compiled_only_where_their_kind_may_fit():
   assert fitter.structured(found) is found  # nothing shaped fits
   assert rebuilt[0].plan in compiled
   assert rebuilt[1].plan not in compiled and second.plan not in compiled
+
+
+def test_the_quick_fit_asks_for_no_low_plans_where_the_floor_cannot_fit():
+  """``model_floor`` is under every plan's model peak: where even it cannot
+  come under the budget (by the most model bytes per XLA byte seen), the
+  quick fit's search for the smallest plans that may fit asks the planner
+  for none; where it may, the planner is asked."""
+  graph = _graph()
+  over = Plan().with_decision(graph.residuals[0].value, RECOMPUTE)
+  asked = []
+
+  class Asked(_Table):
+    def lowest(self, graph, start=None):
+      asked.append(graph)
+      return super().lowest(graph, start)
+
+  planner = Asked(candidate(graph, over), [candidate(graph, over)])
+  table = {Plan(): (10**9, 1.0), over: (10**9, 1.0)}  # no ratio over the scale's
+  floor = model_floor(graph)
+  margin = 1 + LOWEST_MARGIN
+  for budget, asks in ((int(floor / margin) - 1, False), (int(floor / margin) + 1, True)):
+    asked.clear()
+    fitter = _fitter(graph, planner, table, budget)
+    tried = fitter.compile(candidate(graph, over))
+    assert fitter.lowest(tried, only_fitting=True)[0] is tried
+    assert asked == ([graph] if asks else [])

@@ -10,9 +10,9 @@ import flax.linen as nn
 import pytest
 
 import jaxmem
-from jaxmem.cost._evaluate import candidate, unplanned_liveness
+from jaxmem.cost._evaluate import candidate, model_floor, unplanned_liveness
 from jaxmem.graph._graph import build_graph
-from jaxmem.planners import ILP, Greedy, _greedy, auto
+from jaxmem.planners import ILP, Greedy, Hybrid, _greedy, auto, hybrid
 from jaxmem.planners import _highs as highs
 from jaxmem.planners._blocks import segments
 from jaxmem.planners._choices import Choice, Drop, _parent, plan_of
@@ -373,3 +373,48 @@ def test_exclusive_groups_forbid_exactly_the_clashing_pairs(blocks):
       clash = a.segment.name == b.segment.name or any(
           _parent(x.segment, names) == y.segment.name for x, y in ((a, b), (b, a)))
     assert (frozenset((i, j)) in pairs) == clash, (a, b)
+
+
+@pytest.fixture(scope="module")
+def t4_blocks(blocks):
+  """The blocks' graph with the buffers XLA:GPU gives it for a T4: every
+  matmul holds cuBLAS's workspace while it runs, which no plan frees."""
+  from jaxmem.fit._traced import modelled
+  from jaxmem.targets import resolve
+  return modelled(blocks[0], resolve("t4", ()))
+
+
+def test_no_plan_is_under_the_model_floor(blocks, t4_blocks):
+  """``model_floor`` bounds every plan's model peak from below: the lowest
+  plans of the exact planner, the greedy and the hybrid, on XLA:CPU's
+  emulated fusion and on a T4's learned buffers (where a matmul's
+  workspace is most of it)."""
+  for graph in (blocks[0], t4_blocks):
+    floor = model_floor(graph)
+    lowest = [*auto("t4").lowest(graph), *hybrid("t4").lowest(graph), *Greedy().lowest(graph)]
+    assert min(c.peak for c in lowest) >= floor
+  assert model_floor(t4_blocks) > 2 * model_floor(blocks[0])  # the workspace
+
+
+def test_an_aim_under_the_model_floor_is_not_searched_for(t4_blocks, monkeypatch):
+  """Under the floor no plan fits: the exact planner's fallback (the
+  hybrid) does not search toward the aim, nor does the hybrid itself;
+  each answers with a lowest plan. At the floor the fallback searches."""
+  graph = t4_blocks
+  floor = model_floor(graph)
+  searched = []
+  plan = Hybrid.plan
+  monkeypatch.setattr(Hybrid, "plan", lambda self, g, aim, start=None: (
+      searched.append(aim), plan(self, g, aim, start))[1])
+  found = auto("t4").plan(graph, floor - 1)
+  assert not found.fits and found.peak >= floor
+  assert found.details.status in ("fallback", "infeasible") and searched == []
+  monkeypatch.setattr(Greedy, "plan", lambda *a, **k: pytest.fail("a greedy searched"))
+  lowest = hybrid("t4").plan(graph, floor - 1)
+  assert not lowest.fits and lowest.peak == hybrid("t4").lowest(graph)[0].peak
+  monkeypatch.undo()
+  searched.clear()
+  monkeypatch.setattr(Hybrid, "plan", lambda self, g, aim, start=None: (
+      searched.append(aim), plan(self, g, aim, start))[1])
+  auto("t4").plan(graph, floor)
+  assert searched == [floor]

@@ -20,7 +20,7 @@ from jaxmem.targets._profiles import DeviceProfile
 from jaxmem.graph._graph import Graph, Residual, analysis
 from jaxmem.graph._primitives import rebuildable
 from jaxmem.graph._state import hosted_state, optimizer_state, with_hosted
-from jaxmem.cost._memory import Liveness, simulate
+from jaxmem.cost._memory import Liveness, floor, simulate
 from jaxmem.cost._perf import schedule_costs
 from jaxmem.schedule._loop_schedule import apply_in_loops, split_plan
 from jaxmem.schedule._schedule import Schedule, build_schedule
@@ -151,6 +151,13 @@ def unplanned_liveness(graph: Graph) -> Liveness:
   starting point (backward reads separated as in every planned step;
   :func:`unplanned` gives the step as written)."""
   return simulate(build_schedule(graph, Plan()))
+
+
+@analysis
+def model_floor(graph: Graph) -> int:
+  """The least model peak a plan of ``graph`` may have (:func:`floor`): a
+  search for less is over before it starts."""
+  return floor(unplanned_liveness(graph).schedule)
 
 
 @analysis

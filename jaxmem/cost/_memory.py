@@ -263,6 +263,17 @@ def _copies_free_at(ops, fusion: Fusion) -> dict[int, list]:
   return free_at
 
 
+def floor(schedule: Schedule) -> int:
+  """Model bytes every plan of ``schedule``'s graph holds at one op at
+  least: what is held from the start (arguments, constants and output
+  buffers, none of which a plan moves) with the largest scratch of one of
+  the step's own equations (a library's workspace), which every plan runs.
+  No plan's model peak is under it (loops' bodies left out)."""
+  prepared = _prepare(schedule)
+  return prepared.start + max((prepared.fusion.scratch(pos) for pos, op
+                               in enumerate(schedule.ops) if op.kind == "node"), default=0)
+
+
 @analysis
 def loop_scratch(graph: Graph, index: int) -> int:
   """Bytes the body of scan ``index`` holds beyond its arguments and results

@@ -34,7 +34,8 @@ from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
 from jaxmem._decisions import Plan
-from jaxmem.cost._evaluate import Candidate, candidate, unplanned, unplanned_liveness
+from jaxmem.cost._evaluate import (Candidate, candidate, model_floor, unplanned,
+                                   unplanned_liveness)
 from jaxmem.fit._aims import reaim
 from jaxmem.fit._forewarn import forewarn
 from jaxmem.fit._unmet import budget_error
@@ -402,7 +403,7 @@ class Fitter:
       for form in forms:
         rebuilt = form is not shaped
         if self.clock is not None or sparing:
-          if not (self.may_come_under(form, self.budget, ratios[rebuilt])
+          if not (self.may_come_under(form.peak, self.budget, ratios[rebuilt])
                   and (rebuilt or form.peak < below)):
             below = min(below, form.peak)  # the planned form must hold less
             continue
@@ -429,7 +430,11 @@ class Fitter:
     ``tried`` (the last plan compiled): the smallest of them is the
     smallest budget an error names (XLA's figure, not the model's), and of
     those that fit the budget the fit takes the cheapest. With
-    ``only_fitting``, only those that may fit the budget are compiled."""
+    ``only_fitting``, only those that may fit the budget are compiled:
+    none where the graph's floor may not (:func:`model_floor`, under every
+    candidate's model peak), and then none is sought."""
+    if only_fitting and not self.may_come_under(model_floor(self.graph), self.budget):
+      return [tried]
     candidates = [unplanned(self.graph, 0)]  # the step as written is always one
     if self.smallest_from is not None:
       candidates += [candidate(self.graph, p) for p in self.smallest_from]
@@ -443,8 +448,8 @@ class Fitter:
     # Lowest model peak first; one that cannot come under the smallest
     # footprint so far (or the budget) is not compiled.
     for option in sorted(list(candidates) + variants, key=lambda c: c.peak):
-      if option.plan in seen or not (self.may_come_under(option, self.budget) if only_fitting
-                                     else self.may_beat(option, trials)):
+      if option.plan in seen or not (self.may_come_under(option.peak, self.budget)
+                                     if only_fitting else self.may_beat(option, trials)):
         continue
       seen.add(option.plan)
       trials.append(self.compile(option))
@@ -453,18 +458,17 @@ class Fitter:
   def may_beat(self, candidate: Candidate, trials: list[Trial]) -> bool:
     """Whether ``candidate`` may come under the smallest footprint of
     ``trials``, or the budget where one fits (:meth:`may_come_under`)."""
-    return self.may_come_under(candidate, max(min(t.measured for t in trials), self.budget))
+    return self.may_come_under(candidate.peak, max(min(t.measured for t in trials), self.budget))
 
-  def may_come_under(self, candidate: Candidate, footprint: int,
-                     alike: list | None = None) -> bool:
-    """Whether XLA's footprint of ``candidate`` may come under
+  def may_come_under(self, peak: int, footprint: int, alike: list | None = None) -> bool:
+    """Whether XLA's footprint of a plan of model peak ``peak`` may come under
     ``footprint``, by the most model bytes per XLA byte the steps compiled
     so far show, ``LOWEST_MARGIN`` more (the smallest footprint it may
     have); or, where given, by those of the plans ``alike`` it (ratios),
     ``ALIKE_MARGIN`` more."""
     most = (max(alike) * (1 + ALIKE_MARGIN) if alike else
             max([self.model_scale, *self._ratios]) * (1 + LOWEST_MARGIN))
-    return candidate.peak / most + self.fixed <= footprint
+    return peak / most + self.fixed <= footprint
 
   def error(self, smallest: int) -> BudgetError:
     """The error for a budget under ``smallest``, the least reached."""

@@ -6,7 +6,8 @@ import dataclasses
 import time
 
 from jaxmem._decisions import Offload, Plan
-from jaxmem.cost._evaluate import Candidate, evaluate, fused_values, paused_gc, prefetch_point
+from jaxmem.cost._evaluate import (Candidate, evaluate, fused_values, model_floor, paused_gc,
+                                   prefetch_point)
 from jaxmem.graph._graph import Graph
 from jaxmem.graph._loops import stacked_residuals
 from jaxmem.planners._base import Planner
@@ -63,8 +64,13 @@ class Hybrid(Planner):
 
   def plan(self, graph: Graph, aim: int, start: Plan | None = None) -> Candidate:
     """Plans toward ``aim`` bytes, from ``start`` if given (its
-    recomputation and saved boundaries)."""
+    recomputation and saved boundaries); under the graph's
+    :func:`~jaxmem.cost._evaluate.model_floor`, where no plan fits, the
+    lowest of :meth:`lowest` (which the fit loop asks for next)."""
     began = time.perf_counter()
+    if aim < model_floor(graph):
+      return dataclasses.replace(self.lowest(graph)[0].aimed(aim),
+                                 seconds=time.perf_counter() - began)
     kept = None if start is None else Plan.of(
         {**start.with_kind("recompute"), **start.with_kind("save")})
     found = self.first.plan(graph, aim, start=kept)

@@ -41,7 +41,7 @@ from scipy import optimize
 
 from jaxmem.planners._blocks import KEEPS, block_candidates, segments
 from jaxmem._decisions import KEEP, Plan
-from jaxmem.cost._evaluate import Candidate, candidate, paused_gc, unplanned_liveness
+from jaxmem.cost._evaluate import Candidate, candidate, model_floor, paused_gc, unplanned_liveness
 from jaxmem.graph._graph import Graph
 from jaxmem.planners._base import Planner
 from jaxmem.planners import _highs as highs
@@ -149,16 +149,18 @@ class ILP(Planner):
     """The cheapest combination whose model peak is at most ``aim``;
     where none is, the fallback's plan if it fits (without one, the
     recompute greedy's: :meth:`_descended`), else the lowest (``fits``
-    False). ``start`` is not used: the program is solved whole."""
+    False; under :func:`model_floor`, the descent's, the fallback's search
+    skipped). ``start`` is not used: the program is solved whole."""
     began = time.perf_counter()
     with paused_gc():
       found = self._solve(graph, aim)
       if found is None:
         # Beyond the program's reach (a residual rebuilt through another
-        # dropped one, or offloaded).
+        # dropped one, or offloaded); under the floor, beyond any plan's.
         lowest = self._own_lowest(graph)[0]
-        beyond = self.fallback or self._recompute_greedy()
-        found = (self._fallback_plan(graph, lowest, aim) if self.fallback
+        searched = self.fallback if aim >= model_floor(graph) else None
+        beyond = searched or self._recompute_greedy()
+        found = (self._fallback_plan(graph, lowest, aim) if searched
                  else self._descended(graph, lowest, aim))
         outside = Solution([], self.cost(found.schedule) - self.table(graph).base_cost,
                            0.0, "fallback", 0, 0.0, fallback=beyond.name)
