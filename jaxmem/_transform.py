@@ -294,7 +294,7 @@ class Transformed:
   def _fit_graph(self, closed, planner, written: Written, *, out_tree, step: str,
                  target: Target, args, kwargs, leaves, start: float, find_smallest: bool,
                  micro: MicroBatches | None = None, own: Written | None = None,
-                 graph=None, only_fitting: bool = False,
+                 graph=None, only_fitting: bool = False, to_beat: int | None = None,
                  programs: dict | None = None, plans: dict | None = None) -> Fit | None:
     """:meth:`_fit_traced` of one graph of the step (its optimizer state
     kept in host memory, ``Graph.hosted``, or not); ``only_fitting`` as
@@ -329,7 +329,7 @@ class Transformed:
                                model_scale=model.peak / max((own.footprint or model.peak)
                                                             - fixed, 1), jit=jit,
                                max_rounds=self.max_rounds, reserve=reserve, where=target.name,
-                               fixed=fixed, clock=clock, plans=plans)
+                               fixed=fixed, clock=clock, plans=plans, to_beat=to_beat)
     cached = None if micro else self._cache_entry(step, leaves, target, budget, reserve, planner)
     saved = None if cached is None else _plan_cache.get(*cached, step)
     planned, planner, found = search(

@@ -258,12 +258,12 @@ def test_a_plan_for_the_smallest_footprint_is_compiled_only_where_it_may_come_un
   # plan's smallest footprint: over the smallest so far (and the budget),
   # it is not compiled; the plan compiled may always come under itself.
   most = max(full / unconstrained, low.peak / trials[0].footprint) * (1 + _fit.LOWEST_MARGIN)
-  assert not fitter.may_beat(high, trials)
+  assert not fitter.may_beat(high.peak, trials)
   assert high.peak / most > trials[0].footprint
-  assert fitter.may_beat(low, trials)
+  assert fitter.may_beat(low.peak, trials)
   # Where a plan fits the budget, any that may fit it too may be cheaper.
   fitter.budget = unconstrained
-  assert fitter.may_beat(high, trials)
+  assert fitter.may_beat(high.peak, trials)
   with counted() as made:
     fitter.budget = int(0.05 * unconstrained)
     assert len(fitter.lowest(trials[0])) < len(Greedy().lowest(graph)) + 1
@@ -271,7 +271,7 @@ def test_a_plan_for_the_smallest_footprint_is_compiled_only_where_it_may_come_un
   # Where micro-batches may fit instead, only those that may fit the budget:
   # none at 5%, though the search for the smallest would compile some.
   tried = fitter.compile(high)
-  assert any(fitter.may_beat(c, [tried]) for c in Greedy().lowest(graph))
+  assert any(fitter.may_beat(c.peak, [tried]) for c in Greedy().lowest(graph))
   with counted() as made:
     assert fitter.lowest(tried, only_fitting=True) == [tried]
   assert not made

@@ -149,11 +149,10 @@ def test_block_shaped_forms_are_compiled_only_where_their_kind_may_fit():
   assert rebuilt[1].plan not in compiled and second.plan not in compiled
 
 
-def test_the_quick_fit_asks_for_no_low_plans_where_the_floor_cannot_fit():
-  """``model_floor`` is under every plan's model peak: where even it cannot
-  come under the budget (by the most model bytes per XLA byte seen), the
-  quick fit's search for the smallest plans that may fit asks the planner
-  for none; where it may, the planner is asked."""
+def _asked():
+  """A graph, a plan of it that recomputes one residual, and a table
+  planner class whose ``lowest`` records each graph it is asked about in
+  the list returned."""
   graph = _graph()
   over = Plan().with_decision(graph.residuals[0].value, RECOMPUTE)
   asked = []
@@ -162,7 +161,15 @@ def test_the_quick_fit_asks_for_no_low_plans_where_the_floor_cannot_fit():
     def lowest(self, graph, start=None):
       asked.append(graph)
       return super().lowest(graph, start)
+  return graph, over, asked, Asked
 
+
+def test_the_quick_fit_asks_for_no_low_plans_where_the_floor_cannot_fit():
+  """``model_floor`` is under every plan's model peak: where even it cannot
+  come under the budget (by the most model bytes per XLA byte seen), the
+  quick fit's search for the smallest plans that may fit asks the planner
+  for none; where it may, the planner is asked."""
+  graph, over, asked, Asked = _asked()
   planner = Asked(candidate(graph, over), [candidate(graph, over)])
   table = {Plan(): (10**9, 1.0), over: (10**9, 1.0)}  # no ratio over the scale's
   floor = model_floor(graph)
@@ -173,3 +180,21 @@ def test_the_quick_fit_asks_for_no_low_plans_where_the_floor_cannot_fit():
     tried = fitter.compile(candidate(graph, over))
     assert fitter.lowest(tried, only_fitting=True)[0] is tried
     assert asked == ([graph] if asks else [])
+
+
+def test_the_smallest_is_sought_only_under_a_footprint_reached_otherwise():
+  """With ``to_beat`` (the smallest footprint of the step in micro-batches,
+  as errors name it), the search for the whole step's smallest compiles
+  only candidates that may come under it, and asks the planner for none
+  where the graph's floor may not; without it, the planner is asked."""
+  graph, over, asked, Asked = _asked()
+  planner = Asked(candidate(graph, over), [])
+  table = {Plan(): (10**9, 1.0), over: (10**9, 1.0)}
+  floor = model_floor(graph)
+  for to_beat, asks in ((floor // 2, False), (None, True)):
+    asked.clear()
+    fitter = _fitter(graph, planner, table, budget=1)
+    fitter.to_beat = to_beat
+    with pytest.raises(jaxmem.BudgetError) as err:
+      fitter.fit()
+    assert err.value.smallest == 10**9 and asked == ([graph] if asks else [])

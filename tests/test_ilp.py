@@ -418,3 +418,24 @@ def test_an_aim_under_the_model_floor_is_not_searched_for(t4_blocks, monkeypatch
       searched.append(aim), plan(self, g, aim, start))[1])
   auto("t4").plan(graph, floor)
   assert searched == [floor]
+
+
+def test_search_state_is_kept_per_graph(blocks, plain_mlp, monkeypatch):
+  """A fit plans several graphs of one step (whole, in micro-batches, with
+  its optimizer state on the host) and comes back to them: what the exact
+  planner found for a graph (its program's table, its lowest plans, its
+  greedy's runs) outlives planning another one."""
+  from jaxmem.planners import _pricing
+  built, runs = [], []
+  build, greedy = _pricing.build, Greedy._greedy
+  monkeypatch.setattr(_pricing, "build", lambda graph, *a: (built.append(graph),
+                                                             build(graph, *a))[1])
+  monkeypatch.setattr(Greedy, "_greedy", lambda self, graph, *a: (runs.append(graph),
+                                                                  greedy(self, graph, *a))[1])
+  planner = ILP()
+  first = planner.lowest(blocks[0])
+  planner.lowest(plain_mlp[0])
+  made = len(runs)
+  again = planner.lowest(blocks[0])
+  assert built == [blocks[0], plain_mlp[0]] and len(runs) == made
+  assert [c.plan for c in again] == [c.plan for c in first]

@@ -170,11 +170,12 @@ def test_planned_counts_back_off_to_the_fewest_that_fit():
 def _whole_and_chunked(whole_fits: bool, chunks, smallest: int):
   """Stubs for ``fit_whole_or_chunked``: the whole step's fit (a plan where
   ``whole_fits``, else its search for the smallest raises, naming
-  ``smallest``) and the chunks' (``chunks``: a fit, None, or an error)."""
+  ``smallest``; each call records the footprint it is to beat) and the
+  chunks' (``chunks``: a fit, None, or an error)."""
   calls = []
 
-  def whole(only_fitting=False):
-    calls.append(("whole", only_fitting))
+  def whole(only_fitting=False, to_beat=None):
+    calls.append(("whole", only_fitting, to_beat))
     if whole_fits and not only_fitting:
       return "whole plan"
     if only_fitting:
@@ -195,19 +196,20 @@ def test_micro_batches_come_before_the_whole_steps_smallest():
   """Where no plan of the whole step may fit and its batch splits, the
   chunks are tried before the search for the whole step's smallest
   footprint (a compilation per candidate), which runs only where they fail
-  too; the error names the least of both. A batch that cannot split keeps
-  the search first, so the chunks' error can say why."""
+  too, for plans under the chunks' smallest (or the budget); the error
+  names the least of both. A batch that cannot split keeps the search
+  first, so the chunks' error can say why."""
   from jaxmem.fit._micro import fit_whole_or_chunked
   whole, chunked, calls = _whole_and_chunked(False, "chunks", 50)
   assert fit_whole_or_chunked(whole, chunked, splits=lambda: True) == "chunks"
-  assert calls == [("whole", True), ("chunks", None)]
+  assert calls == [("whole", True, None), ("chunks", None)]
   for chunk_least, least in ((60, 50), (40, 40)):
     whole, chunked, calls = _whole_and_chunked(
         False, jaxmem.BudgetError("chunks", smallest=chunk_least), 50)
     with pytest.raises(jaxmem.BudgetError) as error:
       fit_whole_or_chunked(whole, chunked, splits=lambda: True)
     assert error.value.smallest == least
-    assert calls == [("whole", True), ("chunks", None), ("whole", False)]
+    assert calls == [("whole", True, None), ("chunks", None), ("whole", False, chunk_least)]
   # A plan the quick search's margins passed over is still found.
   whole, chunked, calls = _whole_and_chunked(True, jaxmem.BudgetError("c", smallest=9), 50)
   assert fit_whole_or_chunked(whole, chunked, splits=lambda: True) == "whole plan"
@@ -218,7 +220,7 @@ def test_micro_batches_come_before_the_whole_steps_smallest():
   whole, chunked, calls = _whole_and_chunked(False, None, 50)
   with pytest.raises(jaxmem.BudgetError, match="cannot help") as error:
     fit_whole_or_chunked(whole, chunked, splits=lambda: False)
-  assert calls == [("whole", True), ("whole", False), ("chunks", 50)]
+  assert calls == [("whole", True, None), ("whole", False, None), ("chunks", 50)]
 
 
 def test_a_fit_compiles_each_program_once():

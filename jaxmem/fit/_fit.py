@@ -75,8 +75,7 @@ class Trial:
 
   @property
   def measured(self) -> int:
-    """The footprint the budget is judged by (the model's where XLA gives
-    none)."""
+    """The footprint the budget is judged by (the model's where XLA gives none)."""
     return self.candidate.peak if self.footprint is None else self.footprint
 
 
@@ -136,6 +135,9 @@ class Fitter:
       ``(graph, "lowest") -> (planner, candidates)``. A fit that asks its
       planner for plans it made before (the fit that seeks the smallest
       footprint after a quick one) takes them from there.
+    to_beat: a footprint reached otherwise (the step in micro-batches), as
+      errors name it, where given: the search for the smallest footprint
+      compiles only candidates that may come under it (or the budget).
   """
   graph: Graph
   planner: Planner
@@ -150,6 +152,7 @@ class Fitter:
   clock: Callable[[object], float] | None = None
   smallest_from: tuple[Plan, ...] | None = None
   plans: dict | None = None
+  to_beat: int | None = None
   # Model bytes per XLA byte of each planned trial compiled: what the
   # model's peaks have been worth on the target so far in this fit.
   _ratios: list = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -429,11 +432,11 @@ class Fitter:
     shape (:func:`~jaxmem.schedule._scan_remat.loop_variants`), each compiled, with
     ``tried`` (the last plan compiled): the smallest of them is the
     smallest budget an error names (XLA's figure, not the model's), and of
-    those that fit the budget the fit takes the cheapest. With
-    ``only_fitting``, only those that may fit the budget are compiled:
-    none where the graph's floor may not (:func:`model_floor`, under every
-    candidate's model peak), and then none is sought."""
-    if only_fitting and not self.may_come_under(model_floor(self.graph), self.budget):
+    those that fit the budget the fit takes the cheapest. Those compiled may
+    beat the smallest so far (:meth:`may_beat`), or with ``only_fitting``
+    fit the budget; none is sought where the floor may not (:func:`model_floor`)."""
+    if not (self.may_come_under(model_floor(self.graph), self.budget) if only_fitting
+            else self.may_beat(model_floor(self.graph), [tried])):
       return [tried]
     candidates = [unplanned(self.graph, 0)]  # the step as written is always one
     if self.smallest_from is not None:
@@ -449,16 +452,19 @@ class Fitter:
     # footprint so far (or the budget) is not compiled.
     for option in sorted(list(candidates) + variants, key=lambda c: c.peak):
       if option.plan in seen or not (self.may_come_under(option.peak, self.budget)
-                                     if only_fitting else self.may_beat(option, trials)):
+                                     if only_fitting else self.may_beat(option.peak, trials)):
         continue
       seen.add(option.plan)
       trials.append(self.compile(option))
     return trials
 
-  def may_beat(self, candidate: Candidate, trials: list[Trial]) -> bool:
-    """Whether ``candidate`` may come under the smallest footprint of
-    ``trials``, or the budget where one fits (:meth:`may_come_under`)."""
-    return self.may_come_under(candidate.peak, max(min(t.measured for t in trials), self.budget))
+  def may_beat(self, peak: int, trials: list[Trial]) -> bool:
+    """Whether a plan of model peak ``peak`` may come under the smallest
+    footprint of ``trials`` and ``to_beat``, or the budget where one fits
+    (:meth:`may_come_under`)."""
+    least = min(t.measured for t in trials)
+    least = least if self.to_beat is None else min(least, self.to_beat - self.reserve)
+    return self.may_come_under(peak, max(least, self.budget))
 
   def may_come_under(self, peak: int, footprint: int, alike: list | None = None) -> bool:
     """Whether XLA's footprint of a plan of model peak ``peak`` may come under

@@ -345,8 +345,8 @@ def fit_whole_or_chunked(whole: Callable, chunked: Callable, splits: Callable[[]
     first = err
   if found is not None:
     return found
-  try:
-    return whole()  # a candidate the margins passed over may still fit
+  try:  # a candidate the margins passed over may still fit, or come under the chunks'
+    return whole(to_beat=None if first is None else first.smallest)
   except BudgetError as err:
     if first is None:
       return chunked(error=err)

@@ -15,7 +15,7 @@ from jaxmem.graph._graph import Graph, Residual
 from jaxmem.schedule._loop_segments import segmentable
 from jaxmem.schedule._scan_remat import hostable, rebuildable
 from jaxmem.planners._base import Planner
-from jaxmem.planners._scores import Scores, ranked_groups, scored
+from jaxmem.planners._scores import PerGraph, Scores, ranked_groups, scored
 
 # Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
 _log = logging.getLogger("jaxmem")
@@ -86,14 +86,14 @@ class Greedy(Planner):
   target: object = None
   host_budget: int | None = None
   assumed_target: bool = False
-  # Greedy runs for the graph last planned (the ladder's, ``descended``).
-  _runs: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
-                                   compare=False)
-  # Per start plan, the lowest plan a search that found no fit returned
-  # for that graph (an aim under it fails at once).
-  _floors: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
-                                     compare=False)
-  # The scores of the moves evaluated for that graph (_scores.py).
+  # Per graph planned: greedy runs (the ladder's, ``descended``), and per
+  # start plan the lowest plan a search that found no fit returned (an aim
+  # under it fails at once).
+  _runs: PerGraph = dataclasses.field(default_factory=PerGraph, init=False, repr=False,
+                                      compare=False)
+  _floors: PerGraph = dataclasses.field(default_factory=PerGraph, init=False, repr=False,
+                                        compare=False)
+  # The scores of the moves evaluated for each graph (_scores.py).
   _scores: Scores = dataclasses.field(default_factory=Scores, init=False, repr=False,
                                       compare=False)
 
@@ -118,9 +118,8 @@ class Greedy(Planner):
     """Plans ``graph`` toward ``aim`` bytes, from ``start`` if given (a
     plan for a looser aim: tightening it is cheaper than starting over)."""
     began = time.perf_counter()
-    if self._floors[0] is not graph:
-      self._floors = (graph, {})
-    floor = self._floors[1].get(start)
+    floors = self._floors.get(graph, dict)
+    floor = floors.get(start)
     if floor is not None and aim < floor.peak:
       # The same search ended at ``floor`` for a higher aim: its direct run,
       # the block plans and the whole ladder reach no lower for this one.
@@ -154,7 +153,7 @@ class Greedy(Planner):
         best = (self.refined(graph, best, aim) if self.recompute
                 else self._keep_copies(graph, best, aim))
     else:
-      self._floors[1][start] = best
+      floors[start] = best
     best.seconds = time.perf_counter() - began
     return best
 
@@ -269,15 +268,13 @@ class Greedy(Planner):
     return runs["from", start]
 
   def _runs_for(self, graph: Graph) -> dict:
-    if self._runs[0] is not graph:  # the runs of one graph are kept
-      self._runs = (graph, {})
-    return self._runs[1]
+    return self._runs.get(graph, dict)
 
   def _ladder(self, graph, aim, candidates):
     """Greedy runs toward each fraction of ``aims`` of the unconstrained
     peak, then 0, each from the plan the one before reached (the first from
     an empty plan), so the ladder costs about one descent to the lowest
-    peak; each run is kept with the planner for the graph last planned (it
+    peak; each run is kept with the planner for its graph (it
     does not depend on ``aim``, which each is judged against as it is
     yielded), so :meth:`lowest` after a failed :meth:`plan` costs nothing
     more."""

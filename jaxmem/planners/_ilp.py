@@ -50,6 +50,7 @@ from jaxmem.planners._choices import Choice, Drop, exclusive, plan_of, rebuild_g
 from jaxmem.planners._pricing import Table
 from jaxmem.planners._solution import Gap, Solution
 from jaxmem.planners._greedy import Greedy
+from jaxmem.planners._scores import PerGraph
 
 
 @dataclasses.dataclass
@@ -127,13 +128,10 @@ class ILP(Planner):
   fallback: object = None
   lazy: bool = True
   assumed_target: bool = False
-  # Search state for the graph last planned: the program's coefficients,
-  # its lowest plans and the greedy (whose ladder keeps its runs), none of
-  # which depends on the aim.
-  _table: tuple = dataclasses.field(default=(None, None), init=False, repr=False,
-                                    compare=False)
-  _lowest_found: tuple = dataclasses.field(default=(None, None), init=False,
-                                           repr=False, compare=False)
+  # Search state, none of it aim's: per graph, the program's coefficients
+  # ("table") and lowest plans ("lowest"); the greedy, whose runs it keeps.
+  _kept: PerGraph = dataclasses.field(default_factory=PerGraph, init=False, repr=False,
+                                      compare=False)
   _greedy: Greedy | None = dataclasses.field(default=None, init=False, repr=False,
                                              compare=False)
 
@@ -232,8 +230,9 @@ class ILP(Planner):
     then while the memory model finds one, the cheapest combination under
     the last one's model peak (the program's sum and the model disagree by
     a little; up to ``rounds`` descents). Found once per graph."""
-    if self._lowest_found[0] is graph:
-      return self._lowest_found[1]
+    kept = self._kept.get(graph, dict)
+    if "lowest" in kept:
+      return kept["lowest"]
     began = time.perf_counter()
     with paused_gc():
       found = [self._min_peak(graph)]
@@ -245,7 +244,7 @@ class ILP(Planner):
     for c in found:
       c.seconds = time.perf_counter() - began
     found = sorted(found, key=lambda c: c.peak)[:2]
-    self._lowest_found = (graph, found)
+    kept["lowest"] = found
     return found
 
   def structured(self, graph: Graph) -> list[Candidate]:
@@ -267,8 +266,9 @@ class ILP(Planner):
     rebuild group alone (the reference; plans that take any choice drop it
     too); every other column is measured on top of that plan, so their sum
     does not count it once per choice."""
-    if self._table[0] is graph:
-      return self._table[1]
+    kept = self._kept.get(graph, dict)
+    if "table" in kept:
+      return kept["table"]
     drops = rebuild_groups(graph)
     smallest = min(drops, key=lambda g: (sum(graph.values[v].nbytes for v in g), g),
                    default=())
@@ -288,7 +288,7 @@ class ILP(Planner):
         plans.append(plan_of(graph, [Drop(group)]))
     table = pricing.build(graph, choices, plans, unplanned_liveness(graph), smallest,
                           self.cost, lambda chosen: exclusive(graph, chosen, segs), self.lazy)
-    self._table = (graph, table)
+    kept["table"] = table
     return table
 
   def _program(self, table: Table, refused: list, width: int) -> list:

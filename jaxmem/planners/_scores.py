@@ -69,31 +69,60 @@ class Score:
     return int(self._tails[first]) - int(level) * (len(self.levels) - first)
 
 
+class PerGraph:
+  """What a planner keeps for each of the last ``size`` graphs it planned,
+  made by ``make()`` on first use: a fit plans several graphs of one step
+  (whole, in micro-batches, with its optimizer state on the host) and comes
+  back to them, when what it found for a graph serves again.
+
+  Example:
+    >>> kept, made = PerGraph(size=1), []
+    >>> g, h = object(), object()
+    >>> kept.get(g, lambda: made.append("g") or {}) is kept.get(g, dict)
+    True
+    >>> _ = kept.get(h, dict); _ = kept.get(g, lambda: made.append("g") or {})
+    >>> made  # made again: only the last graph is kept
+    ['g', 'g']
+  """
+
+  def __init__(self, size: int = 4):
+    self.size = size
+    self._kept: collections.OrderedDict[int, tuple] = collections.OrderedDict()
+
+  def get(self, graph, make):
+    found = self._kept.get(id(graph))
+    if found is None or found[0] is not graph:
+      found = self._kept[id(graph)] = (graph, make())
+      while len(self._kept) > self.size:
+        self._kept.popitem(last=False)
+    self._kept.move_to_end(id(graph))
+    return found[1]
+
+
 class Scores:
-  """The scores of the plans one planner evaluated for the graph it last
-  planned, the least recently used dropped beyond ``size``."""
+  """The scores of the plans one planner evaluated for each graph it
+  planned (:class:`PerGraph`), the least recently used dropped beyond
+  ``size`` per graph."""
 
   def __init__(self, size: int = 512):
     self.size = size
-    self._graph = None
-    self._seen: collections.OrderedDict[Plan, Score] = collections.OrderedDict()
+    self._graphs = PerGraph()
 
   def _kept(self, graph) -> collections.OrderedDict:
-    """The scores kept for ``graph`` (none kept for another graph)."""
-    if self._graph is not graph:
-      self._graph, self._seen = graph, collections.OrderedDict()
-    return self._seen
+    return self._graphs.get(graph, collections.OrderedDict)
 
   def get(self, graph, plan: Plan) -> Score | None:
-    score = self._kept(graph).get(plan)
+    kept = self._kept(graph)
+    score = kept.get(plan)
     if score is not None:
-      self._seen.move_to_end(plan)
+      kept.move_to_end(plan)
     return score
 
   def put(self, graph, plan: Plan, score: Score) -> None:
-    self._kept(graph)[plan] = score
-    while len(self._seen) > self.size:
-      self._seen.popitem(last=False)
+    kept = self._kept(graph)
+    kept[plan] = score
+    while len(kept) > self.size:
+      kept.popitem(last=False)
 
 
 def scored(scores: Scores, graph, plan: Plan, cost) -> tuple[Candidate | None, Score]:
