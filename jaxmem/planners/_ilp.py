@@ -128,8 +128,8 @@ class ILP(Planner):
   fallback: object = None
   lazy: bool = True
   assumed_target: bool = False
-  # Search state, none of it aim's: per graph, the program's coefficients
-  # ("table") and lowest plans ("lowest"); the greedy, whose runs it keeps.
+  # Search state no aim changes: per graph, the program's coefficients
+  # ("table") and lowest plans ("lowest"); the greedy, which keeps its runs.
   _kept: PerGraph = dataclasses.field(default_factory=PerGraph, init=False, repr=False,
                                       compare=False)
   _greedy: Greedy | None = dataclasses.field(default=None, init=False, repr=False,
