@@ -402,10 +402,12 @@ def test_an_aim_under_the_model_floor_is_not_searched_for(t4_blocks, monkeypatch
   each answers with a lowest plan. At the floor the fallback searches."""
   graph = t4_blocks
   floor = model_floor(graph)
-  searched = []
-  plan = Hybrid.plan
-  monkeypatch.setattr(Hybrid, "plan", lambda self, g, aim, start=None: (
-      searched.append(aim), plan(self, g, aim, start))[1])
+  searched, plan = [], Hybrid.plan
+
+  def recorded(self, g, aim, start=None):
+    searched.append(aim)
+    return plan(self, g, aim, start)
+  monkeypatch.setattr(Hybrid, "plan", recorded)
   found = auto("t4").plan(graph, floor - 1)
   assert not found.fits and found.peak >= floor
   assert found.details.status in ("fallback", "infeasible") and searched == []
@@ -414,8 +416,7 @@ def test_an_aim_under_the_model_floor_is_not_searched_for(t4_blocks, monkeypatch
   assert not lowest.fits and lowest.peak == hybrid("t4").lowest(graph)[0].peak
   monkeypatch.undo()
   searched.clear()
-  monkeypatch.setattr(Hybrid, "plan", lambda self, g, aim, start=None: (
-      searched.append(aim), plan(self, g, aim, start))[1])
+  monkeypatch.setattr(Hybrid, "plan", recorded)
   auto("t4").plan(graph, floor)
   assert searched == [floor]
 

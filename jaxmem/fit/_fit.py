@@ -428,31 +428,31 @@ class Fitter:
 
   def lowest(self, tried: Trial, only_fitting: bool = False) -> list[Trial]:
     """The planner's candidates for the smallest footprint
-    (:meth:`Planner.lowest`) and the last plan with its loops in each
-    shape (:func:`~jaxmem.schedule._scan_remat.loop_variants`), each compiled, with
-    ``tried`` (the last plan compiled): the smallest of them is the
-    smallest budget an error names (XLA's figure, not the model's), and of
-    those that fit the budget the fit takes the cheapest. Those compiled may
-    beat the smallest so far (:meth:`may_beat`), or with ``only_fitting``
-    fit the budget; none is sought where the floor may not (:func:`model_floor`)."""
-    if not (self.may_come_under(model_floor(self.graph), self.budget) if only_fitting
-            else self.may_beat(model_floor(self.graph), [tried])):
-      return [tried]
+    (:meth:`Planner.lowest`) and the last plan with its loops in each shape
+    (:func:`~jaxmem.schedule._scan_remat.loop_variants`), compiled with ``tried``
+    (the last plan compiled): the smallest of them is the smallest budget an
+    error names (XLA's figure), and of those that fit the fit takes the
+    cheapest. Compiled are those that may beat the smallest so far as it falls
+    (:meth:`may_beat`), or with ``only_fitting`` fit the budget; none is
+    sought where the floor may not (:func:`model_floor`)."""
+    trials, seen = [tried], {tried.candidate.plan}
+    wanted = ((lambda peak: self.may_come_under(peak, self.budget)) if only_fitting
+              else (lambda peak: self.may_beat(peak, trials)))
+    if not wanted(model_floor(self.graph)):
+      return trials
     candidates = [unplanned(self.graph, 0)]  # the step as written is always one
     if self.smallest_from is not None:
       candidates += [candidate(self.graph, p) for p in self.smallest_from]
     elif self.graph.has_backward:
       candidates += self._remembered((self.graph, "lowest"),
                                      lambda: list(self.planner.lowest(self.graph)))
-    trials, seen = [tried], {tried.candidate.plan}
     variants = [candidate(self.graph, p)
                 for p in loop_variants(self.graph, tried.candidate.plan,
                                        host=self.planner.may_offload())]
     # Lowest model peak first; one that cannot come under the smallest
     # footprint so far (or the budget) is not compiled.
     for option in sorted(list(candidates) + variants, key=lambda c: c.peak):
-      if option.plan in seen or not (self.may_come_under(option.peak, self.budget)
-                                     if only_fitting else self.may_beat(option.peak, trials)):
+      if option.plan in seen or not wanted(option.peak):
         continue
       seen.add(option.plan)
       trials.append(self.compile(option))
