@@ -51,8 +51,8 @@ MUTANTS = [
     Mutant("copies-back-cost-nothing",
            "the memory model charges values copied back from host 0 device bytes",
            "jaxmem/cost/_memory.py",
-           'host = {k for op in ops if op.kind == "offload" for k in op.outs}',
-           'host = {k for op in ops if op.kind in ("offload", "prefetch") for k in op.outs}',
+           'host = ({k for op in ops if op.kind == "offload" for k in op.outs}',
+           'host = ({k for op in ops if op.kind in ("offload", "prefetch") for k in op.outs}',
            ("tests/test_host_accounting.py", "tests/test_offload.py", "tests/test_hybrid.py")),
     Mutant("chunk-bounds",
            "the emitter cuts equal chunks instead of the plan's bounds",
@@ -139,10 +139,10 @@ MUTANTS = [
            ("tests/test_loop_segments.py",)),
     Mutant("no-layers-back",
            "the planner never gives a loop's last layers back (every layer rebuilt)",
-           "jaxmem/planners/_greedy.py",
-           "    stacks again, as many as the aim allows (:meth:`_layers_back`).\"\"\"\n"
-           "    result = self._layers_back(graph, result, aim)\n",
-           "    stacks again, as many as the aim allows.\"\"\"\n",
+           "jaxmem/planners/_refine.py",
+           "  aim allows (:func:`_layers_back`).\"\"\"\n"
+           "  result = _layers_back(graph, result, aim)\n",
+           "  aim allows.\"\"\"\n",
            ("tests/test_loop_segments.py",)),
     Mutant("layer-input-fetched-twice",
            "a hosted layer input that the backward body and the rebuild both read is "
@@ -162,16 +162,15 @@ MUTANTS = [
            "an offload-only plan taken from the ladder keeps every copy it made",
            "jaxmem/planners/_greedy.py",
            "        best = (self.refined(graph, best, aim) if self.recompute\n"
-           "                else self._keep_copies(graph, best, aim))\n",
+           "                else kept_copies(graph, best, aim, self.refine))\n",
            "        best = self.refined(graph, best, aim) if self.recompute else best\n",
            ("tests/test_hybrid.py",)),
     Mutant("no-hosted-layers-back",
            "an offload-only plan never gives a loop's last layers back (every layer hosted)",
-           "jaxmem/planners/_greedy.py",
-           "    moved on its way to the lowest peak. A loop's hosted stacks first give\n"
-           "    back their last layers (:meth:`_layers_back`).\"\"\"\n"
-           "    result = self._layers_back(graph, result, aim)\n",
-           "    moved on its way to the lowest peak.\"\"\"\n",
+           "jaxmem/planners/_refine.py",
+           "  back their last layers (:func:`_layers_back`).\"\"\"\n"
+           "  result = _layers_back(graph, result, aim)\n",
+           "  back their last layers.\"\"\"\n",
            ("tests/test_scan_offload.py",)),
     Mutant("dropout-chunk-offset",
            "every micro-batch draws the first chunk's dropout mask",

@@ -39,7 +39,7 @@ LAYERS = [
     {"cost._evaluate"},
     {"planners._blocks", "fit._inner"},
     {"planners._base", "planners._choices", "planners._solution", "planners._scores"},
-    {"planners._pricing", "planners._highs"},
+    {"planners._pricing", "planners._highs", "planners._refine"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed",
      "planners._names"},
     {"fit._policies"},

@@ -7,15 +7,15 @@ import logging
 import time
 
 from jaxmem.planners._blocks import KEEPS, block_candidates, block_plans, checkpoint_moves, segments
-from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Chunked, Offload, Plan
+from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Offload, Plan
 from jaxmem.targets._profiles import PROFILES, get_profile
 from jaxmem.cost._evaluate import (Candidate, candidate, evaluate, fused_values, paused_gc,
                               prefetch_point, recomputable)
 from jaxmem.graph._graph import Graph, Residual
-from jaxmem.schedule._loop_segments import segmentable
-from jaxmem.schedule._scan_remat import hostable, rebuildable
+from jaxmem.schedule._scan_remat import hostable
 from jaxmem.planners._base import Planner
-from jaxmem.planners._scores import PerGraph, Scores, ranked_groups, scored
+from jaxmem.planners._refine import kept_copies, refined as refined_plan
+from jaxmem.planners._scores import Baseline, PerGraph, Scores, ranked_groups, scored
 
 # Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
 _log = logging.getLogger("jaxmem")
@@ -65,6 +65,11 @@ class Greedy(Planner):
   # Bulk moves (``_bulk``): shares of the bytes above the goal to drop at once.
   bulk: tuple = (0.25, 0.5)
   bulk_above: float = 0.5
+  # Moves of one step that lower the peak per added cost within ``tied`` of
+  # the best move's are taken together (``_together``), up to ``tied_share``
+  # of the bytes above the goal; None takes one a step.
+  tied: float | None = 0.01
+  tied_share: float = 0.25
   # Evaluations the refinement of a fitting plan may spend (:meth:`refined`).
   refine: int = 24
   # Which moves a step may take, and what a plan costs (``Planner.cost``):
@@ -151,96 +156,18 @@ class Greedy(Planner):
     if best.fits:
       with paused_gc():
         best = (self.refined(graph, best, aim) if self.recompute
-                else self._keep_copies(graph, best, aim))
+                else kept_copies(graph, best, aim, self.refine))
     else:
       floors[start] = best
     best.seconds = time.perf_counter() - began
     return best
 
-  def _keep_copies(self, graph, result: Candidate, aim: int) -> Candidate:
-    """The refinement of an offload-only plan that fits: offloaded residuals
-    are kept on the device again wherever the peak stays within
-    ``aim``, the largest copies first, within ``refine`` evaluations. A
-    ladder plan taken for a looser aim otherwise moves every byte it
-    moved on its way to the lowest peak. A loop's hosted stacks first give
-    back their last layers (:meth:`_layers_back`)."""
-    result = self._layers_back(graph, result, aim)
-    moved = sorted(result.plan.values_with("offload"),
-                   key=lambda v: (-graph.values[v].nbytes, v))
-    return self._give_back(graph, result, aim, "offload", [[v] for v in moved], self.refine)
-
   def refined(self, graph, result: Candidate, aim: int,
               evaluations: int | None = None) -> Candidate:
-    """Libra's greedy refinement of a plan that fits: recomputed residuals
-    are kept again wherever the peak stays within ``aim``, whole blocks
-    first, then one by one, the costliest rebuilds per byte first (matmul
-    and convolution outputs before elementwise ones), within
-    ``evaluations`` (None: ``refine``) evaluations. A plan that overshot
-    (a ladder or block plan taken for a looser aim) gives back the
-    recomputation it does not need. A loop whose stacks are rebuilt per
-    iteration first keeps its last layers' stacks again, as many as the
-    aim allows (:meth:`_layers_back`)."""
-    result = self._layers_back(graph, result, aim)
-    dropped = result.plan.values_with("recompute")
-    blocks = [[v for v in seg.drops if v in dropped] for seg in segments(graph)]
-    costly = sorted(dropped, key=lambda v: (-graph.producer(v).flops
-                                             / max(graph.values[v].nbytes, 1), v))
-    return self._give_back(graph, result, aim, "recompute",
-                           [b for b in blocks if b] + [[v] for v in costly],
-                           self.refine if evaluations is None else evaluations)
-
-  def _give_back(self, graph, result: Candidate, aim: int, kind: str,
-                 groups: list, evaluations: int) -> Candidate:
-    """``result`` with each group's residuals still of ``kind`` kept on the
-    device again, in order, wherever the peak stays within ``aim``,
-    within ``evaluations`` evaluations."""
-    plan, schedule, memory = result.plan, result.schedule, result.memory
-    tries = 0
-    for group in groups:
-      if tries >= evaluations:
-        break
-      group = [v for v in group if plan[v].kind == kind]
-      if not group:
-        continue
-      tries += 1
-      trial = plan
-      for vid in group:
-        trial = trial.with_decision(vid, KEEP)
-      t_schedule, t_memory = evaluate(graph, trial)
-      if t_memory.peak <= aim:
-        plan, schedule, memory = trial, t_schedule, t_memory
-    return dataclasses.replace(result, plan=plan, schedule=schedule, memory=memory)
-
-  def _layers_back(self, graph, result: Candidate, aim: int) -> Candidate:
-    """Per-layer plans: for each loop whose stacks ``result`` rebuilds
-    (per iteration or nested), or keeps in host memory, only the first
-    layers' stacks are rebuilt (hosted) and the rest kept (the loop then
-    runs in two segments, ``_loop_segments``): the fewest such layers that
-    keep the peak within ``aim``."""
-    rebuilt_ok = rebuildable(graph)
-    for forward, stacks in segmentable(graph).items():
-      length = graph.nodes[forward].params["length"]
-      for decision in (RECOMPUTE, OFFLOAD):
-        plan = result.plan
-        if decision is RECOMPUTE:
-          moved = ([v for v in stacks if v in rebuilt_ok]
-                   if any(plan[v].kind == "recompute" for v in stacks) else [])
-          # A layer input the plan rebuilt (the loop nested) is kept again.
-          back = {v: KEEP for v in stacks
-                  if v not in rebuilt_ok and plan[v].kind == "recompute"}
-        else:
-          moved, back = [v for v in stacks if plan[v].kind == "offload"], {}
-        for cut in sorted({length // 4, length // 2, 3 * length // 4} - {0, length}):
-          if not moved:
-            break
-          chunks = Chunked(0, ((0, cut), (cut, length)), (decision, KEEP))
-          trial = Plan.of({**plan.as_dict(), **back, **{v: chunks for v in moved}})
-          found = candidate(graph, trial, aim)
-          if found.fits:
-            result = dataclasses.replace(result, plan=trial, schedule=found.schedule,
-                                         memory=found.memory)
-            break
-    return result
+    """Libra's greedy refinement of a plan that fits (:func:`_refine.refined`),
+    within ``evaluations`` evaluations (None: ``refine``)."""
+    return refined_plan(graph, result, aim,
+                        self.refine if evaluations is None else evaluations)
 
   def lowest(self, graph: Graph, start: Plan | None = None) -> list[Candidate]:
     """The ladder's plans, lowest predicted peak first: the candidates for
@@ -332,31 +259,64 @@ class Greedy(Planner):
   def _step(self, graph, current: Candidate, goal: int, candidates) -> Candidate | None:
     """One greedy step from ``current``: of the first batch of moves with
     one that helps, the move that lowers the peak most per added cost (at a
-    plateau, the time spent above ``goal``); None if no move helps."""
+    plateau, the time spent above ``goal``), or all of the moves that lower
+    it as much per cost taken at once (:meth:`_together`); None if no move
+    helps."""
     ranked = ranked_groups(graph, current, candidates, current.peak - goal)
-    base = (current.peak, current.memory.excess(goal), self.cost(current.schedule))
-    choice = None
+    base = Baseline(current.peak, current.memory.excess(goal), self.cost(current.schedule),
+                    goal)
+    choice, helpful = None, []
     for moves in self._batches(graph, current, ranked, goal, candidates):
       for move in moves:
-        trial = current.plan
-        for vid, decision in move:
-          trial = trial.with_decision(vid, decision)
-        found, seen = scored(self._scores, graph, trial, self.cost)
-        if self.host_budget is not None and seen.host_peak > self.host_budget:
+        found = self._scored(graph, current.plan, move, base)
+        if found is None or found[0] <= (0.0, 0.0):
           continue
-        gain_peak = base[0] - seen.peak
-        gain_excess = base[1] - seen.excess(goal)
-        cost = max(seen.cost - base[2], 0.0) + 1.0
-        # Lower peak first; at a plateau, less time above the goal.
-        score = (gain_peak / cost if gain_peak > 0 else 0.0,
-                 gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
-        if score > (0.0, 0.0) and (choice is None or score > choice[0]):
-          choice = (score, trial, found)
+        helpful.append((found[0][0], base.peak - found[3], move))
+        if choice is None or found[0] > choice[0]:
+          choice = found
       if choice is not None:
         break
     if choice is None:
       return None
-    return choice[2] if choice[2] is not None else candidate(graph, choice[1])
+    taken = self._together(graph, current.plan, choice, helpful, base) or choice
+    return taken[2] if taken[2] is not None else candidate(graph, taken[1])
+
+  def _scored(self, graph, plan: Plan, move, base: Baseline):
+    """``move`` taken on ``plan``: its score against ``base``, the plan, its
+    candidate where evaluated now (else None), and its peak; None where it
+    exceeds the host budget."""
+    for vid, decision in move:
+      plan = plan.with_decision(vid, decision)
+    found, seen = scored(self._scores, graph, plan, self.cost)
+    if self.host_budget is not None and seen.host_peak > self.host_budget:
+      return None
+    return base.judged(seen), plan, found, seen.peak
+
+  def _together(self, graph, plan: Plan, choice, helpful: list, base: Baseline):
+    """The ``helpful`` moves (``(score, peak lowered, move)``) that lower
+    the peak within ``tied`` as much per cost as the best one (``choice``),
+    on disjoint values and lowering it by at most ``tied_share`` of its
+    height above the goal, taken in one step where together they still do
+    (``_scored``'s tuple); None where they are not. Where a layer stack
+    repeats, one move a step takes one layer's residuals (16 steps from
+    nothing to 60% of a 16-layer residual MLP's peak, 9 with ties taken
+    together, to the same plan's cost); near the goal one at a time is
+    cheaper, as each step sees where the peak has gone."""
+    best = choice[0][0]
+    if self.tied is None or best <= 0:
+      return None
+    near, room = (1 - self.tied) * best, self.tied_share * (base.peak - base.goal)
+    moves, seen, lowered = [], set(), 0
+    for score, gain, move in sorted(helpful, key=lambda h: -h[0]):
+      vids = {vid for vid, _ in move}
+      if score >= near and not vids & seen and lowered + gain <= room:
+        moves.append(move)
+        seen |= vids
+        lowered += gain
+    if len(moves) < 2:
+      return None
+    found = self._scored(graph, plan, [d for move in moves for d in move], base)
+    return found if found is not None and found[0][0] >= near else None
 
   def _batches(self, graph, current: Candidate, ranked, goal: int, candidates):
     """The moves of one greedy step, in batches tried until one helps:

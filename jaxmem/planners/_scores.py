@@ -69,6 +69,26 @@ class Score:
     return int(self._tails[first]) - int(level) * (len(self.levels) - first)
 
 
+@dataclasses.dataclass(frozen=True)
+class Baseline:
+  """The plan a greedy step moves from, as its moves are judged against
+  it: its peak, its :meth:`Score.excess` over ``goal``, and its cost."""
+  peak: int
+  excess: int
+  cost: float
+  goal: int
+
+  def judged(self, seen: Score) -> tuple[float, float]:
+    """A move's score from its plan's ``seen``: the peak it lowers per added
+    cost first; at a plateau, the time above the goal it cuts per added
+    cost. ``(0, 0)`` or less where it helps neither."""
+    gain_peak = self.peak - seen.peak
+    gain_excess = self.excess - seen.excess(self.goal)
+    cost = max(seen.cost - self.cost, 0.0) + 1.0
+    return (gain_peak / cost if gain_peak > 0 else 0.0,
+            gain_excess / cost if gain_peak >= 0 and gain_excess > 0 else 0.0)
+
+
 class PerGraph:
   """What a planner keeps for each of the last ``size`` graphs it planned,
   made by ``make()`` on first use: a fit plans several graphs of one step
