@@ -76,8 +76,10 @@ def _fit_row(task, target: str, budget: int, label: str) -> dict:
 
 
 def _show(row: dict) -> dict:
+  size = (f"{row['footprint'] / MIB:9.1f} MiB" if "footprint" in row
+          else f"no fit, smallest {row['smallest'] / MIB:.1f} MiB")
   print(f"{row['model']:12s} {row['target']:5s} {row['method']:45s} "
-        f"{str(row.get('budget', '')):45s} {row.get('footprint', 0) / MIB:9.1f} MiB "
+        f"{str(row.get('budget', '')):45s} {size} "
         f"{row.get('ms', float('nan')):8.2f} ms {row['seconds']:6.1f} s", flush=True)
   return row
 
