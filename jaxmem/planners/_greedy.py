@@ -298,9 +298,9 @@ class Greedy(Planner):
     on disjoint values and lowering it by at most ``tied_share`` of its
     height above the goal, taken in one step where together they still do
     (``_scored``'s tuple); None where they are not. Where a layer stack
-    repeats, one move a step takes one layer's residuals (16 steps from
-    nothing to 60% of a 16-layer residual MLP's peak, 9 with ties taken
-    together, to the same plan's cost); near the goal one at a time is
+    repeats, one move a step takes one layer's residuals (12 steps from
+    nothing to 70% of a 16-layer residual MLP's peak, 10 with ties taken
+    together, to a plan of the same cost); near the goal one at a time is
     cheaper, as each step sees where the peak has gone."""
     best = choice[0][0]
     if self.tied is None or best <= 0:
