@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from typing import NamedTuple
 
 from jaxmem.planners._blocks import KEEPS, block_candidates, block_plans, checkpoint_moves, segments
 from jaxmem._decisions import KEEP, OFFLOAD, RECOMPUTE, Offload, Plan
@@ -19,6 +20,16 @@ from jaxmem.planners._scores import Baseline, PerGraph, Scores, ranked_groups, s
 
 # Each greedy step at DEBUG level: logging.getLogger("jaxmem").setLevel("DEBUG").
 _log = logging.getLogger("jaxmem")
+
+
+class _Move(NamedTuple):
+  """A move taken on a plan: its score (``Baseline.judged``), the plan, its
+  candidate where evaluated now (else None: its score was kept), and its
+  model peak."""
+  score: tuple
+  plan: Plan
+  found: Candidate | None
+  peak: int
 
 
 @dataclasses.dataclass
@@ -269,40 +280,40 @@ class Greedy(Planner):
     for moves in self._batches(graph, current, ranked, goal, candidates):
       for move in moves:
         found = self._scored(graph, current.plan, move, base)
-        if found is None or found[0] <= (0.0, 0.0):
+        if found is None or found.score <= (0.0, 0.0):
           continue
-        helpful.append((found[0][0], base.peak - found[3], move))
-        if choice is None or found[0] > choice[0]:
+        helpful.append((found.score[0], base.peak - found.peak, move))
+        if choice is None or found.score > choice.score:
           choice = found
       if choice is not None:
         break
     if choice is None:
       return None
     taken = self._together(graph, current.plan, choice, helpful, base) or choice
-    return taken[2] if taken[2] is not None else candidate(graph, taken[1])
+    return taken.found if taken.found is not None else candidate(graph, taken.plan)
 
-  def _scored(self, graph, plan: Plan, move, base: Baseline):
-    """``move`` taken on ``plan``: its score against ``base``, the plan, its
-    candidate where evaluated now (else None), and its peak; None where it
+  def _scored(self, graph, plan: Plan, move, base: Baseline) -> _Move | None:
+    """``move`` taken on ``plan``, scored against ``base``; None where it
     exceeds the host budget."""
     for vid, decision in move:
       plan = plan.with_decision(vid, decision)
     found, seen = scored(self._scores, graph, plan, self.cost)
     if self.host_budget is not None and seen.host_peak > self.host_budget:
       return None
-    return base.judged(seen), plan, found, seen.peak
+    return _Move(base.judged(seen), plan, found, seen.peak)
 
-  def _together(self, graph, plan: Plan, choice, helpful: list, base: Baseline):
+  def _together(self, graph, plan: Plan, choice: _Move, helpful: list,
+                base: Baseline) -> _Move | None:
     """The ``helpful`` moves (``(score, peak lowered, move)``) that lower
     the peak within ``tied`` as much per cost as the best one (``choice``),
     on disjoint values and lowering it by at most ``tied_share`` of its
-    height above the goal, taken in one step where together they still do
-    (``_scored``'s tuple); None where they are not. Where a layer stack
+    height above the goal, taken in one step where together they still do;
+    None where they are not. Where a layer stack
     repeats, one move a step takes one layer's residuals (12 steps from
     nothing to 70% of a 16-layer residual MLP's peak, 10 with ties taken
     together, to a plan of the same cost); near the goal one at a time is
     cheaper, as each step sees where the peak has gone."""
-    best = choice[0][0]
+    best = choice.score[0]
     if self.tied is None or best <= 0:
       return None
     near, room = (1 - self.tied) * best, self.tied_share * (base.peak - base.goal)
@@ -316,7 +327,7 @@ class Greedy(Planner):
     if len(moves) < 2:
       return None
     found = self._scored(graph, plan, [d for move in moves for d in move], base)
-    return found if found is not None and found[0][0] >= near else None
+    return found if found is not None and found.score[0] >= near else None
 
   def _batches(self, graph, current: Candidate, ranked, goal: int, candidates):
     """The moves of one greedy step, in batches tried until one helps:
