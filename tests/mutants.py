@@ -200,6 +200,23 @@ MUTANTS = [
            '  return {**compiler_options(platform), "xla_backend_optimization_level": 0,\n'
            '          **({"xla_gpu_autotune_level": 0} if platform == "gpu" else {})}\n',
            ("tests/test_flags.py::test_measuring_compiles_give_the_footprint_of_the_real_one",)),
+    Mutant("block-barrier-only-rebuild-inputs",
+           "a block rebuilt as checkpointed passes only what its recomputation "
+           "starts from through its barrier, not every parameter and residual "
+           "its backward pass reads",
+           "jaxmem/schedule/_schedule.py",
+           "      leaves |= {v for v in block_inputs(graph, scope) if self.available(v)\n",
+           "      leaves |= {v for v in block_inputs(graph, scope) if False\n",
+           ("tests/test_blocks.py::"
+            "test_a_convnets_blocks_rebuilt_as_checkpointed_are_jax_checkpoints_program",)),
+    Mutant("block-rebuilt-at-first-rebuilt-read",
+           "a block rebuilt as checkpointed is rebuilt at its first backward "
+           "equation that reads a dropped residual, not where its backward pass starts",
+           "jaxmem/schedule/_schedule.py",
+           "        if missing or (node.scope() in self.with_block and node.scope() != self.scope):",
+           "        if missing:",
+           ("tests/test_blocks.py::"
+            "test_a_convnets_blocks_rebuilt_as_checkpointed_are_jax_checkpoints_program",)),
 ]
 
 

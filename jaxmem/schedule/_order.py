@@ -60,3 +60,13 @@ def entering_values(graph: Graph, scope: str) -> frozenset:
   return frozenset(a for node in graph.nodes if node.backward and node.scope() == scope
                    for a in node.ins if isinstance(a, int) and graph.is_backward_value(a)
                    and not inside(a))
+
+
+@analysis
+def block_inputs(graph: Graph, scope: str) -> frozenset:
+  """What the backward equations of block ``scope`` read that the backward
+  pass does not make: step inputs (parameters) and forward values, which
+  ``jax.checkpoint`` passes into the block's backward pass as residuals."""
+  return frozenset(a for node in graph.nodes if node.backward and node.scope() == scope
+                   for a in node.ins if isinstance(a, int) and a not in graph.consts
+                   and not graph.is_backward_value(a))

@@ -23,7 +23,9 @@ kept for its own later backward uses; other forward intermediates die inside
 their group. The same barrier-with-anchor (``_Builder.pin``) keeps XLA from
 transposing a kernel-gradient convolution's inputs before it runs, and,
 in a plan that changes anything, separates backward reads that XLA would
-otherwise share with the forward pass (``_Builder.separate``).
+otherwise share with the forward pass (``_Builder.separate``). A block rebuilt
+whole (``Recompute.with_block``) is rebuilt where its backward pass starts, behind
+one barrier with all that pass reads from outside, as in ``jax.checkpoint``.
 
 Optimizer updates move up to just after their gradient (:func:`emission_order`).
 """
@@ -37,8 +39,8 @@ from jax.extend import core as jex
 
 from jaxmem._decisions import Plan
 from jaxmem.graph._graph import Graph, forward_passes
-from jaxmem.schedule._order import (emission_order, emission_position, entering_values,
-                                    rebuilt_with_block)
+from jaxmem.schedule._order import (block_inputs, emission_order, emission_position,
+                                    entering_values, rebuilt_with_block)
 from jaxmem.graph._state import hosted_outputs
 from jaxmem.graph._xla_cpu_fusion import readable, rebuilt_in_readers, separated_reads
 
@@ -195,7 +197,9 @@ class _Builder:
             self.merge(a, node)
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache] if self.dropped else ()
-        if missing:
+        if missing or (node.scope() in self.with_block and node.scope() != self.scope):
+          # Where a block rebuilt with its residuals starts: all its reads of
+          # the entering gradient then read one copy, which XLA fuses alike.
           self.recompute(missing, node)
         if self.separate_reads:
           rebuild = [a for a in self.to_rebuild.get(node.index, ())
@@ -255,18 +259,19 @@ class _Builder:
     """Re-runs the forward equations that rebuild ``missing`` before
     ``consumer``; with ``separated``, from the separated copies of the kept
     values it starts from (see ``separate``), and ``missing`` are kept for
-    later backward reads. The first recomputation in a block rebuilds all
-    of the block's residuals rebuilt with it (``Recompute.with_block``),
-    tied to the gradient entering the block (``entering``)."""
+    later backward reads. Where a block's backward pass starts, the block's
+    residuals rebuilt with it (``Recompute.with_block``) are rebuilt, behind
+    one barrier with all the block's backward pass reads from the forward
+    pass and the gradient entering the block (``entering``)."""
     graph = self.graph
     scope = consumer.scope()
-    entering = None
+    entering, starting = None, False
     if scope != self.scope:
       self.scope, self.scratch, self.pinned = scope, {}, {}
       if scope in self.with_block and not separated:
         together = [v for v in self.with_block[scope]
                     if v not in self.cache and v not in missing]
-        missing, entering = [*missing, *together], self.entering(scope)
+        missing, entering, starting = [*missing, *together], self.entering(scope), True
     to_run: set[int] = set()
     leaves: set[int] = set()
     stack = list(missing)
@@ -286,6 +291,11 @@ class _Builder:
         continue
       to_run.add(producer)
       stack.extend(a for a in graph.nodes[producer].ins if isinstance(a, int))
+    if starting:
+      # All of them, or XLA makes what the pass needs of one (a transposed
+      # activation, a flipped kernel) in the forward pass or an update.
+      leaves |= {v for v in block_inputs(graph, scope) if self.available(v)
+                 and v not in self.offloaded and v not in graph.hosted}
     local: dict[int, Key] = {}
     tied = sorted(v for v in leaves if v not in graph.consts)
     if separated:
@@ -417,9 +427,8 @@ class _Builder:
     outs = tuple(self.sized(self.fresh(k[0]), k) for k in ins)
     self.ops.append(Op("barrier", None, ins, outs))
     if anchor is not None:
-      # Later readers of the anchor read its barrier copy, so the barrier
-      # sits between the anchor's producer and them and XLA cannot prune
-      # the anchor out.
+      # Later readers of the anchor read its barrier copy, so XLA cannot
+      # prune the anchor out of the barrier.
       self.routed[anchor] = outs[-1]
     copies = dict(zip(real, outs))
     return tuple(copies.get(k, k) if not isinstance(k, jex.Literal) else k
@@ -428,9 +437,8 @@ class _Builder:
   def entering(self, scope: str) -> int | None:
     """The gradient entering block ``scope``: the latest backward value
     emitted that the block's backward equations read and none of them
-    made. Per-block ``jax.checkpoint`` ties the block's recomputation to
-    it in one barrier, so XLA runs the recomputation right where the
-    block's backward pass starts, and no earlier."""
+    made. Tied to the block's recomputation in one barrier (as per-block
+    ``jax.checkpoint`` does), so XLA runs it no earlier than that."""
     outside = entering_values(self.graph, scope)
     return next((v for v in reversed(self.made) if v in outside), None)
 
