@@ -9,7 +9,7 @@ target's profile:
 * each per-block ``nn.remat`` policy (the ``offload_*`` ones included);
 * jaxmem's fit at 70/50/33% of the step's footprint, and at each policy's
   own footprint (in bytes, no runtime reserve, so both sides meet the same
-  number).
+  number; policies of one footprint share one fit).
 
 It then checks what jaxmem should give: it fits wherever a policy fits; its
 predicted time is no slower than the fastest policy that fits the same
@@ -80,7 +80,9 @@ def _show(row: dict) -> dict:
           else f"no fit, smallest {row['smallest'] / MIB:.1f} MiB")
   print(f"{row['model']:12s} {row['target']:5s} {row['method']:45s} "
         f"{str(row.get('budget', '')):45s} {size} "
-        f"{row.get('ms', float('nan')):8.2f} ms {row['seconds']:6.1f} s", flush=True)
+        f"{row.get('ms', float('nan')):8.2f} ms "
+        + (f"as at {row['same_as']}" if "same_as" in row else f"{row['seconds']:6.1f} s"),
+        flush=True)
   return row
 
 
@@ -98,8 +100,13 @@ def measure(name: str, config: dict, target: str, policies, budgets) -> list[dic
   unmodified = rows[0]["footprint"]
   at = ([(int(float(b.rstrip("%")) / 100 * unmodified), b) for b in budgets]
         + [(r["footprint"], r["method"]) for r in rows[1:]])
+  fitted: dict[int, dict] = {}  # budget in bytes -> its fit's row
   for budget, label in at:
-    rows.append(_show(dict(base, **_fit_row(task, target, budget, label))))
+    if budget in fitted:  # policies of one footprint: one fit serves them all
+      rows.append(_show(dict(fitted[budget], budget=label, same_as=fitted[budget]["budget"])))
+      continue
+    fitted[budget] = dict(base, **_fit_row(task, target, budget, label))
+    rows.append(_show(fitted[budget]))
   return rows
 
 
