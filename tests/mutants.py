@@ -213,7 +213,8 @@ MUTANTS = [
            "a block rebuilt as checkpointed is rebuilt at its first backward "
            "equation that reads a dropped residual, not where its backward pass starts",
            "jaxmem/schedule/_schedule.py",
-           "        if missing or (node.scope() in self.with_block and node.scope() != self.scope):",
+           "        if missing or (self.with_block and node.scope() in self.with_block\n"
+           "                       and node.scope() != self.scope):",
            "        if missing:",
            ("tests/test_blocks.py::"
             "test_a_convnets_blocks_rebuilt_as_checkpointed_are_jax_checkpoints_program",)),

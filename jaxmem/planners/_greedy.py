@@ -308,11 +308,11 @@ class Greedy(Planner):
     the peak within ``tied`` as much per cost as the best one (``choice``),
     on disjoint values and lowering it by at most ``tied_share`` of its
     height above the goal, taken in one step where together they still do;
-    None where they are not. Where a layer stack
-    repeats, one move a step takes one layer's residuals (12 steps from
-    nothing to 70% of a 16-layer residual MLP's peak, 10 with ties taken
-    together, to a plan of the same cost); near the goal one at a time is
-    cheaper, as each step sees where the peak has gone."""
+    None where they are not. Where a layer stack repeats, one move a step
+    takes one layer's residuals (12 steps from nothing to 70% of a 16-layer
+    residual MLP's peak, 10 with ties taken together, to a plan of the same
+    cost); near the goal one at a time is cheaper, as each step sees where
+    the peak has gone."""
     best = choice.score[0]
     if self.tied is None or best <= 0:
       return None

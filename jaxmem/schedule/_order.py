@@ -53,13 +53,19 @@ def rebuilt_with_block(graph: Graph, plan: Plan) -> dict[str, list[int]]:
 
 
 @analysis
+def backward_reads(graph: Graph, scope: str) -> frozenset:
+  """Values the backward equations of block ``scope`` read (constants aside)."""
+  return frozenset(a for node in graph.nodes if node.backward and node.scope() == scope
+                   for a in node.ins if isinstance(a, int) and a not in graph.consts)
+
+
+@analysis
 def entering_values(graph: Graph, scope: str) -> frozenset:
   """Backward values that the backward equations of block ``scope`` read
   and that equations outside the block make."""
   inside = lambda vid: graph.nodes[graph.values[vid].producer].scope() == scope
-  return frozenset(a for node in graph.nodes if node.backward and node.scope() == scope
-                   for a in node.ins if isinstance(a, int) and graph.is_backward_value(a)
-                   and not inside(a))
+  return frozenset(a for a in backward_reads(graph, scope)
+                   if graph.is_backward_value(a) and not inside(a))
 
 
 @analysis
@@ -67,6 +73,4 @@ def block_inputs(graph: Graph, scope: str) -> frozenset:
   """What the backward equations of block ``scope`` read that the backward
   pass does not make: step inputs (parameters) and forward values, which
   ``jax.checkpoint`` passes into the block's backward pass as residuals."""
-  return frozenset(a for node in graph.nodes if node.backward and node.scope() == scope
-                   for a in node.ins if isinstance(a, int) and a not in graph.consts
-                   and not graph.is_backward_value(a))
+  return frozenset(a for a in backward_reads(graph, scope) if not graph.is_backward_value(a))

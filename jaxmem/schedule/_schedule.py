@@ -197,9 +197,9 @@ class _Builder:
             self.merge(a, node)
         missing = [a for a in node.ins if isinstance(a, int)
                    and a in self.dropped and a not in self.cache] if self.dropped else ()
-        if missing or (node.scope() in self.with_block and node.scope() != self.scope):
-          # Where a block rebuilt with its residuals starts: all its reads of
-          # the entering gradient then read one copy, which XLA fuses alike.
+        if missing or (self.with_block and node.scope() in self.with_block
+                       and node.scope() != self.scope):
+          # A block rebuilt whole starts: its reads all go through one barrier.
           self.recompute(missing, node)
         if self.separate_reads:
           rebuild = [a for a in self.to_rebuild.get(node.index, ())
