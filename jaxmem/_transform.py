@@ -10,6 +10,7 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem.fit import _plan_cache
+from jaxmem.fit._as_written import measuring
 from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError
@@ -257,12 +258,16 @@ class Transformed:
     ``fit._micro.cheaper``)."""
     where = fitting.keywords
     budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
-    measure = functools.partial(self._written, out_tree=where["out_tree"], args=args,
-                                target=where["target"], leaves=where["leaves"], kwargs=kwargs)
+    measure = measuring(self.fun, (
+        where["target"].name, tuple(str(getattr(x, "sharding", None)) for x in where["leaves"]),
+        self.arguments.donates, repr(sorted(self.jit_kwargs.items()))),
+        functools.partial(self._written, out_tree=where["out_tree"], args=args,
+                          target=where["target"], leaves=where["leaves"], kwargs=kwargs))
     split = functools.partial(
         fit_micro_batches,
         lambda traced, micro, least, own: fitting(traced, planner, written, micro=micro,
-                                                  find_smallest=least, own=own, graph=None),
+                                                  find_smallest=least, own=own.written,
+                                                  graph=None),
         measure, where["graph"], closed, *argument_groups(self.fun, self.arguments, args, kwargs),
         written.footprint and budget - reserve, find_smallest=where["find_smallest"],
         strided=spread(where["leaves"]), written=written.footprint,

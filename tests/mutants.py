@@ -218,6 +218,14 @@ MUTANTS = [
            "        if missing:",
            ("tests/test_blocks.py::"
             "test_a_convnets_blocks_rebuilt_as_checkpointed_are_jax_checkpoints_program",)),
+    Mutant("footprints-as-written-forgotten",
+           "a chunked form of a step measured by an earlier fit is compiled again "
+           "to be measured",
+           "jaxmem/fit/_as_written.py",
+           "    if key in known:\n",
+           "    if False:\n",
+           ("tests/test_compilations.py::"
+            "test_a_second_fit_compiles_no_micro_batches_measured_before",)),
 ]
 
 

@@ -120,6 +120,26 @@ def test_a_second_impossible_budget_fails_at_once(args):
   assert jaxmem.transform(step, budget=first.value.smallest).can_fit(*args)
 
 
+def test_a_second_fit_compiles_no_micro_batches_measured_before(args):
+  """The micro-batched forms an impossible budget's fit measured are not
+  compiled again to be measured by a fit of the same step at the budget
+  its error named: that fit compiles fewer programs than a fit of a step of
+  its own, to the same plan."""
+  step = lambda w, x: _step(w, x)  # steps of their own: nothing remembered yet
+  fresh = lambda w, x: _step(w, x)
+  with pytest.raises(jaxmem.BudgetError) as first:
+    jaxmem.transform(step, budget=1).fit(*args)
+  budget = first.value.smallest
+  with counted() as made:
+    fit = jaxmem.transform(step, budget=budget).fit(*args)
+  again = len(made)
+  with counted() as made:
+    own = jaxmem.transform(fresh, budget=budget).fit(*args)
+  assert fit.micro is not None and fit.micro == own.micro
+  assert fit.plan == own.plan and fit.footprint == own.footprint <= budget
+  assert again < len(made), (again, len(made))
+
+
 def test_a_saved_plan_reloads_to_the_same_program(args, tmp_path):
   fitted = jaxmem.transform(_step, budget="60%")
   fit = fitted.fit(*args)

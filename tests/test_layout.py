@@ -17,7 +17,7 @@ LAYERS = [
      "cost._hlo", "cost._heap",
      "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code
     {"fit._saved", "targets._profiles", "fit._unmet"},
-    {"fit._plan_cache"},
+    {"fit._plan_cache", "fit._as_written"},
     {"targets._compile", "targets._calibrate"},
     {"targets._copy_schedule"},
     {"targets"},
