@@ -10,7 +10,7 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem.fit import _plan_cache
-from jaxmem.fit._as_written import measuring
+from jaxmem.fit._shared import graph_of, measuring, planner_of
 from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError
@@ -22,7 +22,7 @@ from jaxmem.fit._search import first_fit, search
 from jaxmem.fit._unmet import budget_error, known_to_fail, remember
 from jaxmem.fit._fitted import Fit
 from jaxmem.fit._inner import body_of
-from jaxmem.graph._graph import Graph, build_graph, trace
+from jaxmem.graph._graph import Graph, trace
 from jaxmem.fit._traced import (
     Written, as_written, changes, emitted, graphs, looped, target_clock)
 from jaxmem.fit._micro import (
@@ -217,7 +217,10 @@ class Transformed:
     start = time.perf_counter()
     self.arguments = self.arguments.with_donations(
         *inherited_donations(self.fun, args, kwargs, self.arguments))
-    planner = get_planner(self._planner_spec, timing_profile(target))
+    profile = timing_profile(target)
+    planner = (get_planner(self._planner_spec, profile) if not isinstance(self._planner_spec, str)
+               else planner_of(self.fun, self._planner_spec, profile,
+                               lambda: get_planner(self._planner_spec, profile)))
     closed, out_tree = trace(self.arguments.tracing(self.fun), *args, **kwargs)
     step = fingerprint(closed)
     count, region = self.micro_batches, False
@@ -229,7 +232,7 @@ class Transformed:
     if known_to_fail(self.fun, memo, lambda u: self._budget_bytes(u, target),
                      find_smallest, planner.name, target.name):
       return None
-    graph = build_graph(closed)
+    graph = graph_of(self.fun, closed)
     fittable(graph, self.__name__)
     fitting = functools.partial(self._fit_traced, out_tree=out_tree, step=step,
                                 target=target, args=args, kwargs=kwargs, leaves=leaves,
@@ -283,7 +286,7 @@ class Transformed:
     Where the step's passes run in a loop (micro-batches, gradient
     accumulation) and no plan of the loop's body fits, the same with its
     optimizer state (then master weights) in host memory between steps."""
-    graph = build_graph(closed) if graph is None else graph
+    graph = graph_of(self.fun, closed) if graph is None else graph
     fit = functools.partial(self._fit_graph, closed, planner, written, target=target,
                             leaves=leaves, find_smallest=find_smallest, **options)
     if isinstance(planner, Fixed) and planner.around:  # a saved plan's state on the host

@@ -221,11 +221,26 @@ MUTANTS = [
     Mutant("footprints-as-written-forgotten",
            "a chunked form of a step measured by an earlier fit is compiled again "
            "to be measured",
-           "jaxmem/fit/_as_written.py",
+           "jaxmem/fit/_shared.py",
            "    if key in known:\n",
            "    if False:\n",
            ("tests/test_compilations.py::"
             "test_a_second_fit_compiles_no_micro_batches_measured_before",)),
+    Mutant("shared-graph-constants-ignored",
+           "a step traced again to the same equations reuses the graph built before "
+           "whatever constants it holds",
+           "jaxmem/fit/_shared.py",
+           "  if entry is not None and same_constants(entry[0], closed):\n",
+           "  if entry is not None:\n",
+           ("tests/test_compilations.py::"
+            "test_a_step_closing_over_other_constants_is_planned_afresh",)),
+    Mutant("shared-graph-not-kept",
+           "a second transform of a step builds its graph and searches its plans afresh",
+           "jaxmem/fit/_shared.py",
+           "  known[text] = (closed, graph)\n",
+           "  pass\n",
+           ("tests/test_compilations.py::"
+            "test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner",)),
 ]
 
 

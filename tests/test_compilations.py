@@ -140,6 +140,33 @@ def test_a_second_fit_compiles_no_micro_batches_measured_before(args):
   assert again < len(made), (again, len(made))
 
 
+def test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner(args):
+  """Another transform of the same function, traced to the same program,
+  plans on the graph and with the planner the first one set up (their
+  searches done), and compiles its plan once where the first did."""
+  step = lambda w, x: _step(w, x)
+  first = jaxmem.transform(step, budget="60%").fit(*args)
+  with counted() as made:
+    second = jaxmem.transform(step, budget="60%").fit(*args)
+  assert second.graph is first.graph and second.planner is first.planner
+  assert second.plan == first.plan and second.footprint == first.footprint
+  assert len(made) == 1 + second.attempts  # the step as written, then its plan
+
+
+def test_a_step_closing_over_other_constants_is_planned_afresh(args):
+  """A step traced again to the same equations with another constant (an
+  array it closes over) gets a graph of its own, and its own numbers."""
+  held = {"scale": jnp.full((64,), 0.5)}
+  step = lambda w, x: _step(w * held["scale"], x)
+  first = jaxmem.transform(step, budget="60%")
+  first.fit(*args)
+  held["scale"] = jnp.full((64,), 0.25)
+  jax.clear_caches()  # else jax.jit's trace of the function keeps the old constant
+  second = jaxmem.transform(step, budget="60%")
+  assert second.fit(*args).graph is not first.fit(*args).graph
+  assert jnp.allclose(second(*args), jax.jit(step)(*args), rtol=1e-5, atol=1e-6)
+
+
 def test_a_saved_plan_reloads_to_the_same_program(args, tmp_path):
   fitted = jaxmem.transform(_step, budget="60%")
   fit = fitted.fit(*args)

@@ -17,7 +17,7 @@ LAYERS = [
      "cost._hlo", "cost._heap",
      "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code
     {"fit._saved", "targets._profiles", "fit._unmet"},
-    {"fit._plan_cache", "fit._as_written"},
+    {"fit._plan_cache"},
     {"targets._compile", "targets._calibrate"},
     {"targets._copy_schedule"},
     {"targets"},
@@ -37,7 +37,7 @@ LAYERS = [
     {"cost._xla_buffers", "cost._xla_clock"},
     {"cost._memory", "cost._perf", "cost._xla_shards"},
     {"cost._evaluate"},
-    {"planners._blocks", "fit._inner"},
+    {"planners._blocks", "fit._inner", "fit._shared"},
     {"planners._base", "planners._choices", "planners._solution", "planners._scores"},
     {"planners._pricing", "planners._highs", "planners._refine"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed",

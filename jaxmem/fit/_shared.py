@@ -1,0 +1,153 @@
+"""What the fits of one step function share: its graphs, its planners, and
+the footprints of its chunked forms as written.
+
+Each ``jaxmem.transform`` of a function traces its step again. Where the
+traced program is the one traced before (the same equations, wiring,
+literals and types, and equal constants), the graph built then is used
+again, with every analysis kept on it; and a planner named by a string is
+the one set up before for that function and target. A second fit of the
+step (the budget an error named, the next budget of a sweep) then finds
+the planners' searches on that graph done: a plan for a lower aim starts
+where they ended.
+
+Where no plan of a step fits, ``fit._micro`` compiles each count of
+micro-batches (and of the chunks of the region around its peak) that it
+weighs, to read its footprint as written. A later fit of the same step
+reads those footprints here and compiles only the forms it goes on to plan.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Callable
+
+import numpy as np
+from jax.extend import core as jex
+
+from jaxmem.fit._saved import fingerprint
+from jaxmem.graph._graph import Graph, build_graph
+
+# Graphs kept per function: the step and a few of its micro-batched forms.
+KEPT = 4
+
+# Function -> {program text: (traced program, graph)}, least recently used
+# first; function -> {(planner name, profile): planner}; function ->
+# {(chunked form's fingerprint, what else decides its footprint): its
+# footprint as written}. Weakly keyed: they go with the function.
+_GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_FOOTPRINTS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_UNKNOWN = object()
+
+
+def _kept(table: weakref.WeakKeyDictionary, fun: Callable, make: Callable) -> dict | None:
+  try:
+    return table.setdefault(fun, make())
+  except TypeError:  # a callable that cannot be referenced weakly
+    return None
+
+
+def graph_of(fun: Callable, closed) -> Graph:
+  """The graph of ``closed``, a traced step of ``fun``: the one built for an
+  identical program of ``fun`` before (:func:`same_constants`), else
+  built."""
+  known = _kept(_GRAPHS, fun, collections.OrderedDict)
+  if known is None:
+    return build_graph(closed)
+  text = str(closed.jaxpr), tuple(map(str, closed.in_avals))
+  entry = known.get(text)
+  if entry is not None and same_constants(entry[0], closed):
+    known.move_to_end(text)
+    return entry[1]
+  graph = build_graph(closed)
+  known[text] = (closed, graph)
+  while len(known) > KEPT:
+    known.popitem(last=False)
+  return graph
+
+
+def planner_of(fun: Callable, name: str, profile, make: Callable):
+  """The planner ``make()`` (named ``name``, for the target ``profile``),
+  set up once per function."""
+  known = _kept(_PLANNERS, fun, dict)
+  if known is None:
+    return make()
+  if (name, profile) not in known:
+    known[name, profile] = make()
+  return known[name, profile]
+
+
+def same_constants(a, b) -> bool:
+  """Whether two traced programs whose text is the same hold equal
+  constants, those of the programs inside their equations included."""
+  if len(a.consts) != len(b.consts):
+    return False
+  if not all(_equal(x, y) for x, y in zip(a.consts, b.consts)):
+    return False
+  inner_a, inner_b = _inner(a.jaxpr), _inner(b.jaxpr)
+  return len(inner_a) == len(inner_b) and all(map(same_constants, inner_a, inner_b))
+
+
+def _inner(jaxpr) -> list:
+  """The closed programs in ``jaxpr``'s equations' parameters, in order."""
+  found = []
+  for eqn in jaxpr.eqns:
+    for value in eqn.params.values():
+      for item in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(item, jex.ClosedJaxpr):
+          found.append(item)
+        elif isinstance(item, jex.Jaxpr):
+          found.append(jex.ClosedJaxpr(item, ()))
+  return found
+
+
+def _equal(x, y) -> bool:
+  if x is y:
+    return True
+  try:
+    x, y = np.asarray(x), np.asarray(y)
+  except Exception:  # not an array: no constant jaxmem can compare
+    return False
+  return x.shape == y.shape and x.dtype == y.dtype and bool(np.array_equal(x, y))
+
+
+class AsWritten:
+  """A chunked form ``traced`` of the step, as written: its ``footprint``
+  (XLA's, or None where the backend gives none), and its compilation
+  (``fit._traced.Written``, by ``compile``), made on first use."""
+
+  def __init__(self, compile: Callable, traced, footprint=_UNKNOWN):
+    self._compile, self._traced = compile, traced
+    self._footprint, self._written = footprint, None
+
+  @property
+  def written(self):
+    if self._written is None:
+      self._written = self._compile(self._traced)
+    return self._written
+
+  @property
+  def footprint(self) -> int | None:
+    if self._footprint is _UNKNOWN:
+      self._footprint = self.written.footprint
+    return self._footprint
+
+
+def measuring(fun: Callable, where: tuple, compile: Callable) -> Callable:
+  """``measure(traced) -> AsWritten`` for the chunked forms of step ``fun``
+  (``compile(traced) -> Written``), with ``where`` (hashable) all that
+  decides a form's footprint beside its traced program: target, argument
+  shardings, donations, ``jax.jit`` options. A form measured before for
+  ``fun`` and ``where`` is not compiled to be measured again."""
+  known = _kept(_FOOTPRINTS, fun, dict)
+  known = {} if known is None else known
+
+  def measure(traced) -> AsWritten:
+    key = (fingerprint(traced), where)
+    if key in known:
+      return AsWritten(compile, traced, known[key])
+    found = AsWritten(compile, traced)
+    known[key] = found.footprint
+    return found
+  return measure
