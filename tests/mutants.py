@@ -241,6 +241,14 @@ MUTANTS = [
            "  pass\n",
            ("tests/test_compilations.py::"
             "test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner",)),
+    Mutant("quick-fit-compiles-every-shape",
+           "a quick fit at a budget no plan meets compiles every plan shaped like "
+           "a per-block policy",
+           "jaxmem/fit/_fit.py",
+           "      shaped = self.structured(trial, cheaper=False, sparing=True)\n",
+           "      shaped = self.structured(trial, cheaper=False)\n",
+           ("tests/test_compilations.py::"
+            "test_a_quick_fit_compiles_only_the_block_shaped_plans_that_may_fit",)),
 ]
 
 

@@ -9,6 +9,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import monitoring
+import optax
 import pytest
 
 import jaxmem
@@ -20,7 +21,9 @@ from jaxmem.fit._fit import Fitter
 from jaxmem.graph._graph import build_graph
 from jaxmem.planners import Fixed, Greedy
 from jaxmem.targets import xla_footprint
+import jaxmem_models as models
 from tests.helpers import tanh_step
+from tests.test_target import SMALL
 
 _COMPILES: list = []
 _COUNTING = [False]
@@ -322,6 +325,21 @@ def test_a_plan_for_the_smallest_footprint_is_compiled_only_where_it_may_come_un
   with counted() as made:
     assert fitter.lowest(tried, only_fitting=True) == [tried]
   assert not made
+
+
+def test_a_quick_fit_compiles_only_the_block_shaped_plans_that_may_fit():
+  """A quick answer (``can_fit``; the fewest micro-batches that fit) at a
+  budget no plan meets compiles the plans shaped like per-block policies
+  only while the forms compiled so far say one may fit, not each of them."""
+  task = models.get("transformer", optimizer=optax.adam(1e-3, eps=1e-3), **SMALL["transformer"])
+  args = task.init()
+  shaped = Greedy().structured(build_graph(jax.make_jaxpr(task.step)(*args)))
+  assert len(shaped) > 2
+  step = lambda *a: task.step(*a)  # a step of its own: nothing remembered yet
+  with counted() as made:
+    assert not jaxmem.transform(step, budget="5%", micro_batches=1).can_fit(*args)
+  # The step as written, a plan toward the budget, then fewer than every form.
+  assert len(made) < 2 + len(shaped), (len(made), len(shaped))
 
 
 def test_each_plan_and_compilation_is_logged(args, caplog):

@@ -19,8 +19,8 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
 4. *Lowest*: where the search toward the budget does not fit, every
    candidate for the smallest footprint is compiled; the cheapest that fits
    is taken (and 3. tried against it), or the error names the smallest
-   footprint XLA gives. Where micro-batches may fit instead
-   (``only_fitting``), only the candidates that may fit the budget are.
+   footprint XLA gives; only those that may fit where micro-batches may
+   (``only_fitting``). A quick answer skips 4., compiling what of 3. may fit.
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ class Fitter:
     """The trial that fits and the planning rounds it took. Where none fits,
     :class:`NoPlanFits` names the smallest footprint reached; without
     ``find_smallest`` the answer is None before searching for it (after the
-    structured plans, which can fit where a search toward the budget
-    fails), and with ``only_fitting`` it is None after compiling only the
+    structured plans that may fit, which can fit where a search toward the
+    budget fails), and with ``only_fitting`` it is None after compiling only the
     candidates for the smallest that may fit the budget (where micro-batches
     may fit instead, the smallest is sought only where they do not)."""
     trial, rounds = self.tighten()
@@ -180,7 +180,7 @@ class Fitter:
         trial = self.structured(self.loosen(trial))
       return trial, rounds
     if not find_smallest:
-      shaped = self.structured(trial, cheaper=False)
+      shaped = self.structured(trial, cheaper=False, sparing=True)
       return (shaped, rounds) if shaped.measured <= self.budget else None
     _log.info("jaxmem: no plan toward the budget fits; compiling the candidates for "
               "the smallest footprint%s", " that may fit it" if only_fitting else "")
