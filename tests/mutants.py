@@ -249,6 +249,14 @@ MUTANTS = [
            "      shaped = self.structured(trial, cheaper=False)\n",
            ("tests/test_compilations.py::"
             "test_a_quick_fit_compiles_only_the_block_shaped_plans_that_may_fit",)),
+    Mutant("lowest-fit-compiles-every-cheaper-shape",
+           "where only a candidate for the smallest footprint fits, every block-shaped "
+           "plan that costs less is compiled against it",
+           "jaxmem/fit/_fit.py",
+           "    return self.structured(cheapest, sparing=True), rounds\n",
+           "    return self.structured(cheapest), rounds\n",
+           ("tests/test_compilations.py::"
+            "test_a_fit_found_among_the_lowest_compiles_the_shaped_plans_that_may_fit",)),
 ]
 
 

@@ -265,6 +265,40 @@ def test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_pl
   assert trial.candidate.plan == middle.plan and trial.measured <= budget and rounds == 2
 
 
+def test_a_fit_found_among_the_lowest_compiles_the_shaped_plans_that_may_fit(args):
+  """Where only a candidate for the smallest footprint fits (a budget at
+  the smallest an error named), the plans shaped like per-block policies
+  that cost less are compiled against it only where they may fit."""
+  graph = build_graph(jax.make_jaxpr(_step)(*args))
+  full = unplanned_liveness(graph).peak
+  over, low = Greedy().plan(graph, int(0.6 * full)), Greedy().plan(graph, 0)
+  shaped = [Greedy().plan(graph, int(f * full)) for f in (0.9, 0.8, 0.7)]
+  assert len({over.plan, low.plan, *(s.plan for s in shaped)}) == 5
+  assert all(Greedy().cost(s.schedule) < Greedy().cost(low.schedule) for s in shaped)
+  compiled = []
+
+  def jit(c):
+    compiled.append(c.plan)
+    return jax.jit(emit(c.schedule)).lower(*args).compile()
+
+  class Lowest(Fixed):
+    def plan(self, graph, aim, start=None):
+      return over.aimed(0)
+
+    def lowest(self, graph, start=None):
+      return [low]
+
+    def structured(self, graph):
+      return shaped
+
+  budget = xla_footprint(jit(low))
+  compiled.clear()
+  fitter = Fitter(graph, Lowest(over.plan), budget, 10 * budget, full / (10 * budget), jit)
+  trial, _ = fitter.fit()
+  assert trial.candidate.plan == low.plan
+  assert low.plan in compiled and not any(s.plan in compiled for s in shaped), compiled
+
+
 def test_a_plan_is_compiled_once_per_fit(args):
   graph, full, _, fitter = _fitter(args, 0.7)
   plan = Greedy().plan(graph, int(0.6 * full))

@@ -18,7 +18,7 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
    GPU target: run faster by the clock).
 4. *Lowest*: where the search toward the budget does not fit, every
    candidate for the smallest footprint is compiled; the cheapest that fits
-   is taken (and 3. tried against it), or the error names the smallest
+   is taken (what of 3. may fit tried against it), or the error names the smallest
    footprint XLA gives; only those that may fit where micro-batches may
    (``only_fitting``). A quick answer skips 4., compiling what of 3. may fit.
 """
@@ -193,7 +193,7 @@ class Fitter:
       raise NoPlanFits(self.error(least[0].measured),
                        tuple(t.candidate.plan for t in least[:SMALLEST_AGAIN]))
     cheapest = functools.reduce(lambda a, b: self.best_so_far(b, a), fitting)
-    return self.structured(cheapest), rounds
+    return self.structured(cheapest, sparing=True), rounds
 
   def plan(self, aim: int, start: Plan | None = None) -> Candidate:
     """The planner's plan for ``aim`` model bytes (logged)."""
