@@ -25,7 +25,6 @@ from typing import Callable
 import numpy as np
 from jax.extend import core as jex
 
-from jaxmem.fit._saved import fingerprint
 from jaxmem.graph._graph import Graph, build_graph
 
 # Graphs kept per function: the step and a few of its micro-batched forms.
@@ -33,7 +32,7 @@ KEPT = 4
 
 # Function -> {program text: (traced program, graph)}, least recently used
 # first; function -> {(planner name, profile): planner}; function ->
-# {(chunked form's fingerprint, what else decides its footprint): its
+# {(chunked form's program text, what else decides its footprint): its
 # footprint as written}. Weakly keyed: they go with the function.
 _GRAPHS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 _PLANNERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -55,7 +54,7 @@ def graph_of(fun: Callable, closed) -> Graph:
   known = _kept(_GRAPHS, fun, collections.OrderedDict)
   if known is None:
     return build_graph(closed)
-  text = str(closed.jaxpr), tuple(map(str, closed.in_avals))
+  text = program(closed)
   entry = known.get(text)
   if entry is not None and same_constants(entry[0], closed):
     known.move_to_end(text)
@@ -65,6 +64,12 @@ def graph_of(fun: Callable, closed) -> Graph:
   while len(known) > KEPT:
     known.popitem(last=False)
   return graph
+
+
+def program(closed) -> tuple:
+  """A traced program's text: its equations, their wiring and literals,
+  the programs inside them, and its argument types."""
+  return str(closed.jaxpr), tuple(map(str, closed.in_avals))
 
 
 def planner_of(fun: Callable, name: str, profile, make: Callable):
@@ -144,7 +149,7 @@ def measuring(fun: Callable, where: tuple, compile: Callable) -> Callable:
   known = {} if known is None else known
 
   def measure(traced) -> AsWritten:
-    key = (fingerprint(traced), where)
+    key = (program(traced), where)
     if key in known:
       return AsWritten(compile, traced, known[key])
     found = AsWritten(compile, traced)
