@@ -7,9 +7,21 @@ import ast
 import time
 
 import jax
+from jax import monitoring
 
 from jaxmem._zoo import models
 from jaxmem.targets import Target, resolve
+
+
+_COMPILES = [0]
+monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: _COMPILES.__setitem__(0, _COMPILES[0] + ("backend_compile" in name)))
+
+
+def compilations() -> int:
+  """The backend compilations this process has made so far (what a call
+  makes is the difference around it)."""
+  return _COMPILES[0]
 
 
 def task(name: str, config: dict, remat: str | None = None):

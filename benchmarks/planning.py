@@ -34,7 +34,6 @@ import time
 
 import jaxmem  # noqa: F401  (sets the XLA:CPU remat flag first)
 import jax
-from jax import monitoring
 import numpy as np
 
 from jaxmem.cost._evaluate import unplanned_liveness
@@ -43,18 +42,12 @@ from jaxmem.planners import ILP, PLANNERS
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import _results  # noqa: E402
-from benchmarks._steps import task, zoo_options  # noqa: E402
-
-_COMPILES: list = []
-monitoring.register_event_duration_secs_listener(
-    lambda name, secs, **kw: _COMPILES.append(secs) if "backend_compile" in name else None)
-
+from benchmarks._steps import compilations, task, zoo_options  # noqa: E402
 
 def _timed(fn):
-  _COMPILES.clear()
-  began = time.perf_counter()
+  began, before = time.perf_counter(), compilations()
   out = jax.block_until_ready(fn())
-  return out, time.perf_counter() - began, len(_COMPILES)
+  return out, time.perf_counter() - began, compilations() - before
 
 
 def transforms(name: str, budgets, sets=(), jit_runs: int = 3) -> list[dict]:
@@ -93,12 +86,12 @@ def _measured(name: str, budget: str | None = None, sets=()) -> dict:
     _, seconds, compiles = _timed(lambda: jax.jit(t.step).lower(*args).compile())
     return dict(seconds=seconds, compiles=compiles)
   fitted = jaxmem.transform(t.step, budget=budget)
-  began = time.perf_counter()
+  began, before = time.perf_counter(), compilations()
   try:
     _, seconds, compiles = _timed(lambda: fitted.fit(*args).footprint)
     fits = True
   except jaxmem.BudgetError:  # the time it takes to fail
-    fits, seconds, compiles = False, time.perf_counter() - began, len(_COMPILES)
+    fits, seconds, compiles = False, time.perf_counter() - began, compilations() - before
   return dict(fits=fits, seconds=seconds, compiles=compiles)
 
 

@@ -19,30 +19,24 @@ import sys
 import time
 
 import jax
-from jax import monitoring
 
 import jaxmem
 from jaxmem._zoo import models as zoo
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from benchmarks import _results  # noqa: E402
-from benchmarks._steps import task  # noqa: E402
-
-_COMPILES = [0]
-monitoring.register_event_duration_secs_listener(
-    lambda name, secs, **kw: _COMPILES.__setitem__(0, _COMPILES[0] + ("backend_compile" in name)))
-
+from benchmarks._steps import compilations, task  # noqa: E402
 
 def _fit(step, args, budget) -> dict:
   """One new transform of ``step`` fitted at ``budget``."""
-  began, compiles = time.perf_counter(), _COMPILES[0]
+  began, before = time.perf_counter(), compilations()
   try:
     fit = jaxmem.transform(step, budget=budget).fit(*args)
     found = dict(footprint=fit.footprint, micro=fit.micro and fit.micro.count)
   except jaxmem.BudgetError as err:
     found = dict(smallest=err.smallest)
   return dict(budget=budget, seconds=round(time.perf_counter() - began, 2),
-              compilations=_COMPILES[0] - compiles, **found)
+              compilations=compilations() - before, **found)
 
 
 def rows_for(model: str, impossible: str, budgets: list[str]) -> list[dict]:

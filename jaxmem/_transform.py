@@ -31,7 +31,7 @@ from jaxmem.fit._micro import (
 from jaxmem.fit._saved import fingerprint, load_plan
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
-from jaxmem.targets._host_args import device_aval, devices_of
+from jaxmem.targets._host_args import device_aval, devices_of, sharding_texts
 from jaxmem.fit._host_state import (
     compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state)
 
@@ -262,7 +262,7 @@ class Transformed:
     where = fitting.keywords
     budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
     measure = measuring(self.fun, (
-        where["target"].name, tuple(str(getattr(x, "sharding", None)) for x in where["leaves"]),
+        where["target"].name, sharding_texts(where["leaves"]),
         self.arguments.donates, repr(sorted(self.jit_kwargs.items()))),
         functools.partial(self._written, out_tree=where["out_tree"], args=args,
                           target=where["target"], leaves=where["leaves"], kwargs=kwargs))
@@ -378,7 +378,7 @@ class Transformed:
     if where is None:
       return None
     return where, _plan_cache.key(
-        step, shardings=[str(getattr(x, "sharding", None)) for x in leaves], budget=budget,
+        step, shardings=list(sharding_texts(leaves)), budget=budget,
         reserve=reserve, target=target.name, profile=timing_profile(target),
         description=None if target.profile is None else target.profile.description,
         planner=planner.describe(), max_rounds=self.max_rounds, host_state=self.host_state)

@@ -17,10 +17,10 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
    follows closely, replace the plan where they fit and cost less (on a
    GPU target: run faster by the clock).
 4. *Lowest*: where the search toward the budget does not fit, every
-   candidate for the smallest footprint is compiled; the cheapest that fits
-   is taken (what of 3. may fit tried against it), or the error names the smallest
-   footprint XLA gives; only those that may fit where micro-batches may
-   (``only_fitting``). A quick answer skips 4., compiling what of 3. may fit.
+   candidate for the smallest footprint is compiled (only those that may fit
+   where micro-batches may, ``only_fitting``); the cheapest that fits is
+   taken, the plans of 3. that may fit tried against it, or the error names
+   the smallest footprint XLA gives. A quick answer skips this.
 """
 
 from __future__ import annotations
@@ -171,8 +171,8 @@ class Fitter:
     :class:`NoPlanFits` names the smallest footprint reached; without
     ``find_smallest`` the answer is None before searching for it (after the
     structured plans that may fit, which can fit where a search toward the
-    budget fails), and with ``only_fitting`` it is None after compiling only the
-    candidates for the smallest that may fit the budget (where micro-batches
+    budget fails), and with ``only_fitting`` it is None after compiling only
+    the candidates for the smallest that may fit the budget (where micro-batches
     may fit instead, the smallest is sought only where they do not)."""
     trial, rounds = self.tighten()
     if trial.measured <= self.budget:

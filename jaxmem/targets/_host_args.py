@@ -73,6 +73,12 @@ def devices_of(leaves) -> int:
   return max(len(found), 1)
 
 
+def sharding_texts(leaves) -> tuple[str, ...]:
+  """The shardings of the step's argument ``leaves`` as text ("None" for a
+  leaf without one): part of what decides a compiled footprint."""
+  return tuple(str(getattr(leaf, "sharding", None)) for leaf in leaves)
+
+
 def as_device(leaf):
   """A stand-in in device memory for tracing a host-memory leaf (the step
   as written computes on its arguments where they are); other leaves as
