@@ -257,6 +257,22 @@ MUTANTS = [
            "    return self.structured(cheapest), rounds\n",
            ("tests/test_compilations.py::"
             "test_a_fit_found_among_the_lowest_compiles_the_shaped_plans_that_may_fit",)),
+    Mutant("shapes-before-a-quick-round",
+           "a first plan over the budget compiles the plans shaped like the "
+           "policies before planning again, however quick planning is",
+           "jaxmem/fit/_fit.py",
+           "      if rounds == 1 and planning > 2 * compiling:\n",
+           "      if rounds == 1:\n",
+           ("tests/test_compilations.py::"
+            "test_a_plan_compiled_over_the_budget_plans_again_first_where_planning_is_quick",)),
+    Mutant("shapes-never-before-a-second-round",
+           "a first plan over the budget plans again before compiling the shaped "
+           "plans, however slow planning is",
+           "jaxmem/fit/_fit.py",
+           "      if rounds == 1 and planning > 2 * compiling:\n",
+           "      if rounds == 1 and planning < 0:\n",
+           ("tests/test_compilations.py::"
+            "test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_planning_again",)),
 ]
 
 

@@ -4,6 +4,7 @@ second time; a saved plan is compiled once; a looser plan is compiled only
 where the plans compiled say it may fit."""
 
 import contextlib
+import time
 import dataclasses
 
 import jax
@@ -218,30 +219,32 @@ def test_a_plan_that_comes_back_unchanged_is_not_compiled_again(args):
 
 def test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_planning_again(
     args):
-  # The model rates the plan within its aim, XLA over the budget: a plan
-  # shaped like the per-block policies that XLA fits is compiled, and taken
-  # after one more round (a saved plan's planner answers the same plan,
-  # which is not compiled again).
+  # The model rates the plan within its aim, XLA over the budget, and
+  # planning takes longer than compiling: a plan shaped like the per-block
+  # policies that XLA fits is compiled, and taken after one more round (a
+  # saved plan's planner answers the same plan, which is not compiled again).
   graph = build_graph(jax.make_jaxpr(_step)(*args))
   full = unplanned_liveness(graph).peak
   found, shaped = Greedy().plan(graph, int(0.6 * full)), Greedy().plan(graph, int(0.55 * full))
-  planned = []
-
-  class Shaped(Fixed):
-    def plan(self, graph, aim, start=None):
-      planned.append(aim)
-      return super().plan(graph, aim, start)
-
-    def structured(self, graph):
-      return [shaped]
-
-  compiled = []
+  planned, compiled = [], []
 
   def jit(c):
     compiled.append(c.plan)
     return jax.jit(emit(c.schedule)).lower(*args).compile()
 
+  began = time.perf_counter()
   budget = xla_footprint(jit(found)) - 1
+  slow = 3 * (time.perf_counter() - began)  # seconds a plan takes, over twice a compile
+
+  class Shaped(Fixed):
+    def plan(self, graph, aim, start=None):
+      planned.append(aim)
+      time.sleep(slow)
+      return super().plan(graph, aim, start)
+
+    def structured(self, graph):
+      return [shaped]
+
   assert xla_footprint(jit(shaped)) <= budget
   compiled.clear()
   fitter = Fitter(graph, Shaped(found.plan), budget, 10 * budget,
@@ -257,12 +260,44 @@ def test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_pl
 
   class Lower(Shaped):
     def plan(self, graph, aim, start=None):
+      time.sleep(slow)
       return next(answers)
 
   fitter = Fitter(graph, Lower(found.plan), budget, 10 * budget,
                   (found.peak + full) / 2 / budget, jit)
   trial, rounds = fitter.tighten()
   assert trial.candidate.plan == middle.plan and trial.measured <= budget and rounds == 2
+
+
+def test_a_plan_compiled_over_the_budget_plans_again_first_where_planning_is_quick(args):
+  # Planning takes less than compiling: another round costs about what a
+  # plan shaped like the policies does to compile, and finds a cheaper
+  # plan; the shaped plan is not compiled.
+  graph = build_graph(jax.make_jaxpr(_step)(*args))
+  full = unplanned_liveness(graph).peak
+  found, shaped = Greedy().plan(graph, int(0.6 * full)), Greedy().plan(graph, int(0.3 * full))
+  lower = Greedy().plan(graph, int(0.55 * full))
+  answers, compiled = iter([found, lower]), []
+
+  class Quick(Fixed):
+    def plan(self, graph, aim, start=None):
+      return next(answers)
+
+    def structured(self, graph):
+      return [shaped]
+
+  def jit(c):
+    compiled.append(c.plan)
+    return jax.jit(emit(c.schedule)).lower(*args).compile()
+
+  budget = xla_footprint(jit(found)) - 1
+  assert xla_footprint(jit(lower)) <= budget and xla_footprint(jit(shaped)) <= budget
+  compiled.clear()
+  fitter = Fitter(graph, Quick(found.plan), budget, 10 * budget,
+                  (found.peak + full) / 2 / budget, jit)
+  trial, rounds = fitter.tighten()
+  assert trial.candidate.plan == lower.plan and rounds == 2
+  assert compiled == [found.plan, lower.plan]
 
 
 def test_a_fit_found_among_the_lowest_compiles_the_shaped_plans_that_may_fit(args):

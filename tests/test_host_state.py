@@ -267,7 +267,7 @@ def test_the_search_with_state_on_the_host_starts_from_the_smallest_plans(graph)
   candidates again (each costs a compilation); the error names the least
   of both."""
   from jaxmem._decisions import Plan
-  from jaxmem.fit._fit import NoPlanFits
+  from jaxmem.fit._unmet import NoPlanFits
   from jaxmem.fit._search import search
   from jaxmem.planners import get_planner
   smallest = (Plan(), Plan())

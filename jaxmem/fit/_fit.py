@@ -8,8 +8,9 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
 
 1. *Tighten*: plan toward the budget scaled by model/XLA on the
    untransformed step; while XLA is over the budget, aim the model lower.
-   After a first plan over it, the plans of 3. that may fit are compiled;
-   where one fits, one more round is planned and the cheaper taken.
+   After a first plan over it that took over twice as long to plan as to
+   compile, the plans of 3. that may fit are compiled; where one fits, one
+   more round is planned and the cheaper taken.
 2. *Loosen*: a plan far under the budget recomputes more than it needs to;
    plan again for a looser aim and keep it where XLA still fits and it
    costs less.
@@ -38,7 +39,7 @@ from jaxmem.cost._evaluate import (Candidate, candidate, model_floor, unplanned,
                                    unplanned_liveness)
 from jaxmem.fit._aims import reaim
 from jaxmem.fit._forewarn import forewarn
-from jaxmem.fit._unmet import budget_error
+from jaxmem.fit._unmet import NoPlanFits, budget_error
 from jaxmem.graph._graph import Graph
 from jaxmem.schedule._scan_remat import loop_variants
 from jaxmem.planners._blocks import rebuilt_as_checkpointed
@@ -303,26 +304,33 @@ class Fitter:
       if self.needs_plan(aim):
         if rounds == 1 and self.smallest_from is None:  # the first search only
           forewarn(self.graph, self.where, self.planner)
+        began = time.perf_counter()
         candidate = self.plan(aim, start=previous)
+        planning = time.perf_counter() - began
         if trial is not None and candidate.plan == trial.candidate.plan:
           return self.best_so_far(trial, shaped), rounds - 1
         previous = candidate.plan
       else:
-        candidate = self.start(aim)
+        candidate, planning = self.start(aim), 0.0
+      began = time.perf_counter()
       trial = self.compile(candidate)
+      compiling = time.perf_counter() - began
       if shaped is not None:  # one round after a plan shaped like the policies fit
         return self.best_so_far(trial, shaped), rounds
       if (trial.measured <= self.budget or not candidate.fits
           or rounds >= self.max_rounds):
         return trial, rounds
-      if rounds == 1:
+      if rounds == 1 and planning > 2 * compiling:
         # Over the budget where the model said it fits: the model misjudges
-        # this step's plans. The plans shaped like per-block policies, which
-        # XLA follows closely, are compiled where they may fit; where one
-        # does, one more round plans for a lower aim and the cheaper that
-        # fits is taken, rather than round after round (minutes each near a
-        # convolutional net's floor). Where the fit goes on, its later try
-        # of these plans reuses the compilations (:meth:`compile`).
+        # this step's plans. Where another round's planning (about half the
+        # first's or less: the planner's table and searches are reused) is
+        # slower than compiling (minutes a round near a convolutional net's
+        # floor), the plans shaped like per-block policies, which XLA follows
+        # closely, are compiled where they may fit; where one does, one more
+        # round plans for a lower aim and the cheaper that fits is taken.
+        # Where planning is quicker, a round costs about one such compilation
+        # and finds a cheaper plan. A later try of these plans reuses the
+        # compilations (:meth:`compile`).
         found = self.structured(trial, cheaper=False, sparing=True)
         shaped = found if found.measured <= self.budget else None
       points.append((candidate.peak, self._model_part(trial.measured)))
@@ -480,15 +488,6 @@ class Fitter:
     """The error for a budget under ``smallest``, the least reached."""
     return budget_error(self.budget + self.reserve, self.reserve, self.unconstrained,
                         smallest, self.planner.name, self.where)
-
-
-class NoPlanFits(BudgetError):
-  """A :class:`BudgetError` from the fit loop's search for the smallest
-  footprint, with the plans that reached the least, smallest first."""
-
-  def __init__(self, error: BudgetError, plans: tuple[Plan, ...]):
-    super().__init__(str(error), smallest=error.smallest)
-    self.plans = plans
 
 
 def _described(candidate: Candidate) -> str:

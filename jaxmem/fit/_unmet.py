@@ -8,6 +8,7 @@ import weakref
 from typing import Callable
 
 from jaxmem._budget import BudgetError, format_bytes
+from jaxmem._decisions import Plan
 
 
 def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
@@ -25,6 +26,15 @@ def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
       f"footprint it reaches for this step is {format_bytes(smallest)} ({smallest} bytes, "
       f"{smallest / unconstrained:.0%}){kept}. Pass budget >= {least} bytes, "
       "or shrink the batch.", smallest=least)
+
+
+class NoPlanFits(BudgetError):
+  """A :class:`BudgetError` from the fit loop's search for the smallest
+  footprint, with the plans that reached the least, smallest first."""
+
+  def __init__(self, error: BudgetError, plans: tuple[Plan, ...]):
+    super().__init__(str(error), smallest=error.smallest)
+    self.plans = plans
 
 
 # The smallest footprint a fit reached where it failed, per step function
