@@ -273,6 +273,27 @@ MUTANTS = [
            "      if rounds == 1 and planning < 0:\n",
            ("tests/test_compilations.py::"
             "test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_planning_again",)),
+    Mutant("loosen-past-what-may-fit",
+           "a plan far under the budget is loosened toward aims no plan that may "
+           "fit reaches",
+           "jaxmem/fit/_fit.py",
+           "      scale = min(scale, self.most_that_may_fit() / room)\n",
+           "",
+           ("tests/test_compilations.py::test_a_looser_plan_is_sought_only_where_it_may_fit",)),
+    Mutant("loosen-within-precision",
+           "a plan is loosened for an aim barely above its own",
+           "jaxmem/fit/_fit.py",
+           "      if scale < low * (1 + LOOSEN_MARGIN):\n",
+           "      if scale <= low:\n",
+           ("tests/test_compilations.py::test_a_looser_plan_is_sought_only_where_it_may_fit",)),
+    Mutant("shaped-forms-unspared-without-clock",
+           "without a clock, every shaped form cheaper than the plan is compiled, "
+           "though the forms of its kind compiled say it cannot fit",
+           "jaxmem/fit/_fit.py",
+           "        if (self.clock is None and not sparing and ratios[rebuilt]\n",
+           "        if (self.clock is None and not sparing and ratios[rebuilt] and False\n",
+           ("tests/test_fit.py::"
+            "test_without_a_clock_a_shaped_form_its_kind_puts_over_the_budget_is_not_compiled",)),
 ]
 
 

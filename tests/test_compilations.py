@@ -334,6 +334,38 @@ def test_a_fit_found_among_the_lowest_compiles_the_shaped_plans_that_may_fit(arg
   assert low.plan in compiled and not any(s.plan in compiled for s in shaped), compiled
 
 
+def test_a_looser_plan_is_sought_only_where_it_may_fit(args):
+  # Loosening a plan far under the budget aims no higher than a plan that
+  # may fit can peak at (:meth:`Fitter.may_fit`): a plan for a looser aim
+  # would not be compiled, and planning it would be wasted.
+  graph, full, unconstrained, fitter = _fitter(args, 0.7)
+  aims = []
+
+  class Recorded(Greedy):
+    def plan(self, graph, aim, start=None):
+      aims.append(aim)
+      return super().plan(graph, aim, start)
+
+  fitter.planner = Recorded()
+  trial = fitter.compile(Greedy().plan(graph, int(0.6 * full)))
+  assert trial.measured < (1 - _fit.LOOSEN_MARGIN) * fitter.budget
+  cap = fitter.most_that_may_fit()
+  # Uncapped, the first looser aim scales the plan's by what XLA left free.
+  room = fitter.budget
+  assert trial.candidate.aim / trial.measured * room * 0.99 > cap
+  fitter.loosen(trial)
+  assert aims and max(aims) <= cap
+  # Where the most that may fit is under LOOSEN_MARGIN above the plan's own
+  # aim (XLA's footprint holding more that no plan changes), nothing is
+  # planned.
+  aims.clear()
+  least = fitter.most_that_may_fit() / fitter.budget  # the looser plans compiled included
+  fitter.fixed = fitter.budget - int(trial.candidate.aim * (1 + _fit.LOOSEN_MARGIN / 2) / least)
+  assert fitter.fixed > 0 and trial.measured < (1 - _fit.LOOSEN_MARGIN) * fitter.budget
+  fitter.loosen(trial)
+  assert not aims
+
+
 def test_a_plan_is_compiled_once_per_fit(args):
   graph, full, _, fitter = _fitter(args, 0.7)
   plan = Greedy().plan(graph, int(0.6 * full))

@@ -149,6 +149,35 @@ def test_block_shaped_forms_are_compiled_only_where_their_kind_may_fit():
   assert rebuilt[1].plan not in compiled and second.plan not in compiled
 
 
+def test_without_a_clock_a_shaped_form_its_kind_puts_over_the_budget_is_not_compiled():
+  """Without a clock (XLA:CPU), once a form shaped like a per-block policy
+  has compiled over the budget, another that the same model-to-XLA ratio
+  puts over it is not compiled, though it costs less than the plan found."""
+  graph = _graph()
+  residuals = [r.value for r in graph.residuals]
+  first, second = (candidate(graph, Plan().with_decision(v, RECOMPUTE)) for v in residuals[:2])
+  # XLA takes 30% more than the model for every shaped form: the first
+  # compiles over the budget, and by its ratio (3% more) so would the second.
+  budget = int(min(first.peak * 1.3, second.peak * 1.3 / 1.03)) - 1
+  searched = candidate(graph, Plan.of({v: RECOMPUTE for v in residuals}))
+  compiled = []
+
+  def jit(c):
+    compiled.append(c.plan)
+    return _compiled(budget if c.plan == searched.plan else int(c.peak * 1.3), 1.0)
+
+  class Shaped(_Table):
+    def structured(self, graph):
+      return [first, second]
+
+  fitter = Fitter(graph, Shaped(searched, []), budget, unconstrained=10 * budget,
+                  model_scale=1.0, jit=jit, max_rounds=1)
+  found = fitter.compile(searched)
+  assert max(fitter.cost(first), fitter.cost(second)) < fitter.cost(found)
+  assert fitter.structured(found) is found
+  assert compiled == [searched.plan, first.plan]
+
+
 def _asked():
   """A graph, a plan of it that recomputes one residual, and a table
   planner class whose ``lowest`` records each graph it is asked about in

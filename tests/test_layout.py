@@ -45,7 +45,7 @@ LAYERS = [
     {"fit._policies"},
     {"planners._ilp"},
     {"planners"},
-    {"fit._forewarn", "fit._aims"},
+    {"fit._forewarn", "fit._aims", "fit._trial"},
     {"fit._report", "fit._fit", "fit._host_state", "fit._checks", "fit._micro"},
     {"fit._search"},
     {"fit._traced"},

@@ -39,6 +39,7 @@ from jaxmem.cost._evaluate import (Candidate, candidate, model_floor, unplanned,
                                    unplanned_liveness)
 from jaxmem.fit._aims import reaim
 from jaxmem.fit._forewarn import forewarn
+from jaxmem.fit._trial import Trial, described
 from jaxmem.fit._unmet import NoPlanFits, budget_error
 from jaxmem.graph._graph import Graph
 from jaxmem.schedule._scan_remat import loop_variants
@@ -57,27 +58,11 @@ _log = logging.getLogger("jaxmem")
 # How far under the budget's share of the model the first plan aims.
 FIRST_MARGIN = 0.01
 
-
-@dataclasses.dataclass(frozen=True)
-class Trial:
-  """A candidate compiled.
-
-  Attributes:
-    candidate: the plan with its schedule and memory model.
-    footprint: XLA's footprint, or for a plan with offloads on a backend
-      that ignores host memory the model's device peak in XLA's scale;
-      None where the backend gives no analysis.
-    seconds: the compiled program's predicted time on the target (the
-      clock, ``_xla_clock``); None where the fit has no clock (XLA:CPU).
-  """
-  candidate: Candidate
-  footprint: int | None
-  seconds: float | None = None
-
-  @property
-  def measured(self) -> int:
-    """The footprint the budget is judged by (the model's where XLA gives none)."""
-    return self.candidate.peak if self.footprint is None else self.footprint
+# A fitting plan is loosened (``Fitter.loosen``) where XLA's footprint leaves
+# this share of the budget free and a plan may fit for an aim this much
+# looser: closer, a compilation buys a few recomputations back (GPT-2 at 70%
+# of its footprint: 1% looser, 38 decisions to 41).
+LOOSEN_MARGIN = 0.05
 
 
 # Plans of the first search for the smallest footprint that a second fit of
@@ -232,11 +217,11 @@ class Fitter:
     self._trials[key] = trial
     self._best = self.best_so_far(trial, self._best)
     _log.info("jaxmem: compiled %s: footprint %s against the budget %s%s in %.1f s; "
-              "best so far: %s", _described(candidate), format_bytes(trial.measured),
+              "best so far: %s", described(candidate), format_bytes(trial.measured),
               format_bytes(self.budget),
               "" if trial.seconds is None else f", predicted {trial.seconds * 1e3:.3g} ms",
               time.perf_counter() - began,
-              f"{_described(self._best.candidate)} at {format_bytes(self._best.measured)}"
+              f"{described(self._best.candidate)} at {format_bytes(self._best.measured)}"
               + (" (fits)" if self._best.measured <= self.budget else " (over)"))
     return trial
 
@@ -263,14 +248,18 @@ class Fitter:
     return trial
 
   def may_fit(self, candidate: Candidate) -> bool:
-    """Whether ``candidate`` may fit the budget by what the steps compiled
-    so far say the model's bytes are worth (the least model bytes per XLA
-    byte seen, the step as written's included: the largest footprint it
-    may have); True before any plan is compiled."""
+    """Whether ``candidate``'s model peak is within :meth:`most_that_may_fit`."""
+    return candidate.peak <= self.most_that_may_fit()
+
+  def most_that_may_fit(self) -> float:
+    """The largest model peak that may fit the budget by what the steps
+    compiled so far say the model's bytes are worth (the least model bytes
+    per XLA byte seen, the step as written's included: the largest
+    footprint it may have); unbounded before any plan is compiled."""
     if not self._ratios:
-      return True
+      return float("inf")
     least = min(self.model_scale, *self._ratios)  # the step as written's included
-    return candidate.peak / least + self.fixed <= self.budget
+    return (self.budget - self.fixed) * least
 
   def cost(self, trial: Trial | Candidate) -> float:
     """The planner's cost of a plan (its cost model's, before compiling)."""
@@ -322,15 +311,13 @@ class Fitter:
         return trial, rounds
       if rounds == 1 and planning > 2 * compiling:
         # Over the budget where the model said it fits: the model misjudges
-        # this step's plans. Where another round's planning (about half the
-        # first's or less: the planner's table and searches are reused) is
-        # slower than compiling (minutes a round near a convolutional net's
-        # floor), the plans shaped like per-block policies, which XLA follows
-        # closely, are compiled where they may fit; where one does, one more
-        # round plans for a lower aim and the cheaper that fits is taken.
-        # Where planning is quicker, a round costs about one such compilation
-        # and finds a cheaper plan. A later try of these plans reuses the
-        # compilations (:meth:`compile`).
+        # this step's plans. Where another round's planning (half the first's
+        # or less: the planner's table and searches are reused) is slower
+        # than compiling (minutes near a convolutional net's floor), the
+        # plans shaped like per-block policies, which XLA follows closely,
+        # are compiled where they may fit; where one does, one more round is
+        # planned and the cheaper that fits taken. Where planning is quicker,
+        # a round costs about one such compilation and finds a cheaper plan.
         found = self.structured(trial, cheaper=False, sparing=True)
         shaped = found if found.measured <= self.budget else None
       points.append((candidate.peak, self._model_part(trial.measured)))
@@ -360,14 +347,19 @@ class Fitter:
     (bisecting between the last aim that fit and the first that did not),
     a plan is compiled where the plans compiled so far say it may fit
     (:meth:`may_fit`), and taken if XLA's footprint still fits and it
-    costs less (:meth:`Planner.cost`)."""
+    costs less (:meth:`Planner.cost`). No aim is looser than a plan that
+    may fit can peak at, nor planned under ``LOOSEN_MARGIN`` above the
+    plan's own."""
     room = self._model_part(self.budget)
     low, high = found.candidate.aim / room, None
     for _ in range(rounds):
-      if found.measured >= 0.95 * self.budget:
+      if found.measured >= (1 - LOOSEN_MARGIN) * self.budget:
         break
       scale = ((low + high) / 2 if high else
                low * room / self._model_part(found.measured) * 0.99)
+      scale = min(scale, self.most_that_may_fit() / room)
+      if scale < low * (1 + LOOSEN_MARGIN):
+        break
       candidate = self.plan(int(room * scale))
       if (candidate.fits and candidate.plan != found.candidate.plan
           and self.may_fit(candidate)):
@@ -396,8 +388,9 @@ class Fitter:
     the clock does.
     Without a clock, the first, cheapest first, that the planner's cost
     rates below the plan and that fits and is cheaper compiled replaces
-    it; with ``sparing``, only forms that may fit are compiled, as with a
-    clock."""
+    it; once a form is compiled, one that the forms of its kind say cannot
+    fit is not; with ``sparing``, only forms that may fit are compiled, as
+    with a clock."""
     best = found
     limit = self.cost(found) if cheaper else float("inf")
     ceiling = float("inf")
@@ -413,6 +406,9 @@ class Fitter:
       below = ceiling
       for form in forms:
         rebuilt = form is not shaped
+        if (self.clock is None and not sparing and ratios[rebuilt]
+            and not self.may_come_under(form.peak, self.budget, ratios[rebuilt])):
+          continue  # the forms of its kind compiled so far say it cannot fit
         if self.clock is not None or sparing:
           if not (self.may_come_under(form.peak, self.budget, ratios[rebuilt])
                   and (rebuilt or form.peak < below)):
@@ -488,12 +484,3 @@ class Fitter:
     """The error for a budget under ``smallest``, the least reached."""
     return budget_error(self.budget + self.reserve, self.reserve, self.unconstrained,
                         smallest, self.planner.name, self.where)
-
-
-def _described(candidate: Candidate) -> str:
-  """A compiled candidate as the log names it."""
-  if len(candidate.plan):
-    return f"a plan of {len(candidate.plan)} decisions"
-  if candidate.changes_step:
-    return "the step with its backward reads separated"
-  return "the step as written"

@@ -17,7 +17,8 @@ from typing import Callable, Iterable, TypeVar
 from jaxmem._budget import BudgetError
 from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import state_hosted_tiers
-from jaxmem.fit._fit import Fitter, Trial
+from jaxmem.fit._fit import Fitter
+from jaxmem.fit._trial import Trial
 from jaxmem.fit._unmet import NoPlanFits
 from jaxmem.graph._graph import Graph
 from jaxmem.graph._state import apply_host_decisions, hosted_state

@@ -1,0 +1,39 @@
+"""A candidate plan compiled: its footprint on the target, and its time
+where the target has a clock."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxmem.cost._evaluate import Candidate
+
+
+@dataclasses.dataclass(frozen=True)
+class Trial:
+  """A candidate compiled.
+
+  Attributes:
+    candidate: the plan with its schedule and memory model.
+    footprint: XLA's footprint, or for a plan with offloads on a backend
+      that ignores host memory the model's device peak in XLA's scale;
+      None where the backend gives no analysis.
+    seconds: the compiled program's predicted time on the target (the
+      clock, ``_xla_clock``); None where the fit has no clock (XLA:CPU).
+  """
+  candidate: Candidate
+  footprint: int | None
+  seconds: float | None = None
+
+  @property
+  def measured(self) -> int:
+    """The footprint the budget is judged by (the model's where XLA gives none)."""
+    return self.candidate.peak if self.footprint is None else self.footprint
+
+
+def described(candidate: Candidate) -> str:
+  """A compiled candidate as the log names it."""
+  if len(candidate.plan):
+    return f"a plan of {len(candidate.plan)} decisions"
+  if candidate.changes_step:
+    return "the step with its backward reads separated"
+  return "the step as written"
