@@ -14,11 +14,11 @@ from jaxmem.fit._shared import graph_of, measuring, planner_of
 from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError
-from jaxmem.cost._evaluate import Candidate, paused_gc, state_hosted_tiers, unplanned
+from jaxmem.cost._evaluate import Candidate, paused_gc, unplanned
 from jaxmem.graph._state import apply_host_decisions
 from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter
-from jaxmem.fit._search import first_fit, search
+from jaxmem.fit._search import first_fit, search, state_places
 from jaxmem.fit._unmet import budget_error, known_to_fail, remember
 from jaxmem.fit._fitted import Fit
 from jaxmem.fit._inner import body_of
@@ -293,11 +293,8 @@ class Transformed:
       return fit(graph=apply_host_decisions(graph, planner.around)[0])
     if not (self._may_host(target) and looped(graph)):
       return fit(graph=graph)
-
-    def tiers():  # the state's places, each tried once the one before fits no plan
-      yield graph
-      yield from state_hosted_tiers(graph, timing_profile(target))
-    return first_fit(functools.partial(fit, graph=tried) for tried in tiers())
+    return first_fit(functools.partial(fit, graph=tried)
+                     for tried in state_places(graph, timing_profile(target)))
 
   def _fit_graph(self, closed, planner, written: Written, *, out_tree, step: str,
                  target: Target, args, kwargs, leaves, start: float, find_smallest: bool,

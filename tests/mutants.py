@@ -294,6 +294,13 @@ MUTANTS = [
            "        if (self.clock is None and not sparing and ratios[rebuilt] and False\n",
            ("tests/test_fit.py::"
             "test_without_a_clock_a_shaped_form_its_kind_puts_over_the_budget_is_not_compiled",)),
+    Mutant("guess-frees-expensive-copies",
+           "the guessed column frees a rebuilt transcendental read twice through its "
+           "last read, as the optimistic estimate does",
+           "jaxmem/planners/_pricing.py",
+           "      inside = self._fusible(buf) and not (likely and len(set(back)) > 1\n",
+           "      inside = self._fusible(buf) and not (False and len(set(back)) > 1\n",
+           ("tests/test_ilp.py::test_a_guessed_transcendental_copy_read_twice_keeps_its_buffer",)),
 ]
 
 

@@ -10,7 +10,6 @@ the plan cache or a file is compiled once first (:func:`fit_plan`).
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 from typing import Callable, Iterable, TypeVar
 
@@ -48,6 +47,16 @@ def first_fit(tries: Iterable[Callable[[], T | None]]) -> T | None:
   return None
 
 
+def state_places(graph: Graph, profile: DeviceProfile | None, may_host: bool = True):
+  """``graph``, then, where ``may_host``, the graphs that keep its optimizer
+  state (then its master weights) in host memory between steps
+  (``state_hosted_tiers``): where the state may live, in the order a fit
+  tries them, each once no plan fits with the one before."""
+  yield graph
+  if may_host:
+    yield from state_hosted_tiers(graph, profile)
+
+
 def fit_plan(fitter: Callable[..., Fitter], plan: Plan,
              source: str) -> tuple[Fixed, tuple[Trial, int]] | None:
   """A given plan (from ``source``) as a fit: compiled once, without
@@ -78,7 +87,6 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
     hit = fit_plan(functools.partial(fitter, hosted), plan, saved[1])
     if hit is not None:
       return (hosted, *hit)
-  hosted = state_hosted_tiers(graph, profile) if may_host else ()
   smallest_from = None
 
   def attempt(tried: Graph):
@@ -101,7 +109,8 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
     return None if found is None else (tried, planner, found)
 
   try:
-    hit = first_fit(functools.partial(attempt, tried) for tried in itertools.chain([graph], hosted))
+    hit = first_fit(functools.partial(attempt, tried)
+                    for tried in state_places(graph, profile, may_host))
   except BudgetError as error:  # the user's error, without the search's plans or its frames
     raise BudgetError(str(error), smallest=error.smallest) from None
   return hit or (graph, planner, None)

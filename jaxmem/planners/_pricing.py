@@ -247,8 +247,9 @@ class _Estimator:
     whole rows only, where each op of the row holds them). Likely, a
     buffer is freed only after the forward ops that read it as a buffer
     under any plan (:meth:`_freed_from`) and the backward ops that read it
-    for values the plan keeps, and the values the rebuild reads live on to
-    its first backward read. The cost is the
+    for values the plan keeps, a transcendental's copy read by more than
+    one backward op is held from the first (:meth:`_free`), and the values
+    the rebuild reads live on to its first backward read. The cost is the
     FLOPs of the equations that rebuild its residuals from the values the
     backward pass may read (as the schedule builder rebuilds them), each
     once."""
@@ -281,7 +282,8 @@ class _Estimator:
       likely[np.unique(self.row_at[self._last_read(buf) + 1:first])] += \
           self.ref.schedule.nbytes(buf)
     for buf in freed:
-      self._free(likely, buf, max(self._freed_from(buf), self._held_back(buf, remade) + 1))
+      self._free(likely, buf, max(self._freed_from(buf), self._held_back(buf, remade) + 1),
+                 likely=True)
     return most, likely, float(sum(self.graph.nodes[n].flops for n in run - self.rerun))
 
   def _first_read(self, values) -> int:
@@ -316,14 +318,22 @@ class _Estimator:
       rows.discard(self.row_at[end - 1])
     return np.array(sorted(rows), dtype=int)
 
-  def _free(self, column: np.ndarray, buf, start: int) -> None:
+  def _free(self, column: np.ndarray, buf, start: int, likely: bool = False) -> None:
     """Takes ``buf``'s bytes off ``column`` from op ``start`` up to its
     first backward read, where its copy is made, or, where XLA may compute
-    the copy inside its readers, through the last."""
+    the copy inside its readers, through the last. ``likely``: XLA gives
+    an expensive copy (a transcendental) read more than once a buffer of
+    its own, as it does the original (``Fusion.duplicable``)."""
     back = [p for p in self.ref.reads.get(buf, ()) if self.backward[p]]
     if back:
-      end = max(back) + 1 if self._fusible(buf) else min(back)
+      inside = self._fusible(buf) and not (likely and len(set(back)) > 1
+                                           and self._expensive(buf))
+      end = max(back) + 1 if inside else min(back)
       column[np.unique(self.row_at[start:end])] -= self.ref.schedule.nbytes(buf)
+
+  def _expensive(self, buf) -> bool:
+    producer = self.graph.values[buf[0]].producer
+    return producer is not None and primitives.is_expensive(self.graph.nodes[producer].prim.name)
 
   def _freed_from(self, buf) -> int:
     """The first op after the last forward op that reads ``buf``'s own
