@@ -301,6 +301,19 @@ MUTANTS = [
            "      inside = self._fusible(buf) and not (likely and len(set(back)) > 1\n",
            "      inside = self._fusible(buf) and not (False and len(set(back)) > 1\n",
            ("tests/test_ilp.py::test_a_guessed_transcendental_copy_read_twice_keeps_its_buffer",)),
+    Mutant("guess-frees-saved-sources",
+           "the guessed column lets a saved value the rebuild reads die at its last "
+           "forward read where a fused dropped value reads it too",
+           "jaxmem/planners/_pricing.py",
+           ("             if b not in self.ref.in_outputs} - held  # those cost nothing as written\n"
+            "    first = min((p for b in freed for p in self.ref.reads.get(b, ()) if self.backward[p]),\n"
+            "                default=None)\n"
+            "    for buf in held if first is not None else ():\n"),
+           ("             if b not in self.ref.in_outputs}  # those cost nothing as written\n"
+            "    first = min((p for b in freed for p in self.ref.reads.get(b, ()) if self.backward[p]),\n"
+            "                default=None)\n"
+            "    for buf in held - freed if first is not None else ():\n"),
+           ("tests/test_ilp.py::test_a_guessed_column_holds_the_saved_values_its_rebuild_reads",)),
 ]
 
 

@@ -359,6 +359,41 @@ def test_a_guessed_transcendental_copy_read_twice_keeps_its_buffer():
   assert checked >= 2
 
 
+def test_a_guessed_column_holds_the_saved_values_its_rebuild_reads():
+  """Under ``dots_saveable`` an attention block keeps its scores (a dot's
+  output the step as written frees in the forward pass) to rebuild the
+  softmax from; the softmax's shifted scores, computed inside their
+  readers, read them too. The guessed column holds the scores from their
+  last forward read on, so in the forward pass it is the exact one."""
+  class Attention(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      q, k, v = (nn.Dense(32)(x) for _ in range(3))
+      p = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
+      return x + nn.Dense(32)(jnp.einsum("bqk,bkd->bqd", p, v))
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      for _ in range(3):
+        x = Attention()(x)
+      return jnp.sum(x ** 2)
+
+  net, x = Net(), jnp.ones((8, 64, 32))
+  params = net.init(jax.random.key(0), x)
+  graph = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(params))
+  table = ILP().table(graph)
+  forward = [r for r, node in enumerate(table.rows)
+             if node >= 0 and not graph.nodes[node].backward]
+  saving = [i for i, c in enumerate(table.choices)
+            if isinstance(c, Choice) and c.keep == "dots_saveable"]
+  assert len(saving) == 3
+  for i in saving:
+    guessed = table.guess[:, i].copy()
+    table.price([i])
+    assert (guessed[forward] == table.delta[forward, i]).all()
+
+
 @pytest.mark.parametrize("fraction", [0.9, 0.8])
 def test_a_plan_taken_on_guesses_prices_nothing_and_is_within_its_gap(blocks, fraction):
   graph, base = blocks

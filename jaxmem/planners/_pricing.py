@@ -274,11 +274,14 @@ class _Estimator:
     # Backward reads of values the rebuild makes on the way are redirected
     # to its copies (the schedule builder reuses them within the block).
     remade = dropped | {v for n in run for v in self.graph.nodes[n].outs}
+    # A buffer the rebuild reads is not freed, though a dropped value XLA
+    # computes inside its readers reads it too (saved attention scores).
+    held = self._buffers(sources)
     freed = {b for b in self._buffers(remade - set(self.reference))
-             if b not in self.ref.in_outputs}  # those cost nothing as written
+             if b not in self.ref.in_outputs} - held  # those cost nothing as written
     first = min((p for b in freed for p in self.ref.reads.get(b, ()) if self.backward[p]),
                 default=None)
-    for buf in self._buffers(sources) - freed if first is not None else ():
+    for buf in held if first is not None else ():
       likely[np.unique(self.row_at[self._last_read(buf) + 1:first])] += \
           self.ref.schedule.nbytes(buf)
     for buf in freed:
