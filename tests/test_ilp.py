@@ -27,10 +27,12 @@ class _Block(nn.Module):
 
 
 class _Net(nn.Module):
+  block: type = _Block  # three of them
+
   @nn.compact
   def __call__(self, x):
     for _ in range(3):
-      x = _Block()(x)
+      x = self.block()(x)
     return jnp.sum(x ** 2)
 
 
@@ -372,14 +374,7 @@ def test_a_guessed_column_holds_the_saved_values_its_rebuild_reads():
       p = jax.nn.softmax(jnp.einsum("bqd,bkd->bqk", q, k), axis=-1)
       return x + nn.Dense(32)(jnp.einsum("bqk,bkd->bqd", p, v))
 
-  class Net(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-      for _ in range(3):
-        x = Attention()(x)
-      return jnp.sum(x ** 2)
-
-  net, x = Net(), jnp.ones((8, 64, 32))
+  net, x = _Net(block=Attention), jnp.ones((8, 64, 32))
   params = net.init(jax.random.key(0), x)
   graph = build_graph(jax.make_jaxpr(jax.grad(lambda p: net.apply(p, x)))(params))
   table = ILP().table(graph)
