@@ -298,8 +298,8 @@ MUTANTS = [
            "the guessed column frees a rebuilt transcendental read twice through its "
            "last read, as the optimistic estimate does",
            "jaxmem/planners/_pricing.py",
-           "      inside = self._fusible(buf) and not (likely and len(set(back)) > 1\n",
-           "      inside = self._fusible(buf) and not (False and len(set(back)) > 1\n",
+           "                and not (likely and len(set(back)) > 1 and primitives.is_expensive(made_by)))\n",
+           "                and not (False and len(set(back)) > 1 and primitives.is_expensive(made_by)))\n",
            ("tests/test_ilp.py::test_a_guessed_transcendental_copy_read_twice_keeps_its_buffer",)),
     Mutant("guess-frees-saved-sources",
            "the guessed column lets a saved value the rebuild reads die at its last "

@@ -324,19 +324,18 @@ class _Estimator:
   def _free(self, column: np.ndarray, buf, start: int, likely: bool = False) -> None:
     """Takes ``buf``'s bytes off ``column`` from op ``start`` up to its
     first backward read, where its copy is made, or, where XLA may compute
-    the copy inside its readers, through the last. ``likely``: XLA gives
+    the copy inside its readers (an elementwise equation's), through the
+    last. ``likely``: XLA gives
     an expensive copy (a transcendental) read more than once a buffer of
     its own, as it does the original (``Fusion.duplicable``)."""
     back = [p for p in self.ref.reads.get(buf, ()) if self.backward[p]]
     if back:
-      inside = self._fusible(buf) and not (likely and len(set(back)) > 1
-                                           and self._expensive(buf))
+      made_by = self._made_by(buf)
+      inside = (made_by is not None and primitives.fuses_elementwise(made_by)
+                and not (likely and len(set(back)) > 1 and primitives.is_expensive(made_by)))
       end = max(back) + 1 if inside else min(back)
       column[np.unique(self.row_at[start:end])] -= self.ref.schedule.nbytes(buf)
 
-  def _expensive(self, buf) -> bool:
-    producer = self.graph.values[buf[0]].producer
-    return producer is not None and primitives.is_expensive(self.graph.nodes[producer].prim.name)
 
   def _freed_from(self, buf) -> int:
     """The first op after the last forward op that reads ``buf``'s own
@@ -353,13 +352,12 @@ class _Estimator:
     return max((pos for pos, vid, through in self.reads_of.get(buf, ())
                 if vid not in dropped and not (through and buf[0] in dropped)), default=-1)
 
-  def _fusible(self, buf) -> bool:
-    """Whether XLA may compute a recomputed copy of ``buf`` inside its
-    readers (an elementwise producer; not a step input's barrier copy,
-    such as a master weight a cast fused into its readers reads)."""
+  def _made_by(self, buf) -> str | None:
+    """The primitive whose equation makes ``buf``'s value; None for a step
+    input (whose barrier copy XLA never computes inside its readers, such
+    as a master weight a cast fused into its readers reads)."""
     producer = self.graph.values[buf[0]].producer
-    return producer is not None and primitives.fuses_elementwise(
-        self.graph.nodes[producer].prim.name)
+    return None if producer is None else self.graph.nodes[producer].prim.name
 
   def _buffers(self, values) -> set:
     """The buffers recomputing ``values`` may free: each value's own, the
