@@ -314,6 +314,18 @@ MUTANTS = [
             "                default=None)\n"
             "    for buf in held - freed if first is not None else ():\n"),
            ("tests/test_ilp.py::test_a_guessed_column_holds_the_saved_values_its_rebuild_reads",)),
+    Mutant("suspects-all-chosen",
+           "a plan judged over its aim prices every choice it took, not its suspects",
+           "jaxmem/planners/_ilp.py",
+           "          suspects = table.suspects(chosen, found.memory, aim) if suspected < _SUSPECTED else ()\n",
+           "          suspects = chosen if suspected < _SUSPECTED else ()\n",
+           ("tests/test_ilp.py::test_a_plan_over_its_aim_prices_its_suspects_first",)),
+    Mutant("suspects-agreeing",
+           "the suspects are the choices whose guesses agree with their estimates",
+           "jaxmem/planners/_pricing.py",
+           "            if not self.exact[i] and (self.guess[over, i] != self.delta[over, i]).any()]\n",
+           "            if not self.exact[i] and (self.guess[over, i] == self.delta[over, i]).any()]\n",
+           ("tests/test_ilp.py::test_a_plan_over_its_aim_prices_its_suspects_first",)),
 ]
 
 

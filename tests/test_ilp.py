@@ -15,7 +15,7 @@ from jaxmem.graph._graph import build_graph
 from jaxmem.planners import ILP, Greedy, Hybrid, _greedy, auto, hybrid
 from jaxmem.planners import _highs as highs
 from jaxmem.planners._blocks import segments
-from jaxmem.planners._choices import Choice, Drop, _parent, plan_of
+from jaxmem.planners._choices import Choice, Drop, _parent, levels, plan_of
 from jaxmem.targets import xla_footprint
 from tests.helpers import assert_trees_close, assert_updates_close, xla_budget
 
@@ -264,6 +264,45 @@ def test_lazy_pricing_finds_what_pricing_every_choice_finds(request, model):
       assert got.details.gap <= lazy.mip_gap
     if fraction == 0.9:  # at most what the solutions took is priced
       assert lazy.table(graph).priced < len(lazy.table(graph).choices) / 2
+
+
+def test_a_plan_over_its_aim_prices_its_suspects_first(mlp, monkeypatch):
+  """A plan on estimates that the memory model puts over the aim prices
+  first only the choices whose guesses differ from their estimates (on the
+  test MLP at 70%: one of eleven), and planning ends where pricing every
+  choice does."""
+  from jaxmem.planners import _pricing
+  graph, base = mlp[-2:]
+  events = []
+  weighed, price = ILP._weighed, _pricing.Table.price
+
+  over = []
+
+  def judged(self, graph, table, chosen, aim, *args):
+    found = weighed(self, graph, table, chosen, aim, *args)
+    events.append(("judged", len(chosen), found.fits))
+    reached = levels(found.memory)
+    over[:] = [reached.get(k, 0) > aim for k in table.rows]
+    return found
+
+  def priced(self, chosen):
+    todo = [i for i in chosen if not self.exact[i]]
+    # Differing where the plan judged last went over the aim.
+    differing = [i for i in todo if (self.guess[over, i] != self.delta[over, i]).any()]
+    events.append(("priced", len(todo), len(differing)))
+    return price(self, chosen)
+
+  monkeypatch.setattr(ILP, "_weighed", judged)
+  monkeypatch.setattr(_pricing.Table, "price", priced)
+  planner = ILP(refine=False)
+  got = planner.plan(graph, int(base * 0.7))
+  misses = [i for i, e in enumerate(events) if e[0] == "judged" and not e[2]]
+  assert misses and events[misses[0] + 1][0] == "priced"
+  _, todo, differing = events[misses[0] + 1]
+  assert 0 < todo < events[misses[0]][1] and todo == differing
+  want = ILP(lazy=False, refine=False).plan(graph, int(base * 0.7))
+  assert got.fits and want.fits
+  assert planner.cost(got.schedule) == pytest.approx(planner.cost(want.schedule), rel=1e-4)
 
 
 def test_estimated_columns_are_optimistic(blocks):

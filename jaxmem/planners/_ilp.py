@@ -364,7 +364,7 @@ class ILP(Planner):
     """The cheapest combination whose model peak fits ``aim``, or None."""
     table = self.table(graph)
     n = len(table.choices)
-    refused, spent, limit, first, rounds, solves, missed = [], 0.0, aim, None, 0, 0, 0
+    refused, spent, limit, first, rounds, solves, missed, suspected = [], 0.0, aim, None, 0, 0, 0, 0
     while rounds < self.rounds:
       began = time.perf_counter()
       # Once a bound is proved (``first``) later programs' bounds go unused.
@@ -390,10 +390,16 @@ class ILP(Planner):
         found = self._weighed(graph, table, chosen, aim, bound, solves, spent)
         if found.fits and found.details.gap <= self.mip_gap:
           return found
-        missed += 1
         if not found.fits:
           refused.append(chosen)
-      if table.price(chosen if _lazy(table, spent) else range(n)):
+          # The choices whose guesses say their estimates miss bytes where
+          # the plan goes over are priced alone first, a few times.
+          suspects = table.suspects(chosen, found.memory, aim) if suspected < _SUSPECTED else ()
+          if table.price(suspects):
+            suspected += 1
+            continue
+        missed += 1
+      if table.price(chosen if table.lazy(spent) else range(n)):
         continue  # taken on estimates: solved again with their exact columns
       rounds += 1
       # The first program whose plan is priced bounds the exact program at
@@ -462,7 +468,7 @@ class ILP(Planner):
       x, bound, status = self._milp(cost, constraints + self._program(table, [], n + 2), n + 1)
       spent += time.perf_counter() - solving
       chosen = [i for i in range(n) if x[i] > 0.5]
-      if not table.price(chosen if _lazy(table, spent) else range(n)):
+      if not table.price(chosen if table.lazy(spent) else range(n)):
         break
     return self._candidate(graph, table, chosen, 0, bound, status, 1,
                            time.perf_counter() - began)
@@ -481,20 +487,14 @@ class ILP(Planner):
     return found
 
 
-def _lazy(table: Table, spent: float) -> bool:
-  """Whether the next pricing is of the choices a solution took alone,
-  else of every choice left: lazy until the programs solved (``spent``
-  seconds) have cost what pricing the rest would (a rent-or-buy rule:
-  never more than twice the better of the two). On the zoo's GPT-2 at
-  60% of its peak, each program takes 0.1-0.4 s and most price 2-3
-  choices of 20 ms each."""
-  rest = table.rest_seconds()
-  return rest is None or spent < rest
-
-
 # Programs a plan solves, about, before its columns are priced (the
-# planning-time warning's figure; ``_lazy`` decides).
+# planning-time warning's figure; ``Table.lazy`` decides).
 _PROGRAMS = 12
+
+# Rounds per aim that price only the suspects of a plan judged over it
+# (``Table.suspects``): ViT at 70% of its footprint needs two, where GPT-2
+# at 50% took sixteen, one or two choices at a time.
+_SUSPECTED = 3
 
 # Misses per aim of plans judged before pricing (GPT-2 at 69%: nine in a row).
 _WEIGHED = 2
