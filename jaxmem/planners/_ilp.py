@@ -492,8 +492,8 @@ class ILP(Planner):
 _PROGRAMS = 12
 
 # Rounds per aim that price only the suspects of a plan judged over it
-# (``Table.suspects``): ViT at 70% of its footprint needs two, where GPT-2
-# at 50% took sixteen, one or two choices at a time.
+# (``Table.suspects``): ViT at 70% of its footprint needs two; GPT-2 at 50%,
+# unbounded, runs sixteen of one or two choices each.
 _SUSPECTED = 3
 
 # Misses per aim of plans judged before pricing (GPT-2 at 69%: nine in a row).
