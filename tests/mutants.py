@@ -326,6 +326,18 @@ MUTANTS = [
            "            if not self.exact[i] and (self.guess[over, i] != self.delta[over, i]).any()]\n",
            "            if not self.exact[i] and (self.guess[over, i] == self.delta[over, i]).any()]\n",
            ("tests/test_ilp.py::test_a_plan_over_its_aim_prices_its_suspects_first",)),
+    Mutant("iotas-only-while-the-gradient-runs",
+           "the max-pool gradient's iotas are held only while the gradient runs",
+           "jaxmem/graph/_xla_cpu_fusion.py",
+           "      found += [(0, made, iotas), (made, pos, (source.dtype.itemsize + 4 * rank) * source.size)]\n",
+           "      found += [(pos, pos, iotas), (made, pos, (source.dtype.itemsize + 4 * rank) * source.size)]\n",
+           ("tests/test_model_accuracy.py::test_a_unets_plans_stay_near_xla_with_its_max_pools_iotas",)),
+    Mutant("iotas-until-the-gradient",
+           "the max-pool gradient's iotas are held from the start until the gradient",
+           "jaxmem/graph/_xla_cpu_fusion.py",
+           "      made = self.producer_of.get(root.get(op.ins[1], op.ins[1]), pos)\n",
+           "      made = pos\n",
+           ("tests/test_model_accuracy.py::test_model_peak_over_xla_footprint_stays_in_its_band",)),
 ]
 
 

@@ -24,6 +24,7 @@ bring the walk close to XLA:CPU's fusion and buffer assignment:
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from jax.extend import core as jex
@@ -174,12 +175,13 @@ class _Prepared:
   on_host: int  # host bytes held from the start
   loops: dict  # op position -> what the loop it runs holds while it runs
   copies_free_at: dict  # op position -> the keys whose copies beside it free there
+  held: list  # (first op, last op, bytes) the compiler holds beyond the values
 
   @property
   def walk_args(self) -> tuple:
     """:func:`_walk`'s arguments after the schedule."""
     return (self.fusion, self.owned_by, self.free_at, self.host, self.in_outputs,
-            self.start, self.on_host, self.loops, self.copies_free_at)
+            self.start, self.on_host, self.loops, self.copies_free_at, self.held)
 
 
 def _prepare(schedule: Schedule) -> _Prepared:
@@ -231,7 +233,8 @@ def _prepare(schedule: Schedule) -> _Prepared:
            if op.kind == "node" and graph.nodes[op.node].prim.name == "scan"}
   return _Prepared(arguments, reads, root, fused_reads, fused, fusion, owned_by, free_at,
                    host, in_outputs, arguments + out_bytes,
-                   sum(nbytes(k) for k in hosted_in), loops, _copies_free_at(ops, fusion))
+                   sum(nbytes(k) for k in hosted_in), loops, _copies_free_at(ops, fusion),
+                   fusion.held(root))
 
 
 def fusion_of(schedule: Schedule) -> Fusion:
@@ -315,7 +318,7 @@ KINDS = ("residuals", "recomputed", "copied back", "temporaries")
 
 def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
           in_outputs: set, start: int, on_host: int = 0, loops: dict | None = None,
-          copies_free_at: dict | None = None, classify=None,
+          copies_free_at: dict | None = None, held_spans: list = (), classify=None,
           spans: list | None = None) -> _Walk:
   """Walks the ops in order: each op's own buffers are allocated with the
   copies beside them (host copies on the host; temporaries placed in
@@ -323,7 +326,8 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
   the op's scratch, and buffers whose last reader it is are freed, and
   copies at ``copies_free_at``. ``start`` device bytes and ``on_host``
   host bytes are held from the start; ``loops`` holds, per op that runs a
-  loop, what its body holds while it runs (:func:`loop_scratch`). With ``classify`` (key -> one of
+  loop, what its body holds while it runs (:func:`loop_scratch`);
+  ``held_spans``, the compiler's own buffers (:meth:`Fusion.held`). With ``classify`` (key -> one of
   :data:`KINDS`), ``kinds`` splits the timeline less ``start`` by kind (an
   op's scratch among the temporaries). With ``spans`` (a list), each device
   buffer's ``(first op, last op, bytes)`` is appended to it: a value's, its
@@ -347,7 +351,16 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       spans.extend((opened[key], pos, n) for n in (copies, 0 if copies_only else nbytes(key))
                    if n)
 
+  opening, closing = collections.Counter(), collections.Counter()
+  for first, last, size in held_spans:
+    opening[first] += size
+    closing[last] += size
+    if spans is not None:
+      spans.append((first, last, size))
   for pos in range(len(ops)):
+    live += opening[pos]
+    if classify:
+      held["temporaries"] += opening[pos]
     for key in owned_by.get(pos, ()):
       if key in host:
         on_host += nbytes(key)
@@ -370,6 +383,9 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       series.append(held[kind] + (scratch if kind == "temporaries" else 0))
     if walk.timeline[-1] > walk.peak:
       walk.peak, walk.peak_op, walk.live_at_peak = walk.timeline[-1], pos, list(live_set)
+    live -= closing[pos]
+    if classify:
+      held["temporaries"] -= closing[pos]
     for key in (copies_free_at or {}).get(pos, ()):
       if key in live_set:
         release(key, pos, copies_only=True)

@@ -380,6 +380,11 @@ class LearnedFusion(Fusion):
     return workspace + select_and_scatter_scratch(self.graph, self.graph.nodes[node],
                                                   indexed=False)
 
+  def held(self, root: dict) -> list[tuple[int, int, int]]:
+    """None: XLA:GPU expands a max-pool's gradient without iotas, all of
+    it while the gradient runs (:meth:`scratch`)."""
+    return []
+
   def beside(self, key) -> int:
     pos = self.producer_of.get(key)
     node = None if pos is None else self.ops[pos].node

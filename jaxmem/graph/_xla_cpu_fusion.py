@@ -76,16 +76,41 @@ class Fusion:
     """Bytes op ``pos`` needs only while it runs: the transposed input
     copies XLA:CPU runs a kernel-gradient convolution on (the rewrite pins
     them there), and what XLA's select-and-scatter expander makes for a
-    max-pool's gradient (:func:`select_and_scatter_scratch`)."""
+    max-pool's gradient (:func:`select_and_scatter_scratch`) beyond what
+    :meth:`held` holds."""
     node = self.ops[pos].node
     if node is None:
       return 0
     node = self.graph.nodes[node]
     if node.prim.name == "select_and_scatter_add":
-      return select_and_scatter_scratch(self.graph, node, indexed=True)
+      source = self.graph.values[node.ins[0]].aval
+      return source.dtype.itemsize * source.size  # the source's copy
     if not self.graph.transposes_inputs(node):
       return 0
     return sum(self.nbytes(k) for k in self.operands(pos))
+
+  def held(self, root: dict) -> list[tuple[int, int, int]]:
+    """Buffers the compiler allocates beyond the schedule's values, each
+    ``(first op, last op, bytes)``. XLA:CPU expands a max-pool's gradient
+    (:func:`select_and_scatter_scratch`) into int32 iotas of the operand's
+    positions, which read nothing, so XLA makes them at the program's
+    start; a reduction of them with the operand over each window, run once
+    the operand exists (a rebuilt one in the backward pass, so the iotas
+    live that long; for a step input, at the gradient); and the indices it
+    finds, held to the gradient's scatter. On a U-Net's plans this takes
+    the model from 0.67-0.99 of XLA:CPU's footprint to 0.93-1.09."""
+    found = []
+    for pos, op in enumerate(self.ops):
+      if op.node is None or self.names[pos] != "select_and_scatter_add":
+        continue
+      node = self.graph.nodes[op.node]
+      source = self.graph.values[node.ins[0]].aval
+      rank = len(source.shape)
+      iotas = select_and_scatter_scratch(self.graph, node, True) - (
+          2 * source.dtype.itemsize + 4 * rank) * source.size
+      made = self.producer_of.get(root.get(op.ins[1], op.ins[1]), pos)
+      found += [(0, made, iotas), (made, pos, (source.dtype.itemsize + 4 * rank) * source.size)]
+    return found
 
   def beside(self, key) -> int:
     """Bytes the compiler allocates beside ``key``'s buffer for as long as
