@@ -31,7 +31,7 @@ from jaxmem._decisions import Plan
 from jaxmem.schedule._emit import UNTYPED, emit
 from jaxmem.graph._graph import Graph, Residual, residual_of
 from jaxmem.schedule._schedule import build_schedule
-from jaxmem.graph._xla_cpu_fusion import Fusion, select_and_scatter_scratch
+from jaxmem.graph._xla_cpu_fusion import Fusion, select_and_scatter_bytes
 
 TAG = "jaxmem#"
 _TAG = re.compile(re.escape(TAG) + r"(\d+)")
@@ -377,12 +377,12 @@ class LearnedFusion(Fusion):
     workspace = self.buffers.workspace.get(node, 0) + self.buffers.transient.get(node, 0)
     if self.graph.nodes[node].prim.name != "select_and_scatter_add":
       return workspace
-    return workspace + select_and_scatter_scratch(self.graph, self.graph.nodes[node],
-                                                  indexed=False)
+    return workspace + select_and_scatter_bytes(self.graph, self.graph.nodes[node],
+                                                indexed=False)[2]
 
   def held(self, root: dict) -> list[tuple[int, int, int]]:
-    """None: XLA:GPU expands a max-pool's gradient without iotas, all of
-    it while the gradient runs (:meth:`scratch`)."""
+    """No spans: XLA:GPU expands a max-pool's gradient without iotas, all
+    of it while the gradient runs (:meth:`scratch`)."""
     return []
 
   def beside(self, key) -> int:

@@ -76,15 +76,14 @@ class Fusion:
     """Bytes op ``pos`` needs only while it runs: the transposed input
     copies XLA:CPU runs a kernel-gradient convolution on (the rewrite pins
     them there), and what XLA's select-and-scatter expander makes for a
-    max-pool's gradient (:func:`select_and_scatter_scratch`) beyond what
+    max-pool's gradient (:func:`select_and_scatter_bytes`) beyond what
     :meth:`held` holds."""
     node = self.ops[pos].node
     if node is None:
       return 0
     node = self.graph.nodes[node]
     if node.prim.name == "select_and_scatter_add":
-      source = self.graph.values[node.ins[0]].aval
-      return source.dtype.itemsize * source.size  # the source's copy
+      return select_and_scatter_bytes(self.graph, node, indexed=True)[2]
     if not self.graph.transposes_inputs(node):
       return 0
     return sum(self.nbytes(k) for k in self.operands(pos))
@@ -92,7 +91,7 @@ class Fusion:
   def held(self, root: dict) -> list[tuple[int, int, int]]:
     """Buffers the compiler allocates beyond the schedule's values, each
     ``(first op, last op, bytes)``. XLA:CPU expands a max-pool's gradient
-    (:func:`select_and_scatter_scratch`) into int32 iotas of the operand's
+    (:func:`select_and_scatter_bytes`) into int32 iotas of the operand's
     positions, which read nothing, so XLA makes them at the program's
     start; a reduction of them with the operand over each window, run once
     the operand exists (a rebuilt one in the backward pass, so the iotas
@@ -103,13 +102,10 @@ class Fusion:
     for pos, op in enumerate(self.ops):
       if op.node is None or self.names[pos] != "select_and_scatter_add":
         continue
-      node = self.graph.nodes[op.node]
-      source = self.graph.values[node.ins[0]].aval
-      rank = len(source.shape)
-      iotas = select_and_scatter_scratch(self.graph, node, True) - (
-          2 * source.dtype.itemsize + 4 * rank) * source.size
+      iotas, indices, _ = select_and_scatter_bytes(self.graph, self.graph.nodes[op.node],
+                                                   indexed=True)
       made = self.producer_of.get(root.get(op.ins[1], op.ins[1]), pos)
-      found += [(0, made, iotas), (made, pos, (source.dtype.itemsize + 4 * rank) * source.size)]
+      found += [(0, made, iotas), (made, pos, indices)]
     return found
 
   def beside(self, key) -> int:
@@ -257,18 +253,20 @@ class Fusion:
     return reads, fused, {k: self.reads_through(k, root) for k in self._through}
 
 
-def select_and_scatter_scratch(graph: Graph, node, indexed: bool) -> int:
-  """Bytes XLA allocates while a max-pool's gradient
-  (``select_and_scatter_add``) runs, beside its output.
+def select_and_scatter_bytes(graph: Graph, node, indexed: bool) -> tuple[int, int, int]:
+  """What XLA allocates for a max-pool's gradient (``select_and_scatter_add``)
+  beside its output: ``(iotas, indices, while it runs)`` bytes.
 
   XLA's ``SelectAndScatterExpander`` rewrites it as a scatter into zeros of
   the (padded) operand's shape: the scatter's updates, a copy of the
   source, and on XLA:CPU (``indexed``) the operand's position along each of
-  its r axes (int32) and a window reduction over (value, r indices) per
-  source element. Measured on jax 0.10.2 for 2x2/2 pools (XLA:CPU
-  ``4 (r N_op + (2 + r) N_src)`` bytes for float32, XLA:GPU for a T4
-  ``4 (N_op + N_src)``, both to the byte); with padding, the padded operand
-  stands for the operand (within 40% of XLA:CPU on a 3x3/2 SAME pool).
+  its r axes (int32 iotas) and a window reduction over (value, r indices)
+  per source element (the indices). Measured on jax 0.10.2 for 2x2/2 pools
+  while the gradient runs (XLA:CPU ``4 (r N_op + (2 + r) N_src)`` bytes for
+  float32, XLA:GPU for a T4 ``4 (N_op + N_src)``, both to the byte); with
+  padding, the padded operand stands for the operand (within 40% of XLA:CPU
+  on a 3x3/2 SAME pool). Where the iotas and indices live is
+  :meth:`Fusion.held`'s.
   """
   source, operand = (graph.values[a].aval for a in node.ins[:2])
   padded = 1
@@ -277,9 +275,9 @@ def select_and_scatter_scratch(graph: Graph, node, indexed: bool) -> int:
   padded = max(padded, operand.size)
   item = operand.dtype.itemsize
   if not indexed:
-    return item * (padded + source.size)
+    return 0, 0, item * (padded + source.size)
   rank = len(operand.shape)
-  return 4 * rank * padded + (2 * item + 4 * rank) * source.size
+  return 4 * rank * padded, (item + 4 * rank) * source.size, item * source.size
 
 
 def broadcasts(own: tuple, shape: tuple) -> bool:

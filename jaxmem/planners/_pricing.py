@@ -349,9 +349,9 @@ class _Estimator:
     """Takes ``buf``'s bytes off ``column`` from op ``start`` up to its
     first backward read, where its copy is made, or, where XLA may compute
     the copy inside its readers (an elementwise equation's), through the
-    last. ``likely``: XLA gives
-    an expensive copy (a transcendental) read more than once a buffer of
-    its own, as it does the original (``Fusion.duplicable``)."""
+    last. ``likely``: XLA gives an expensive copy (a transcendental) read
+    more than once a buffer of its own, as it does the original
+    (``Fusion.duplicable``)."""
     back = [p for p in self.ref.reads.get(buf, ()) if self.backward[p]]
     if back:
       made_by = self._made_by(buf)
@@ -359,7 +359,6 @@ class _Estimator:
                 and not (likely and len(set(back)) > 1 and primitives.is_expensive(made_by)))
       end = max(back) + 1 if inside else min(back)
       column[np.unique(self.row_at[start:end])] -= self.ref.schedule.nbytes(buf)
-
 
   def _freed_from(self, buf) -> int:
     """The first op after the last forward op that reads ``buf``'s own
