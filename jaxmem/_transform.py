@@ -276,7 +276,8 @@ class Transformed:
         strided=spread(where["leaves"]), written=written.footprint,
         unmet=written.footprint and (lambda least: budget_error(
             budget, reserve, written.footprint, least, planner.name, where["target"].name)))
-    return cheaper(fitted, split) if fitted else fit_chunked(split, error, counts, region)
+    return (cheaper(fitted, split, target_clock(where["target"])) if fitted
+            else fit_chunked(split, error, counts, region))
 
   def _fit_traced(self, closed, planner, written: Written, *, target: Target, leaves,
                   find_smallest: bool, graph=None, **options) -> Fit | None:

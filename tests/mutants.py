@@ -338,6 +338,18 @@ MUTANTS = [
            "      made = self.producer_of.get(root.get(op.ins[1], op.ins[1]), pos)\n",
            "      made = pos\n",
            ("tests/test_model_accuracy.py::test_model_peak_over_xla_footprint_stays_in_its_band",)),
+    Mutant("shaped-forms-unpriced",
+           "a shaped form its kind prices slower than the plan that fits is compiled",
+           "jaxmem/fit/_fit.py",
+           "          if self.slower(form, rates[rebuilt], best):\n",
+           "          if False and self.slower(form, rates[rebuilt], best):\n",
+           ("tests/test_fit.py::test_a_shaped_form_its_kind_prices_slower_than_the_plan_is_not_compiled",)),
+    Mutant("chunks-slower-measured-on",
+           "chunks no faster than the plan do not end the search for a count",
+           "jaxmem/fit/_micro.py",
+           "    if faster is not None and not faster(measured):\n",
+           "    if False and faster is not None and not faster(measured):\n",
+           ("tests/test_region_split.py::test_chunks_no_faster_than_the_plan_end_the_search_for_a_count",)),
 ]
 
 

@@ -11,7 +11,7 @@ import pytest
 import jaxmem
 from jaxmem._decisions import RECOMPUTE, Plan
 from jaxmem.cost._evaluate import candidate, model_floor, unplanned
-from jaxmem.fit._fit import LOWEST_MARGIN, Fitter
+from jaxmem.fit._fit import LOWEST_MARGIN, TIME_MARGIN, Fitter
 from jaxmem.graph._graph import build_graph
 from jaxmem.planners import Greedy, ILP
 from jaxmem.planners._blocks import rebuilt_as_checkpointed
@@ -147,6 +147,36 @@ def test_block_shaped_forms_are_compiled_only_where_their_kind_may_fit():
   assert fitter.structured(found) is found  # nothing shaped fits
   assert rebuilt[0].plan in compiled
   assert rebuilt[1].plan not in compiled and second.plan not in compiled
+
+
+def test_a_shaped_form_its_kind_prices_slower_than_the_plan_is_not_compiled():
+  """On a target with a clock, once a block-rebuilt form has compiled, its
+  predicted seconds per unit of planner cost price the next block-rebuilt
+  form: where that is over ``TIME_MARGIN`` slower than the plan that fits,
+  it is not compiled; the first planned form, of a kind not yet priced, is."""
+  graph = _graph()
+  residuals = [r.value for r in graph.residuals]
+  first, second = (candidate(graph, Plan().with_decision(v, RECOMPUTE)) for v in residuals[:2])
+  rebuilt = [candidate(graph, rebuilt_as_checkpointed(graph, c.plan)) for c in (first, second)]
+  searched = candidate(graph, Plan.of({v: RECOMPUTE for v in residuals}))
+  budget, compiled = 10 ** 9, []
+
+  def jit(c):  # every form fits; a form's time is its planner cost
+    compiled.append(c.plan)
+    return _compiled(budget, plan_time if c.plan == searched.plan else fitter.cost(c))
+
+  class Shaped(_Table):
+    def structured(self, graph):
+      return [first, second]
+
+  fitter = Fitter(graph, Shaped(searched, []), budget, unconstrained=10 * budget,
+                  model_scale=1.0, jit=jit, max_rounds=1, clock=lambda c: c.seconds)
+  costs = [fitter.cost(c) for c in rebuilt]
+  assert min(costs) > 0
+  plan_time = min(costs) / (1 + TIME_MARGIN) / 1.01  # both rebuilt forms are slower
+  found = fitter.compile(searched)
+  assert fitter.structured(found) is found
+  assert compiled == [searched.plan, rebuilt[0].plan, second.plan]
 
 
 def test_without_a_clock_a_shaped_form_its_kind_puts_over_the_budget_is_not_compiled():

@@ -28,7 +28,7 @@ import pytest
 
 import jaxmem
 from jaxmem.cost._evaluate import unplanned
-from jaxmem.fit._micro import MicroBatches, cheaper
+from jaxmem.fit._micro import MicroBatches, cheaper, fit_micro_batches, sizes_to_try
 from jaxmem.graph._batch_axes import split_region
 from jaxmem.graph._graph import build_graph
 from jaxmem.schedule._microbatch import micro_batched
@@ -190,14 +190,44 @@ class _Priced:
 def test_chunks_replace_a_plan_only_where_the_clock_says_they_are_faster():
   chunks = _Priced(1.0, micro=MicroBatches(4, 16, ("tokens",), region="the head"))
   offer = lambda *args, **kwargs: chunks
-  chosen = cheaper(_Priced(2.0), offer)
+  clock = lambda compiled: compiled.seconds
+  chosen = cheaper(_Priced(2.0), offer, clock)
   assert chosen.micro.region == "the head" and "takes longer (2e+03 ms" in chosen.micro.instead
-  assert cheaper(_Priced(0.5), offer).micro is None  # the plan is faster
-  assert cheaper(_Priced(None), offer).micro is None  # no clock: nothing to price by
+  assert cheaper(_Priced(0.5), offer, clock).micro is None  # the plan is faster
+  assert cheaper(_Priced(None), offer, clock).micro is None  # no time: nothing to price by
+  assert cheaper(_Priced(2.0), offer, None).micro is None  # no clock
   named = _Priced(2.0, planner=types.SimpleNamespace(name="recompute"))
-  assert cheaper(named, offer) is named  # a named planner is the user's choice
+  assert cheaper(named, offer, clock) is named  # a named planner is the user's choice
   unchanged = _Priced(2.0, result=types.SimpleNamespace(changes_step=False))
-  assert cheaper(unchanged, offer) is unchanged  # as written: nothing to replace
+  assert cheaper(unchanged, offer, clock) is unchanged  # as written: nothing to replace
+
+
+def test_chunks_no_faster_than_the_plan_end_the_search_for_a_count():
+  """Weighing chunks against a plan that fits, the fewest chunks are
+  measured first; where they are predicted no faster than the plan, no
+  more are measured (more chunks only run slower), nor is any planned."""
+  step, args = _task(optax.sgd(0.5))
+  flat, leaves, graph, split = _split(step, args)
+  closed = jax.make_jaxpr(flat)(*leaves)
+  counts, measured, planned = [], [], []
+
+  def measure(traced):
+    measured.append(traced)
+    return types.SimpleNamespace(footprint=10 ** 9)  # over the limit as written
+
+  def fit(*args):
+    planned.append(args)
+
+  def faster(form):
+    counts.append(len(measured))
+    return len(counts) < 2  # the second count measured is no faster
+
+  groups = [tuple(range(len(leaves) - 2)), (len(leaves) - 2,), (len(leaves) - 1,)]
+  found = fit_micro_batches(fit, measure, graph, closed, groups,
+                            ["state", "tokens", "labels"], 1, region=True, planned=False,
+                            written=None, unmet=None, faster=faster)
+  assert found is None and len(measured) == 2 and not planned
+  assert len(sizes_to_try(split.sizes(), split.batch)) > 2  # more counts were left
 
 
 def test_the_smallest_named_counts_the_region_where_micro_batches_cannot_help():

@@ -195,7 +195,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
                       counts: Sequence[int] | None = None, find_smallest: bool = True,
                       region: bool = False, planned: bool = True, written: int | None = None,
                       unmet: Callable[[int], BudgetError] | None = None,
-                      strided: bool = False):
+                      strided: bool = False, faster: Callable | None = None):
   """The traced step ``closed`` (of ``graph``) fitted in micro-batches, or
   with only the region around its peak in chunks (``region``).
 
@@ -211,8 +211,10 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   there is none (or at once, where not ``planned``: then only the counts
   whose modelled chunks may bring ``written``, the step's footprint, within
   ``limit`` are compiled, and ``unmet(smallest)`` is raised where none
-  fits). A batch that cannot be split adds why to ``error`` (or answers
-  None); with ``counts`` given, it is a ValueError."""
+  fits). Where given, ``faster(measured)`` is asked of each count as
+  written: the first it answers no ends the search (None), since more
+  chunks only run slower. A batch that cannot be split adds why to
+  ``error`` (or answers None); with ``counts`` given, it is a ValueError."""
   try:
     split, held, around = _split(graph, closed, groups, names, region, strided)
   except NotSplittable as why:
@@ -237,6 +239,9 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
     micro = MicroBatches(k, split.batch, split.names, "" if split.whole else _region(split),
                          per_device=around is not None)
     _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)
+    if faster is not None and not faster(measured):
+      _log.info("jaxmem: no faster than the plan that fits: more chunks are slower still")
+      return None
     if limit is not None and measured.footprint is not None and measured.footprint <= limit:
       found = fit(traced, micro, False, measured)
       if found is not None:
@@ -353,17 +358,20 @@ def fit_whole_or_chunked(whole: Callable, chunked: Callable, splits: Callable[[]
     raise err if err.smallest <= first.smallest else first from None
 
 
-def cheaper(fitted, fit_split: Callable):
+def cheaper(fitted, fit_split: Callable, clock: Callable | None):
   """``fitted`` (a plan that meets the budget), or the region around the
   step's peak in chunks where that meets it as written in less time: both
-  priced by the target's clock. Only where the planner is ``"auto"`` (a
-  named planner is the user's choice) and the target has a clock (a GPU
-  target: on XLA:CPU the FLOPs cannot price the chunks' loop)."""
-  if (fitted.planner.name != "auto" or fitted.predicted is None
+  priced by the target's ``clock`` (``compiled -> seconds``), the fewest
+  chunks first, and no more once a count as written is no faster than the
+  plan. Only where the planner is ``"auto"`` (a named planner is the
+  user's choice) and the target has a clock (a GPU target: on XLA:CPU the
+  FLOPs cannot price the chunks' loop)."""
+  if (fitted.planner.name != "auto" or fitted.predicted is None or clock is None
       or not fitted.result.changes_step):
     return fitted
   try:
-    other = fit_split(None, None, region=True, planned=False, unmet=None)
+    other = fit_split(None, None, region=True, planned=False, unmet=None,
+                      faster=lambda m: clock(m.written.baseline) < fitted.predicted)
   except BudgetError:
     return fitted
   if other is None or other.predicted is None or other.predicted >= fitted.predicted:
