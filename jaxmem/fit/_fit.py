@@ -80,7 +80,7 @@ ALIKE_MARGIN = 0.03
 
 # How much slower than the best plan a shaped form may be predicted and
 # still be compiled (``Fitter.slower``). At the GPU check's edge sizes for an
-# H200, forms came out up to 3.2% faster than predicted (ViT at 50%).
+# H200, shaped forms ran up to 3.2% faster than predicted (ViT at 50%).
 TIME_MARGIN = 0.05
 
 
@@ -395,7 +395,7 @@ class Fitter:
     limit = self.cost(found) if cheaper else float("inf")
     ceiling = float("inf")
     ratios: dict[bool, list] = {True: [], False: []}  # block-rebuilt? -> ratios
-    rates: dict[bool, list] = {True: [], False: []}  # block-rebuilt? -> seconds per cost
+    rates: list = []  # seconds per unit of planner cost of the forms compiled
     compiles = 0
     for shaped in self.planner.structured(self.graph):
       if self.clock is None and self.cost(shaped) >= limit:
@@ -415,15 +415,15 @@ class Fitter:
                   and (rebuilt or form.peak < below)):
             below = min(below, form.peak)  # the planned form must hold less
             continue
-          if self.slower(form, rates[rebuilt], best):
-            continue
+          if self.slower(form, rates, best):
+            break  # its planned form recomputes the same: within 1.5% as slow
           compiles += 1
           if compiles > STRUCTURED_COMPILES:
             return best
         trial = self.compile(dataclasses.replace(form, aim=found.candidate.aim, fits=True))
         ratios[rebuilt].append(form.peak / self._model_part(trial.measured))
         if trial.seconds is not None:
-          rates[rebuilt].append(trial.seconds / max(self.cost(form), 1e-30))
+          rates.append(trial.seconds / max(self.cost(form), 1e-30))
         if trial.measured > self.budget:
           if form is shaped:  # plans the model rates as large will not fit either
             ceiling = min(ceiling, form.peak)
@@ -438,8 +438,8 @@ class Fitter:
   def slower(self, form: Candidate, rates: list, best: Trial) -> bool:
     """Whether a shaped ``form`` is predicted slower than ``best`` (a plan
     that fits) by over :data:`TIME_MARGIN`, at the least seconds per unit of
-    planner cost of the forms of its kind compiled so far (``rates``): the
-    planner's cost ranks the forms of one kind as the clock does."""
+    planner cost of the shaped forms compiled so far (``rates``): the
+    planner's cost ranks them as the clock does, if not against other plans."""
     if not rates or best.seconds is None or best.measured > self.budget:
       return False
     return min(rates) * self.cost(form) > best.seconds * (1 + TIME_MARGIN)
