@@ -57,6 +57,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "gpu_worker.py")
 MEM_FRACTION = 0.9  # the allocator's limit as a share of device memory
+AUTOTUNE_CACHE = os.path.join(tempfile.gettempdir(), "jaxmem-gpu-check-autotune")
 
 # Edge-size configurations: the unmodified step takes about 4-7 GiB
 # (an 8 GiB card); activations dominate it.
@@ -108,7 +109,7 @@ class Runner:
   """Launches worker processes (see ``gpu_worker.py``)."""
 
   def __init__(self, dry_run: bool, repeats: int, timeout: float, lock: str | None,
-               log=print, target: str | None = None):
+               log=print, target: str | None = None, autotune_cache: str | None = None):
     self.dry_run, self.repeats, self.timeout, self.lock = dry_run, repeats, timeout, lock
     self.target = target
     self.log = log
@@ -117,6 +118,14 @@ class Runner:
                     XLA_PYTHON_CLIENT_MEM_FRACTION=str(MEM_FRACTION),
                     PYTHONPATH=os.pathsep.join(
                         p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    flags = self.env.get("XLA_FLAGS", "")
+    if autotune_cache and "autotune_cache_dir" not in flags:
+      # XLA:GPU autotunes every compilation on the device; the workers share
+      # its results through this folder (one H200 run: 2.4-3.8x faster
+      # compiles of the same step on a folder a run before left).
+      os.makedirs(autotune_cache, exist_ok=True)
+      self.env["XLA_FLAGS"] = (
+          f"{flags} --xla_gpu_per_fusion_autotune_cache_dir={autotune_cache}").strip()
 
   def save(self, row: dict) -> None:
     """Appends ``row`` to the run's JSON-lines file (once it has one)."""
@@ -409,6 +418,10 @@ def parse(argv):
                            "ran an H200 out of memory)")
   parser.add_argument("--repeats", type=int, default=10, help="timed steps (median)")
   parser.add_argument("--timeout", type=float, default=900, help="seconds per configuration")
+  parser.add_argument("--autotune-cache", default=AUTOTUNE_CACHE, metavar="DIR",
+                      help="folder the workers share XLA:GPU's autotuning results through, "
+                           "kept between runs (default: %(default)s; 'none': each "
+                           "compilation autotunes anew)")
   return parser.parse_args(argv)
 
 
@@ -447,7 +460,9 @@ def main(argv=None) -> int:
   with tempfile.TemporaryDirectory() as scratch:
     runner = Runner(args.dry_run, args.repeats, args.timeout,
                     None if args.dry_run else os.path.join(scratch, "gpu.lock"),
-                    target=args.target)
+                    target=args.target,
+                    autotune_cache=None if args.dry_run or args.autotune_cache == "none"
+                    else args.autotune_cache)
     rows, out = run(plan, runner, workers, args.out, provenance("benchmarks/gpu.py", argv))
   result = assemble(rows)
   result["seconds"] = time.perf_counter() - start

@@ -350,6 +350,12 @@ MUTANTS = [
            "    if faster is not None and not faster(measured):\n",
            "    if False and faster is not None and not faster(measured):\n",
            ("tests/test_region_split.py::test_chunks_no_faster_than_the_plan_end_the_search_for_a_count",)),
+    Mutant("autotuning-unshared",
+           "the GPU check's workers autotune every compilation anew",
+           "benchmarks/gpu.py",
+           "    if autotune_cache and \"autotune_cache_dir\" not in flags:\n",
+           "    if False and autotune_cache and \"autotune_cache_dir\" not in flags:\n",
+           ("tests/test_gpu_script.py::test_the_workers_share_autotuning_results_through_one_folder",)),
 ]
 
 

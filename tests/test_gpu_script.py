@@ -199,6 +199,21 @@ def test_a_run_finds_max_batch_only_for_the_models_it_names():
   assert gpu.run_plan(gpu.parse(["--quick", "--max-batch", "vit"]))["max_batch"] == ("vit",)
 
 
+def test_the_workers_share_autotuning_results_through_one_folder(tmp_path, monkeypatch):
+  folder = str(tmp_path / "autotune")
+  monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/d")
+  flags = gpu.Runner(False, 1, 1, None, autotune_cache=folder).env["XLA_FLAGS"].split()
+  assert flags == ["--xla_dump_to=/tmp/d", f"--xla_gpu_per_fusion_autotune_cache_dir={folder}"]
+  assert os.path.isdir(folder)
+  # A folder the user's flags already name is theirs; none asked for, none set.
+  monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_per_fusion_autotune_cache_dir=/mine")
+  assert gpu.Runner(False, 1, 1, None, autotune_cache=folder).env["XLA_FLAGS"] == \
+      "--xla_gpu_per_fusion_autotune_cache_dir=/mine"
+  monkeypatch.delenv("XLA_FLAGS")
+  assert "XLA_FLAGS" not in gpu.Runner(False, 1, 1, None).env
+  assert gpu.parse([]).autotune_cache == gpu.AUTOTUNE_CACHE
+
+
 def test_the_worker_places_arguments_where_the_executable_takes_them():
   """A plan that keeps optimizer state in host memory compiles to an
   executable that takes those leaves there; the worker is handed the
