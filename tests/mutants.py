@@ -356,6 +356,12 @@ MUTANTS = [
            "    if autotune_cache and \"autotune_cache_dir\" not in flags:\n",
            "    if False and autotune_cache and \"autotune_cache_dir\" not in flags:\n",
            ("tests/test_gpu_script.py::test_the_workers_share_autotuning_results_through_one_folder",)),
+    Mutant("time-model-unscaled",
+           "the time model prices a GPU target's plans at its own per-equation times",
+           "jaxmem/cost/_perf.py",
+           "                 1.0 if buffers is None else buffers.time_scale)\n",
+           "                 1.0)\n",
+           ("tests/test_xla_buffers.py::test_the_time_model_gives_the_step_as_written_the_clocks_time",)),
 ]
 
 

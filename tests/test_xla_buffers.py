@@ -107,6 +107,29 @@ def test_each_equation_knows_the_library_call_it_runs_as():
   assert filters == len(forward) > 0  # one filter gradient per convolution
 
 
+def test_the_time_model_gives_the_step_as_written_the_clocks_time():
+  """The time model prices each equation as a kernel of its own, and
+  XLA:GPU fuses many into one, so alone it is off the program's time.
+  Learned from the program, its op times are scaled so that the step as
+  written takes the clock's time on the target (and a plan's copies to the
+  host weigh against compute that lasts as long as the program's)."""
+  from jaxmem.cost._perf import predict_schedule, timed
+  from jaxmem.cost._xla_buffers import tagged_program
+  from jaxmem.cost._xla_clock import program_time
+  task = models.get("cnn", widths=(8, 16), batch=8, size=16, blocks=2)
+  shapes = jax.eval_shape(task.init)
+  graph = build_graph(jax.make_jaxpr(task.step)(*shapes))
+  target = resolve("t4", ())
+  tagged = tagged_program(graph, target)
+  clock = program_time(tagged.as_text(), target.profile).seconds
+  learned = timed(with_buffers(graph, read(graph, tagged)), tagged, target.profile)
+  assert abs(learned.buffers.time_scale - 1) > 0.05, "the model alone is the clock's: no check"
+  written = unplanned(learned, 0).schedule
+  assert predict_schedule(written, target.profile).seconds == pytest.approx(clock, rel=0.01)
+  # Without a profile, nothing to scale to.
+  assert timed(with_buffers(graph, read(graph, tagged)), tagged, None).buffers.time_scale == 1
+
+
 def test_buffers_go_to_the_values_of_equal_size_and_the_rest_is_extra():
   step = lambda w, x: jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w)))(w)
   graph = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
@@ -280,4 +303,5 @@ def test_a_fit_for_a_compile_only_gpu_plans_a_loops_body_with_the_bodys_buffers(
   fit = jaxmem.transform(step, budget="100%", target="t4").fit(*args)
   assert not build_graph(jax.make_jaxpr(step)(*args)).residuals  # the step's: a loop
   assert fit.graph.residuals and fit.graph.buffers is not None
-  assert fit.graph.buffers == learn(fit.graph, fit.target)
+  learned = learn(fit.graph, fit.target)
+  assert dataclasses.replace(fit.graph.buffers, time_scale=learned.time_scale) == learned

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.cost._xla_clock import occupancy, roofline_seconds
+from jaxmem.cost._xla_clock import occupancy, program_time, roofline_seconds
 from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis
 from jaxmem.targets._profiles import DeviceProfile
@@ -102,10 +102,10 @@ class Timing:
 
 
 def predict(ops: list[OpCost], transfers: list[Transfer],
-            profile: DeviceProfile) -> Timing:
+            profile: DeviceProfile, scale: float = 1.0) -> Timing:
   """Simulates the compute stream and the two copy streams; see the module
-  docstring."""
-  durations = [op.seconds(profile) for op in ops]
+  docstring. ``scale`` multiplies every op's time (not the copies')."""
+  durations = [op.seconds(profile) * scale for op in ops]
   by_issue: dict[int, list[int]] = {}
   for i, t in enumerate(transfers):
     if t.need is not None and t.need <= t.issue:
@@ -239,7 +239,24 @@ def schedule_transfers(schedule) -> list[Transfer]:
   return transfers
 
 
+def timed(graph: Graph, compiled, profile: DeviceProfile | None) -> Graph:
+  """``graph``, which carries the buffers the program ``compiled`` (its step
+  as written, tagged) gives it, with its op times scaled so that the step
+  as written takes the clock's time for ``compiled`` on ``profile``
+  (``Buffers.time_scale``); as it is without a profile."""
+  if profile is None:
+    return graph
+  clock = program_time(compiled.as_text(), profile).seconds
+  model = sum(op.seconds(profile) for op in node_costs(graph))
+  scale = clock / model if clock > 0 and model > 0 else 1.0
+  return dataclasses.replace(graph, buffers=dataclasses.replace(graph.buffers, time_scale=scale))
+
+
 def predict_schedule(schedule, profile: DeviceProfile) -> Timing:
   """Predicted time of a schedule on ``profile``: its ops (recomputation
-  included) and its copies to and from the host."""
-  return predict(schedule_costs(schedule), schedule_transfers(schedule), profile)
+  included), scaled to the target compiler's program where the graph
+  carries its buffers (``Buffers.time_scale``), and its copies to and from
+  the host."""
+  buffers = schedule.graph.buffers
+  return predict(schedule_costs(schedule), schedule_transfers(schedule), profile,
+                 1.0 if buffers is None else buffers.time_scale)

@@ -59,6 +59,15 @@ class Buffers:
     library: node index -> the target of the library call XLA:GPU runs it
       as (``__cublas$lt$matmul``, ``__cudnn$convBackwardFilter``): the
       kind of call whose time the clock gives it.
+    time_scale: the clock's seconds for this program on the target's
+      profile over the sum of its equations' times in the time model, which
+      the model's op times are multiplied by (``_perf.timed``): the model
+      prices each equation as a kernel of its own and XLA fuses many into
+      one, so the unscaled model is slower than the program (the zoo's
+      U-Net at edge size for an H200: 15.8 ms against 11.2) and copies to
+      the host and back, which it prices on the link alone, look hidden
+      behind compute that does not last that long. 1 where the target has
+      no profile.
   """
   materialized: frozenset
   extra: Mapping[int, int]
@@ -66,6 +75,7 @@ class Buffers:
   workspace: Mapping[int, int] = dataclasses.field(default_factory=dict)
   transient: Mapping[int, int] = dataclasses.field(default_factory=dict)
   library: Mapping[int, str] = dataclasses.field(default_factory=dict)
+  time_scale: float = 1.0
 
 
 def tag_of(inst: hlo.Instruction) -> int | None:
@@ -234,19 +244,25 @@ def rewritten(graph: Graph, tag: str | None = None, binds=None):
 
 def learn(graph: Graph, target, mesh=None) -> Buffers:
   """What ``target``'s compiler (a :class:`~jaxmem.targets.Target`) gives a
-  buffer in ``graph`` as written: one compilation of the step with every
-  equation tagged (see the module docstring). ``mesh``: the mesh of the
-  ``shard_map`` whose body ``graph`` is; each of its devices then runs the
-  body on its own copy of the inputs, with the body's collectives."""
+  buffer in ``graph`` as written: :func:`read` of :func:`tagged_program`."""
+  return read(graph, tagged_program(graph, target, mesh))
+
+
+def tagged_program(graph: Graph, target, mesh=None):
+  """``graph``'s step as written compiled for ``target`` with every
+  equation tagged (see the module docstring): what :func:`read` reads.
+  ``mesh``: the mesh of the ``shard_map`` whose body ``graph`` is; each of
+  its devices then runs the body on its own copy of the inputs, with the
+  body's collectives."""
   avals = [jax.ShapeDtypeStruct(graph.values[v].aval.shape, graph.values[v].aval.dtype)
            for v in graph.inputs]
   if mesh is None:
-    return read(graph, compile_tagged(graph, target, avals, one_device=True))
+    return compile_tagged(graph, target, avals, one_device=True)
   run = target.compiles(_on_every_device(tagged(graph, UNTYPED), mesh), avals)
   replicated = jax.sharding.NamedSharding(target.mesh_like(mesh), jax.sharding.PartitionSpec())
   args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=replicated) for a in avals]
-  return read(graph, jax.jit(run, compiler_options=target.options(measuring=True) or None
-                             ).lower(*args).compile())
+  return jax.jit(run, compiler_options=target.options(measuring=True) or None
+                 ).lower(*args).compile()
 
 
 def compile_tagged(graph: Graph, target, leaves, one_device: bool = False):

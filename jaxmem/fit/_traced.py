@@ -17,7 +17,9 @@ from typing import Callable
 
 import jax
 
-from jaxmem.cost._xla_buffers import compile_tagged, learn, read, rewritten, with_buffers
+from jaxmem.cost._perf import timed
+from jaxmem.cost._xla_buffers import (compile_tagged, read, rewritten, tagged_program,
+                                      with_buffers)
 from jaxmem.cost._xla_clock import program_time
 from jaxmem.fit._checks import fittable
 from jaxmem.cost._evaluate import Candidate
@@ -103,7 +105,7 @@ def graphs(closed, target: Target, planner, name: str, graph: Graph | None = Non
   loop = inner_body(graph)
   mapped = loop is not None and graph.nodes[loop[0]].prim.name == "shard_map"
   if loop is None and written is not None and written.tagged is graph:
-    planned = _read(graph, written.baseline)
+    planned = _read(graph, written.baseline, target.profile)
   else:
     planned = modelled(graph if loop is None else body_graph(graph, loop), target,
                        graph.nodes[loop[0]].params["mesh"] if mapped else None)
@@ -157,13 +159,15 @@ def modelled(graph: Graph, target: Target, mesh=None) -> Graph:
 
 @analysis
 def _learned(graph: Graph, target: Target, mesh) -> Graph:
-  return with_buffers(graph, learn(graph, target, mesh))
+  program = tagged_program(graph, target, mesh)
+  return timed(with_buffers(graph, read(graph, program)), program, target.profile)
 
 
 @analysis
-def _read(graph: Graph, tagged) -> Graph:
-  """``graph`` with the buffers its tagged compilation ``tagged`` gives it."""
-  return with_buffers(graph, read(graph, tagged))
+def _read(graph: Graph, tagged, profile) -> Graph:
+  """``graph`` with the buffers its tagged compilation ``tagged`` gives it
+  (and the time model's scale to its clock on ``profile``, where given)."""
+  return timed(with_buffers(graph, read(graph, tagged)), tagged, profile)
 
 
 def target_clock(target: Target) -> Callable | None:
