@@ -159,8 +159,7 @@ def modelled(graph: Graph, target: Target, mesh=None) -> Graph:
 
 @analysis
 def _learned(graph: Graph, target: Target, mesh) -> Graph:
-  program = tagged_program(graph, target, mesh)
-  return timed(with_buffers(graph, read(graph, program)), program, target.profile)
+  return _read(graph, tagged_program(graph, target, mesh), target.profile)
 
 
 @analysis
