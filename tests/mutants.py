@@ -261,16 +261,16 @@ MUTANTS = [
            "a first plan over the budget compiles the plans shaped like the "
            "policies before planning again, however quick planning is",
            "jaxmem/fit/_fit.py",
-           "      if rounds == 1 and planning > 2 * compiling:\n",
-           "      if rounds == 1:\n",
+           "      if rounds >= 2 and not detoured and planning > 2 * compiling:\n",
+           "      if not detoured:\n",
            ("tests/test_compilations.py::"
             "test_a_plan_compiled_over_the_budget_plans_again_first_where_planning_is_quick",)),
     Mutant("shapes-never-before-a-second-round",
            "a first plan over the budget plans again before compiling the shaped "
            "plans, however slow planning is",
            "jaxmem/fit/_fit.py",
-           "      if rounds == 1 and planning > 2 * compiling:\n",
-           "      if rounds == 1 and planning < 0:\n",
+           "      if rounds >= 2 and not detoured and planning > 2 * compiling:\n",
+           "      if rounds >= 2 and not detoured and planning < 0:\n",
            ("tests/test_compilations.py::"
             "test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_planning_again",)),
     Mutant("loosen-past-what-may-fit",
@@ -362,6 +362,14 @@ MUTANTS = [
            "                 1.0 if buffers is None else buffers.time_scale)\n",
            "                 1.0)\n",
            ("tests/test_xla_buffers.py::test_the_time_model_gives_the_step_as_written_the_clocks_time",)),
+    Mutant("shapes-by-the-first-rounds-planning",
+           "the first round's planning time, which builds the planner's table, "
+           "decides whether the shaped plans are compiled before planning again",
+           "jaxmem/fit/_fit.py",
+           "      if rounds >= 2 and not detoured and planning > 2 * compiling:\n",
+           "      if not detoured and planning > 2 * compiling:\n",
+           ("tests/test_compilations.py::"
+            "test_a_plan_compiled_over_the_budget_plans_again_first_where_planning_is_quick",)),
 ]
 
 
