@@ -359,8 +359,8 @@ MUTANTS = [
     Mutant("time-model-unscaled",
            "the time model prices a GPU target's plans at its own per-equation times",
            "jaxmem/cost/_perf.py",
-           "                 1.0 if buffers is None else buffers.time_scale)\n",
-           "                 1.0)\n",
+           "  return 1.0 if graph.buffers is None else graph.buffers.time_scale\n",
+           "  return 1.0\n",
            ("tests/test_xla_buffers.py::test_the_time_model_gives_the_step_as_written_the_clocks_time",)),
     Mutant("shapes-by-the-first-rounds-planning",
            "the first round's planning time, which builds the planner's table, "
@@ -370,6 +370,20 @@ MUTANTS = [
            "      if not detoured and planning > 2 * compiling:\n",
            ("tests/test_compilations.py::"
             "test_a_plan_compiled_over_the_budget_plans_again_first_where_planning_is_quick",)),
+    Mutant("estimates-cost-rebuilds-by-flops",
+           "an estimated column's cost is its rebuild's FLOPs where the planner "
+           "prices plans by predicted time",
+           "jaxmem/planners/_pricing.py",
+           "    cost = (sum(self.rerun_cost[n] for n in run if n not in self.rerun)\n",
+           "    cost = (sum(self.graph.nodes[n].flops for n in run if n not in self.rerun)\n",
+           ("tests/test_ilp.py::test_estimated_columns_are_optimistic",)),
+    Mutant("learned-buffers-priced-lazily",
+           "on buffers learned from XLA:GPU's program, where estimates bound "
+           "nothing, columns stay estimated until a solution takes them",
+           "jaxmem/planners/_pricing.py",
+           "  if not lazy or graph.buffers is not None:\n",
+           "  if not lazy:\n",
+           ("tests/test_ilp.py::test_learned_buffers_price_every_column_up_front",)),
 ]
 
 

@@ -252,11 +252,25 @@ def timed(graph: Graph, compiled, profile: DeviceProfile | None) -> Graph:
   return dataclasses.replace(graph, buffers=dataclasses.replace(graph.buffers, time_scale=scale))
 
 
+def rerun_seconds(graph: Graph, profile: DeviceProfile) -> tuple[float, ...]:
+  """What running each equation of ``graph`` once more adds to a schedule's
+  predicted time on ``profile`` where no copy waits on it (a recomputed
+  op's, as :func:`predict_schedule` prices it: its node's cost, scaled as
+  every op is)."""
+  scale = _time_scale(graph)
+  return tuple(op.seconds(profile) * scale for op in node_costs(graph))
+
+
+def _time_scale(graph: Graph) -> float:
+  """What every op's time is scaled by: the target compiler's program's
+  clock over the model's (``Buffers.time_scale``), or 1."""
+  return 1.0 if graph.buffers is None else graph.buffers.time_scale
+
+
 def predict_schedule(schedule, profile: DeviceProfile) -> Timing:
   """Predicted time of a schedule on ``profile``: its ops (recomputation
   included), scaled to the target compiler's program where the graph
   carries its buffers (``Buffers.time_scale``), and its copies to and from
   the host."""
-  buffers = schedule.graph.buffers
   return predict(schedule_costs(schedule), schedule_transfers(schedule), profile,
-                 1.0 if buffers is None else buffers.time_scale)
+                 _time_scale(schedule.graph))

@@ -14,7 +14,7 @@ from jaxmem._decisions import Plan
 from jaxmem.targets._profiles import DeviceProfile, get_profile
 from jaxmem.cost._evaluate import Candidate
 from jaxmem.graph._graph import Graph
-from jaxmem.cost._perf import predict_schedule
+from jaxmem.cost._perf import predict_schedule, rerun_seconds
 from jaxmem.schedule._schedule import Schedule
 
 # The target a planner that times copies plans for when none is given.
@@ -95,6 +95,15 @@ class Planner:
     if profile is None:
       return schedule.recompute_flops
     return predict_schedule(schedule, profile).seconds * profile.flops
+
+  def rerun_costs(self, graph: Graph) -> tuple[float, ...]:
+    """What running each equation of ``graph`` once more adds to
+    :meth:`cost` (a recomputed op; no copy waits on it): its FLOPs, or
+    with a target its predicted time in FLOPs of that target."""
+    profile = self.target_profile
+    if profile is None:
+      return tuple(float(node.flops) for node in graph.nodes)
+    return tuple(s * profile.flops for s in rerun_seconds(graph, profile))
 
   def describe(self) -> str:
     """The planner and what it plans for, for reports."""

@@ -286,8 +286,8 @@ class ILP(Planner):
       if group != smallest:
         choices.append(Drop(group))
         plans.append(plan_of(graph, [Drop(group)]))
-    table = pricing.build(graph, choices, plans, unplanned_liveness(graph), smallest,
-                          self.cost, lambda chosen: exclusive(graph, chosen, segs), self.lazy)
+    table = pricing.build(graph, choices, plans, unplanned_liveness(graph), smallest, self.cost,
+                          self.rerun_costs(graph), lambda c: exclusive(graph, c, segs), self.lazy)
     kept["table"] = table
     return table
 

@@ -11,12 +11,18 @@ copy inside its readers (no transient bytes), but for the values the
 rebuild reads (it reads them through a barrier, as buffers, and no sooner
 than the first backward read of what it rebuilds: up to there they stay,
 and those the step as written frees sooner are charged), and the choice
-costs the FLOPs of the equations that rebuild its residuals (no copies, no
-barriers). On the zoo's GPT-2 (its default size) at 70% of its peak,
-charging what the rebuild reads takes pricing from 220 choices (all) to
-75. The planner solves over the estimates, prices the choices its
-solution takes that are still estimated (:meth:`Table.price`), and solves
-again until every choice it takes is exact. Where the memory model puts a
+costs what running again the equations that rebuild its residuals adds to
+the planner's cost (their FLOPs, or on a target their predicted time, as a
+plan's is priced; no copies, no barriers). On a T4 a rebuild's time is
+mostly memory traffic, which its FLOPs leave out: GPT-2's first plan at
+70% of its peak on XLA:CPU's emulated fusion, costed for a T4, takes 0.7
+s, against 7.7 s with estimates costed by FLOPs
+(``benchmarks/results/planning-costs-by-time-t4``). On the zoo's GPT-2 (its
+default size) at 70% of its peak, charging what the rebuild reads takes
+pricing from 220 choices (all) to 75. The planner solves over the
+estimates, prices the choices its solution takes that are still estimated
+(:meth:`Table.price`), and solves again until every choice it takes is
+exact. Where the memory model puts a
 solution's plan over the aim, the choices whose guesses (below) differ
 from their estimates where it goes over are priced first, alone
 (:meth:`Table.suspects`): on the zoo's ViT, a second plan at 70% of its
@@ -42,7 +48,14 @@ equation; in the backward pass XLA's fusion (emulated by the memory model)
 can free a few more bytes at an equation that reads the rebuilt values (on
 the zoo's GPT-2, at 1-9 of its 2,600 equations for a fifth of the choices),
 so the lazy optimum can differ from the fully priced one where such an
-equation binds. Where the program over estimates has no solution, every
+equation binds. On buffers learned from a GPU compiler's program a rebuild
+may also move backward equations, and an estimate may free much less than
+the exact column where it does (GPT-2 for a T4 at 70%: rebuilding ``ln_f``
+frees 2 MiB at the loss head's gradient, estimated 0.25 MiB), so a bound
+over estimates proves nothing: there every column is priced first (a plan
+taken on estimates predicts 0.8-1.2% slower than the optimum on GPT-2,
+ViT and MobileNetV2 at 70%; a plan runs every step, planning once).
+Where the program over estimates has no solution, every
 column is priced before the planner gives up on it, and once the programs
 have taken as long as pricing the rest would (:meth:`Table.lazy`), every column
 is: at worst, planning costs about twice what pricing every choice first
@@ -174,17 +187,19 @@ class Table:
 
 
 def build(graph: Graph, choices: list, plans: list, base: Liveness, reference: tuple,
-          cost_of, exclusive: list, lazy: bool) -> Table:
+          cost_of, rerun: tuple, exclusive: list, lazy: bool) -> Table:
   """The table of ``choices`` (whose plans alone are ``plans``), against
   the step as written (``base``) and the plan that recomputes
-  ``reference``: estimated columns where ``lazy``, else every one priced.
+  ``reference``, a schedule costing ``cost_of`` it and running an equation
+  again ``rerun`` its index: estimated columns where ``lazy`` and the
+  memory model emulates XLA:CPU's fusion, else every one priced.
   Choices whose estimate frees nothing anywhere are left out (their exact
   column frees nothing either)."""
   rows = levels(base)
   keys = list(rows)
   ref = candidate(graph, Plan.of({v: RECOMPUTE for v in reference})).memory
   ref_rows = levels(ref)
-  estimate = _Estimator(graph, ref, {k: i for i, k in enumerate(keys)}, reference)
+  estimate = _Estimator(graph, ref, {k: i for i, k in enumerate(keys)}, reference, rerun)
   columns, guesses, costs, kept = [], [], [], []
   for i, plan in enumerate(plans):
     column, guess, cost = estimate(plan)
@@ -203,7 +218,9 @@ def build(graph: Graph, choices: list, plans: list, base: Liveness, reference: t
       _graph=graph, _cost_of=cost_of, rows=keys, _reference_rows=ref_rows,
       _reference_cost=ref_cost,
       guess=np.array(guesses, dtype=float).T.reshape(len(keys), len(kept)))
-  if not lazy:
+  # On buffers learned from a GPU compiler's program estimates bound
+  # nothing (see the module docstring): every column is priced.
+  if not lazy or graph.buffers is not None:
     table.price(range(len(kept)))
     freeing = [i for i in range(len(kept)) if table.delta[:, i].min() < 0]
     table = _only(table, freeing, exclusive)
@@ -220,10 +237,12 @@ def _only(table: Table, kept: list, exclusive) -> Table:
 
 
 class _Estimator:
-  """Optimistic columns read off the reference plan's memory model."""
+  """Optimistic columns read off the reference plan's memory model, and
+  costs from ``rerun`` (what running each equation again costs)."""
 
-  def __init__(self, graph: Graph, ref: Liveness, row_of_node: dict, reference: tuple):
-    self.graph, self.ref, self.reference = graph, ref, reference
+  def __init__(self, graph: Graph, ref: Liveness, row_of_node: dict, reference: tuple,
+               rerun: tuple):
+    self.graph, self.ref, self.reference, self.rerun_cost = graph, ref, reference, rerun
     self.fused = fused_values(graph)
     self.fusion = fusion_of(ref.schedule)
     # Equations the reference plan runs again already (its drop, and the
@@ -273,10 +292,10 @@ class _Estimator:
     under any plan (:meth:`_freed_from`) and the backward ops that read it
     for values the plan keeps, a transcendental's copy read by more than
     one backward op is held from the first (:meth:`_free`), and the values
-    the rebuild reads live on to its first backward read. The cost is the
-    FLOPs of the equations that rebuild its residuals from the values the
-    backward pass may read (as the schedule builder rebuilds them), each
-    once."""
+    the rebuild reads live on to its first backward read. The cost is what
+    running the equations that rebuild its residuals from the values the
+    backward pass may read (as the schedule builder rebuilds them) once
+    each costs (``rerun``)."""
     rebuilt = plan.values_with("recompute")
     dropped = rebuilt | set(self.reference)
     run, sources = self._rebuilt_by(rebuilt, dropped, plan.values_with("save"))
@@ -311,7 +330,7 @@ class _Estimator:
     for buf in freed:
       self._free(likely, buf, max(self._freed_from(buf), self._held_back(buf, remade) + 1),
                  likely=True)
-    return most, likely, float(sum(self.graph.nodes[n].flops for n in run - self.rerun))
+    return most, likely, float(sum(self.rerun_cost[n] for n in run - self.rerun))
 
   def _first_read(self, values) -> int:
     """The first backward op of the reference plan that reads ``values``
