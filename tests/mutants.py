@@ -374,8 +374,8 @@ MUTANTS = [
            "an estimated column's cost is its rebuild's FLOPs where the planner "
            "prices plans by predicted time",
            "jaxmem/planners/_pricing.py",
-           "    cost = (sum(self.rerun_cost[n] for n in run if n not in self.rerun)\n",
-           "    cost = (sum(self.graph.nodes[n].flops for n in run if n not in self.rerun)\n",
+           "    return most, likely, float(sum(self.rerun_cost[n] for n in run - self.rerun))\n",
+           "    return most, likely, float(sum(self.graph.nodes[n].flops for n in run - self.rerun))\n",
            ("tests/test_ilp.py::test_estimated_columns_are_optimistic",)),
     Mutant("learned-buffers-priced-lazily",
            "on buffers learned from XLA:GPU's program, where estimates bound "
@@ -384,6 +384,12 @@ MUTANTS = [
            "  if not lazy or graph.buffers is not None:\n",
            "  if not lazy:\n",
            ("tests/test_ilp.py::test_learned_buffers_price_every_column_up_front",)),
+    Mutant("compute-stream-ends-at-its-first-op",
+           "a step with no host copies is predicted to end with its first op",
+           "jaxmem/cost/_perf.py",
+           "    return Timing(op_end[-1] if op_end else 0.0, sum(durations), 0.0, [], op_end)\n",
+           "    return Timing(op_end[0] if op_end else 0.0, sum(durations), 0.0, [], op_end)\n",
+           ("tests/test_perf.py",)),
 ]
 
 

@@ -29,6 +29,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from jaxmem.cost._xla_clock import occupancy, program_time, roofline_seconds
 from jaxmem.graph import _primitives
@@ -102,10 +103,15 @@ class Timing:
 
 
 def predict(ops: list[OpCost], transfers: list[Transfer],
-            profile: DeviceProfile, scale: float = 1.0) -> Timing:
+            profile: DeviceProfile, scale: float = 1.0, seconds: list | None = None) -> Timing:
   """Simulates the compute stream and the two copy streams; see the module
-  docstring. ``scale`` multiplies every op's time (not the copies')."""
-  durations = [op.seconds(profile) * scale for op in ops]
+  docstring. ``scale`` multiplies every op's time (not the copies');
+  ``seconds``: each op's own time on ``profile``, where known."""
+  own = [op.seconds(profile) for op in ops] if seconds is None else seconds
+  durations = [t * scale for t in own]
+  if not transfers:  # the compute stream alone: one op after another
+    op_end = list(itertools.accumulate(durations))
+    return Timing(op_end[-1] if op_end else 0.0, sum(durations), 0.0, [], op_end)
   by_issue: dict[int, list[int]] = {}
   for i, t in enumerate(transfers):
     if t.need is not None and t.need <= t.issue:
@@ -247,9 +253,16 @@ def timed(graph: Graph, compiled, profile: DeviceProfile | None) -> Graph:
   if profile is None:
     return graph
   clock = program_time(compiled.as_text(), profile).seconds
-  model = sum(op.seconds(profile) for op in node_costs(graph))
+  model = sum(node_seconds(graph, profile))
   scale = clock / model if clock > 0 and model > 0 else 1.0
   return dataclasses.replace(graph, buffers=dataclasses.replace(graph.buffers, time_scale=scale))
+
+
+@analysis
+def node_seconds(graph: Graph, profile: DeviceProfile) -> tuple[float, ...]:
+  """Each equation's time on ``profile`` as an op of a schedule that runs
+  it whole (:func:`node_costs`), unscaled."""
+  return tuple(op.seconds(profile) for op in node_costs(graph))
 
 
 def rerun_seconds(graph: Graph, profile: DeviceProfile) -> tuple[float, ...]:
@@ -258,7 +271,7 @@ def rerun_seconds(graph: Graph, profile: DeviceProfile) -> tuple[float, ...]:
   op's, as :func:`predict_schedule` prices it: its node's cost, scaled as
   every op is)."""
   scale = _time_scale(graph)
-  return tuple(op.seconds(profile) * scale for op in node_costs(graph))
+  return tuple(t * scale for t in node_seconds(graph, profile))
 
 
 def _time_scale(graph: Graph) -> float:
@@ -272,5 +285,9 @@ def predict_schedule(schedule, profile: DeviceProfile) -> Timing:
   included), scaled to the target compiler's program where the graph
   carries its buffers (``Buffers.time_scale``), and its copies to and from
   the host."""
-  return predict(schedule_costs(schedule), schedule_transfers(schedule), profile,
-                 _time_scale(schedule.graph))
+  graph, costs = schedule.graph, schedule_costs(schedule)
+  own, known = node_costs(graph), node_seconds(graph, profile)
+  # Most ops run their node whole: its time is known once per graph.
+  seconds = [known[op.node] if op.node is not None and cost is own[op.node]
+             else cost.seconds(profile) for op, cost in zip(schedule.ops, costs)]
+  return predict(costs, schedule_transfers(schedule), profile, _time_scale(graph), seconds)
