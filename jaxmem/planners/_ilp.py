@@ -89,7 +89,8 @@ class ILP(Planner):
       budgets, for 10% more planning time; none by default).
     lazy: whether a choice's column is priced only when a solution takes
       it (:mod:`~jaxmem.planners._pricing`), else every column before the
-      first program.
+      first program (always on a memory model learned from XLA:GPU's
+      program, where estimates bound nothing).
     fallback: the planner asked where no combination fits (a
       :class:`~jaxmem.Planner`; None: the recompute-only greedy), and for
       candidates of the lowest footprint beside the program's own.
@@ -179,8 +180,7 @@ class ILP(Planner):
     trial = candidate(graph, Plan.of({**found.plan.as_dict(), **keep}), aim)
     if not trial.fits or self.cost(trial.schedule) > self.cost(found.schedule):
       return found
-    return dataclasses.replace(found, plan=trial.plan, schedule=trial.schedule,
-                               memory=trial.memory)
+    return dataclasses.replace(found, plan=trial.plan, schedule=trial.schedule, memory=trial.memory)
 
   def may_offload(self) -> bool:
     return self.fallback is not None and self.fallback.may_offload()
