@@ -128,7 +128,7 @@ def sweep(name: str, config: dict, planners, count: int, target: str | None = No
       began = time.perf_counter()
       found = planner.plan(graph, int(base * fraction))
       times.append(time.perf_counter() - began)
-      costs[planner_name, fraction] = (found.fits, judge.cost(found.schedule))
+      costs[planner_name, fraction] = (found.fits, found.schedule)
       gap = judge.gap(graph, found).gap if found.fits else None
       if gap is not None:
         gaps.append(gap)
@@ -144,9 +144,13 @@ def sweep(name: str, config: dict, planners, count: int, target: str | None = No
                      gap_median=float(np.median(gaps)) if gaps else float("nan"),
                      gap_max=float(max(gaps)) if gaps else float("nan"),
                      gap_known=len(gaps)))
+  # Every planner's plans in the exact planner's units (its target's time,
+  # or recomputed FLOPs), whatever target a planner assumes.
+  cost = get_planner("ilp", profile).cost
   for row in rows:
     both = [f for f in fractions if costs[row["planner"], f][0] and costs["ilp", f][0]]
-    over = [costs[row["planner"], f][1] / max(costs["ilp", f][1], 1.0) for f in both]
+    over = [cost(costs[row["planner"], f][1]) / max(cost(costs["ilp", f][1]), 1.0)
+            for f in both]
     row["cost_over_ilp_median"] = float(np.median(over)) if over else float("nan")
     row["cost_over_ilp_min"] = float(min(over)) if over else float("nan")
   return rows
