@@ -19,6 +19,18 @@ def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
       np.testing.assert_array_equal(x, y)
 
 
+def assert_donated_steps_match(fitted, step, args, steps=3, rtol=1e-4):
+  """``fitted`` and ``jax.jit(step)``, both donating the state ``args[0]``
+  (copied first), give the same state and loss over ``steps`` steps."""
+  copy = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)
+  got, want = copy(args[0]), copy(args[0])
+  reference = jax.jit(step, donate_argnums=0)
+  for _ in range(steps):
+    got, got_loss = fitted(got, *args[1:])
+    want, want_loss = reference(want, *args[1:])
+    assert_trees_close((got, got_loss), (want, want_loss), rtol=rtol)
+
+
 def assert_updates_close(got, want, before, rtol=1e-3, floor=1e-3):
   """Per-leaf updates (``after - before``) of two trees compared relative to
   the update's own size, so that a gradient wrong by a fraction of itself

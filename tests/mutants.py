@@ -390,6 +390,32 @@ MUTANTS = [
            "    return Timing(op_end[-1] if op_end else 0.0, sum(durations), 0.0, [], op_end)\n",
            "    return Timing(op_end[0] if op_end else 0.0, sum(durations), 0.0, [], op_end)\n",
            ("tests/test_perf.py",)),
+    Mutant("features-leave-uncontracted",
+           "a layer's features that join the residual stream are split all the same",
+           "jaxmem/graph/_feature_axes.py",
+           "      raise NotSplittable(f\"the features reach {where(node)} before a layer contracts them\")",
+           "      pass",
+           ("tests/test_feature_split.py",)),
+    Mutant("feature-sums-start-from-zeros",
+           "a sum over feature chunks starts from a buffer of zeros, not the value it is added to",
+           "jaxmem/schedule/_microbatch.py",
+           "        and graph.values[other].aval == graph.values[v].aval):",
+           "        and False):",
+           ("tests/test_feature_split.py",)),
+    Mutant("depthwise-groups-uncut",
+           "a depthwise convolution on a chunk of its features keeps all its groups",
+           "jaxmem/graph/_axis_rules.py",
+           "        params[group] //= k",
+           "        params[group] = params[group]",
+           ("tests/test_feature_split.py",)),
+    Mutant("features-made-along-the-wrong-axis",
+           "a convolution whose kernel is split along its output features gives the "
+           "output its batch axis",
+           "jaxmem/graph/_axis_rules.py",
+           "    # output features: each chunk of the kernel's makes its chunk of them;\n"
+           "    return Rule(outs=(out_spec[1],))",
+           "    return Rule(outs=(out_spec[0],))",
+           ("tests/test_feature_split.py",)),
 ]
 
 

@@ -118,6 +118,10 @@ UNPREFIXED = [
     "no part of the backward pass runs per example",
     "reads a batch value, and",
     "Micro-batching cannot help either",
+    "Splitting layers' features cannot help either",
+    "layers make these features (a residual stream)",
+    "before a layer contracts them",
+    "reads another layer's activations whole",
     "expected 'unconstrained', 'remat:<policy>'",
 ]
 

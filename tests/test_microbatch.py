@@ -182,8 +182,8 @@ def _whole_and_chunked(whole_fits: bool, chunks, smallest: int):
       return None
     raise jaxmem.BudgetError("whole", smallest=smallest)
 
-  def chunked(error=None, fitted=None):
-    calls.append(("chunks", None if error is None else error.smallest))
+  def chunked(error=None, fitted=None, region=None):
+    calls.append((region or "chunks", None if error is None else error.smallest))
     if isinstance(chunks, Exception) and error is None:
       raise chunks
     if error is not None and not isinstance(chunks, str):
@@ -198,7 +198,8 @@ def test_micro_batches_come_before_the_whole_steps_smallest():
   footprint (a compilation per candidate), which runs only where they fail
   too, for plans under the chunks' smallest (or the budget); the error
   names the least of both. A batch that cannot split keeps the search
-  first, so the chunks' error can say why."""
+  first, so the chunks' error can say why, and then layers' features are
+  split."""
   from jaxmem.fit._micro import fit_whole_or_chunked
   whole, chunked, calls = _whole_and_chunked(False, "chunks", 50)
   assert fit_whole_or_chunked(whole, chunked, splits=lambda: True) == "chunks"
@@ -220,7 +221,8 @@ def test_micro_batches_come_before_the_whole_steps_smallest():
   whole, chunked, calls = _whole_and_chunked(False, None, 50)
   with pytest.raises(jaxmem.BudgetError, match="cannot help") as error:
     fit_whole_or_chunked(whole, chunked, splits=lambda: False)
-  assert calls == [("whole", True, None), ("whole", False, None), ("chunks", 50)]
+  assert calls == [("whole", True, None), ("whole", False, None), ("chunks", 50),
+                   ("features", 50)]
 
 
 def test_a_fit_compiles_each_program_once():

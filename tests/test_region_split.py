@@ -33,7 +33,7 @@ from jaxmem.graph._batch_axes import split_region
 from jaxmem.graph._graph import build_graph
 from jaxmem.schedule._microbatch import micro_batched
 from jaxmem.targets import xla_footprint
-from tests.helpers import assert_trees_close, assert_updates_close
+from tests.helpers import assert_donated_steps_match, assert_updates_close
 
 VOCAB, WIDTH, SEQ, BATCH = 4096, 32, 16, 16
 
@@ -147,12 +147,7 @@ def test_transform_chunks_the_region_where_no_plan_fits():
   assert fit.micro is not None and fit.micro.region and fit.micro.count > 1
   assert "chunked region" in fit.report() and "region_chunks=" in repr(fit)
   assert xla_footprint(fitted.lower(copy(args[0]), *args[1:]).compile()) <= fit.budget
-  got, want = copy(args[0]), copy(args[0])
-  reference = jax.jit(step, donate_argnums=0)
-  for _ in range(3):
-    got, got_loss = fitted(got, *args[1:])
-    want, want_loss = reference(want, *args[1:])
-    assert_trees_close((got, got_loss), (want, want_loss), rtol=1e-4)
+  assert_donated_steps_match(fitted, step, args)
 
 
 def test_saved_region_plan_reloads(tmp_path):

@@ -13,12 +13,19 @@ from jaxmem.graph._graph import Graph
 from jaxmem.graph._state import hosted_leaves, hosted_state, with_host_decisions
 from jaxmem.cost._memory import Liveness
 from jaxmem.fit._inner import Body
-from jaxmem.fit._micro import MicroBatches
+from jaxmem.fit._micro import FEATURES, MicroBatches
 from jaxmem.fit._policies import NamePolicy, block_policies, name_policy
 from jaxmem.fit._report import decision_label, residual_table
 from jaxmem.fit._saved import dumps
 from jaxmem.planners import ILP, Gap, Planner
 from jaxmem.targets import Target
+
+
+def _chunks_name(micro: MicroBatches) -> str:
+  """The option a fit's chunks read as in its repr."""
+  if micro.features:
+    return "feature_chunks"
+  return "region_chunks" if micro.region else "micro_batches"
 
 
 @dataclasses.dataclass
@@ -107,7 +114,7 @@ class Fit:
     return (f"Fit(budget={format_bytes(self.budget)}, footprint={fp}, "
             f"unconstrained={format_bytes(self.unconstrained)}, "
             f"decisions={len(self.plan)}, planner={self.planner.name!r}, "
-            + (f"{'region_chunks' if self.micro.region else 'micro_batches'}="
+            + (f"{_chunks_name(self.micro)}="
                f"{self.micro.count}, " if self.micro else "") +
             f"target={self.target.name!r}); .report() for the whole")
 
@@ -127,7 +134,8 @@ class Fit:
                  budget=self.budget, target=self.target.name,
                  planner=self.planner.describe(), footprint=self.footprint,
                  micro_batches=1 if self.micro is None else self.micro.count,
-                 region=bool(self.micro and self.micro.region))
+                 region=FEATURES if self.micro and self.micro.features else
+                 bool(self.micro and self.micro.region))
 
   def gap(self) -> Gap:
     """The plan's cost against the exact planner's bound at the plan's own
@@ -215,10 +223,12 @@ class Fit:
         *([f"planned per pass  {self.inner.describe()}"] if self.inner else []),
         *([f"micro-batches     {self.micro.describe()}: no plan of the whole batch fits "
            "(residuals, decisions and FLOPs below are one micro-batch's)"]
-          if self.micro and not self.micro.region else []),
+          if self.micro and not self.micro.region and not self.micro.features else []),
         *([f"chunked region    {self.micro.describe()}: "
            f"{self.micro.instead or 'no plan of the step as it is fits'}"]
           if self.micro and self.micro.region else []),
+        *([f"chunked features  {self.micro.describe()}: no plan of the step as it is "
+           "fits, and its batch does not split"] if self.micro and self.micro.features else []),
         f"peak at           {p.peak_name}",
         ("decisions         none on residuals: with the optimizer state in host memory "
          "the step fits the budget" if not len(self.plan) and self.hosted else

@@ -34,6 +34,7 @@ from jax.extend import core as jex
 
 from jaxmem._budget import BudgetError
 from jaxmem.fit._arguments import Arguments
+from jaxmem.fit._features import COUNTS, features_step
 from jaxmem.cost._evaluate import unplanned
 from jaxmem.graph._batch_axes import NotSplittable, Split, split_batch, split_region, where
 from jaxmem.fit._inner import mapped_step, on_each_device
@@ -48,6 +49,10 @@ _log = logging.getLogger("jaxmem")
 # ``transform(..., micro_batches=AUTO)``: split the batch only where nothing
 # else fits.
 AUTO = "auto"
+
+# ``fit_micro_batches(..., region=FEATURES)``: layers' features in chunks
+# (``fit._features``) instead of the batch.
+FEATURES = "features"
 
 # Counts of chunks between are skipped (the most chunks still measured)
 # once one more halving of the chunk lowers the footprint as written by
@@ -80,6 +85,9 @@ class MicroBatches:
       plan's cost (for reports); empty where no plan fits.
     per_device: whether ``batch`` is each device's (a step written per
       device under ``shard_map`` runs its micro-batches on every device).
+    features: where layers' features run in chunks instead of the batch
+      (``fit._features``), those layers; ``count`` is then the most
+      chunks a layer's features run in.
   """
   count: int
   batch: int
@@ -87,9 +95,14 @@ class MicroBatches:
   region: str = ""
   instead: str = ""
   per_device: bool = False
+  features: tuple[str, ...] = ()
 
   def describe(self) -> str:
     """One line for reports."""
+    if self.features:
+      more = f" and {len(self.features) - 1} more" if len(self.features) > 1 else ""
+      return (f"the backward passes of {self.features[0]}{more} in up to {self.count} "
+              "chunks of their features, their forward work rebuilt per chunk")
     whose = "each device's batch" if self.per_device else "the batch"
     if self.region:
       return (f"{self.region} in {self.count} chunks of {self.batch // self.count} "
@@ -190,6 +203,26 @@ def _split(graph, closed, groups, names, region: bool,
   return split, held / max(memory.peak, 1), around
 
 
+def _chunking(graph, closed, groups, names, region, strided: bool, counts):
+  """The counts of chunks to try, the share of the peak the chunks hold (1
+  where unknown) and ``make(k) -> (traced step, MicroBatches)``: of the
+  batch, the region around the peak (``region`` True) or layers' features
+  (``region`` :data:`FEATURES`)."""
+  if region == FEATURES:
+    def features(k):
+      traced, layers = features_step(closed, k)
+      return traced, MicroBatches(k, 0, (), features=layers)
+    features(max(counts or COUNTS))  # NotSplittable before any compilation
+    return list(counts or COUNTS), 1.0, features
+  split, held, around = _split(graph, closed, groups, names, region, strided)
+
+  def make(k):
+    return micro_step(split, k, closed, around), MicroBatches(
+        k, split.batch, split.names, "" if split.whole else _region(split),
+        per_device=around is not None)
+  return counts or sizes_to_try(split.sizes(), split.batch), held, make
+
+
 def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, names,
                       limit: int | None, error: BudgetError | None = None,
                       counts: Sequence[int] | None = None, find_smallest: bool = True,
@@ -216,17 +249,19 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   chunks only run slower. A batch that cannot be split adds why to
   ``error`` (or answers None); with ``counts`` given, it is a ValueError."""
   try:
-    split, held, around = _split(graph, closed, groups, names, region, strided)
+    counts, held, make = _chunking(graph, closed, groups, names, region, strided, counts)
   except NotSplittable as why:
-    if counts is not None:
+    if counts is not None and region != FEATURES:
       raise ValueError(f"jaxmem: micro_batches={counts[0]} asks to split the batch, but "
                        f"{why}. Pass micro_batches=1 to run the step whole.") from None
-    if error is None or region:
+    if error is None or region is True:
       return None
+    if region == FEATURES:
+      raise BudgetError(f"{error} Splitting layers' features cannot help either: {why}.",
+                        smallest=error.smallest) from None
     raise BudgetError(f"{error} Micro-batching cannot help either: {why}.",
                       smallest=error.smallest) from None
   tried = []
-  counts = counts or sizes_to_try(split.sizes(), split.batch)
   if not planned:  # the largest count alone, to name the smallest, where none may fit
     counts = [k for k in counts if written is None or limit is None
               or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit] or (
@@ -234,10 +269,8 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   queue = list(counts)
   while queue:
     k = queue.pop(0)
-    traced = micro_step(split, k, closed, around)
+    traced, micro = make(k)
     measured = measure(traced)
-    micro = MicroBatches(k, split.batch, split.names, "" if split.whole else _region(split),
-                         per_device=around is not None)
     _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)
     if faster is not None and not faster(measured):
       _log.info("jaxmem: no faster than the plan that fits: more chunks are slower still")
@@ -301,13 +334,17 @@ def _fewest(fit: Callable, fewer: list, found):
   return min(fits, key=lambda f: f.micro.count)
 
 
-def fit_chunked(fit_split: Callable, error: BudgetError | None, counts, region: bool | None):
+def fit_chunked(fit_split: Callable, error: BudgetError | None, counts,
+                region: bool | str | None):
   """Where no plan of the step fits: the region around its peak in chunks
   where that fits as written, then the whole step in micro-batches (its
   residuals planned where need be), each by ``fit_split(error, counts,
   region=..., planned=...)`` (:func:`fit_micro_batches` with the rest
-  bound); ``region`` True or False takes only the one, planned. The error
-  names the smallest of all."""
+  bound); ``region`` True, False or :data:`FEATURES` (layers' features in
+  chunks) takes only the one, planned. The error names the smallest of
+  all."""
+  if region == FEATURES:
+    return fit_split(error, counts, region=FEATURES)
   if region is not False:
     try:
       found = fit_split(error if region else None, counts, region=True, planned=bool(region))
@@ -331,7 +368,8 @@ def fit_whole_or_chunked(whole: Callable, chunked: Callable, splits: Callable[[]
   footprint (a compilation per candidate), which runs only where they do
   not fit either; the error names the least of both. Where the batch does
   not split, that search comes first, and the chunks' error says why
-  they cannot help."""
+  they cannot help; layers' features in chunks (:data:`FEATURES`) are
+  fitted last."""
   if not find_smallest:
     return chunked(fitted=whole())
   found = whole(only_fitting=True)
@@ -341,7 +379,10 @@ def fit_whole_or_chunked(whole: Callable, chunked: Callable, splits: Callable[[]
     try:
       found = whole()
     except BudgetError as err:
-      return chunked(error=err)
+      try:
+        return chunked(error=err)
+      except BudgetError as unmet:
+        return chunked(error=unmet, region=FEATURES)
     return chunked(fitted=found)
   first = None
   try:

@@ -128,11 +128,12 @@ class Saved(NamedTuple):
   """A plan given as ``transform(..., plan=...)``: the plan, where it came
   from, the chunks it runs the step in (``fit._micro``) and whether they
   are a region's, and the host decisions of the step around the loop whose
-  body the plan is (empty where it is the whole step's)."""
+  body the plan is (empty where it is the whole step's); ``region`` names
+  what runs in chunks where it is not the batch (``fit._micro``)."""
   plan: Plan
   source: str
   micro_batches: int | str
-  region: bool
+  region: bool | str
   around: Plan
 
 
@@ -146,6 +147,8 @@ def load_plan(saved, step: str, micro_batches) -> Saved:
   with open(path) as f:
     record = json.load(f)
   # The chunks the step runs in (1: whole), and whether only the region
-  # around its peak runs in them.
+  # around its peak runs in them (or, named, what else: layers' features).
+  region = record.get("region", False)
   return Saved(_checked(record, step, path), path, int(record.get("micro_batches", 1)),
-               bool(record.get("region", False)), _decisions(record.get("around_loop", [])))
+               region if isinstance(region, str) else bool(region),
+               _decisions(record.get("around_loop", [])))

@@ -216,6 +216,21 @@ def _conv(node, axes, shapes, out_shapes) -> Rule:
   if la == lhs_spec[1] and ra == rhs_spec[1] and groups[0] == 1:
     # A kernel gradient (a depthwise one groups its batch): summed over examples.
     return Rule(outs=(None,), combine=ADD)
+  # Features split (``graph._feature_axes``):
+  if la is None and ra == rhs_spec[0] and groups == (1, 1):
+    # output features: each chunk of the kernel's makes its chunk of them;
+    return Rule(outs=(out_spec[1],))
+  if la == lhs_spec[1] and ra is None and groups == (1, 1):
+    # input features contracted: each chunk's part of the kernel adds its part;
+    return Rule(outs=(None,), combine=ADD, demand=((1, rhs_spec[1]),))
+  if (la == lhs_spec[1] and ra in (None, rhs_spec[0]) and groups[1] == 1
+      and groups[0] == shapes[0][la]):
+    # a depthwise convolution (a group per feature), and its input gradient:
+    # a chunk of the groups;
+    return Rule(outs=(out_spec[1],), demand=((1, rhs_spec[0]),) if ra is None else ())
+  if la == lhs_spec[0] and ra == rhs_spec[0] and groups[1] == shapes[0][la] > 1:
+    # its kernel gradient, which groups the features as its batch.
+    return Rule(outs=(out_spec[1],))
   raise Refuse("it convolves across the example axis")
 
 
@@ -319,6 +334,11 @@ def chunk_params(node, in_axes: Sequence, in_shapes: Sequence, out_axis: int | N
     params["limit_indices"] = chunked(params["limit_indices"], in_axes[0], k)
   elif name == "dynamic_slice":
     params["slice_sizes"] = chunked(params["slice_sizes"], in_axes[0], k)
+  elif name == "conv_general_dilated" and in_axes[0] is not None:
+    lhs_spec = params["dimension_numbers"].lhs_spec
+    for group, side in (("feature_group_count", 1), ("batch_group_count", 0)):
+      if params[group] > 1 and in_axes[0] == lhs_spec[side]:
+        params[group] //= k  # the groups of a depthwise convolution, cut
   elif (name == "gather" and in_axes[0] is not None
         and params["slice_sizes"][in_axes[0]] == in_shapes[0][in_axes[0]]):
     params["slice_sizes"] = chunked(params["slice_sizes"], in_axes[0], k)

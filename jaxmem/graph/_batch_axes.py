@@ -88,7 +88,7 @@ def _cross_example(combiner, reader) -> NotSplittable:
       "only in what it returns: the loss, the metrics and the gradients")
 
 
-def _place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
+def place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
            region: set | None = None, strided: bool = False) -> Split:
   """The equations before, per chunk (``region``: by default every one that
   reads examples) and after, with the demanded values."""
@@ -144,7 +144,7 @@ def _grown(graph: Graph, axes: dict, rules: dict, seed: int, share: float) -> se
   return region
 
 
-def _convex(graph: Graph, rules: dict, region: set) -> set:
+def convex(graph: Graph, rules: dict, region: set) -> set:
   """``region`` with every equation on a path between two of its own added,
   so that it runs as one piece between what comes before and after."""
   while True:
@@ -219,7 +219,7 @@ def split_batch(graph: Graph, groups: Sequence[Sequence[int]],
   first); :class:`NotSplittable` says why none does. ``strided``: chunks
   of examples ``c, c + k, ...`` (:attr:`Split.strided`).
   """
-  return _split(graph, groups, names, functools.partial(_place, graph, strided=strided),
+  return _split(graph, groups, names, functools.partial(place, graph, strided=strided),
                 strided)
 
 
@@ -238,14 +238,14 @@ def split_region(graph: Graph, groups: Sequence[Sequence[int]], near: Sequence[i
   examples elsewhere (BatchNorm) stay as they are. A region that holds the
   whole backward pass is refused: that is :func:`split_batch`'s split.
   """
-  def place(axes, rules, inputs, chosen):
+  def around_peak(axes, rules, inputs, chosen):
     held = [v for v in near if v in axes]
     if not held:
       raise NotSplittable("none of the values live at the step's peak holds examples")
     seed = max(held, key=lambda v: graph.values[v].nbytes)
-    region = _convex(graph, rules, _grown(graph, axes, rules, seed, share))
+    region = convex(graph, rules, _grown(graph, axes, rules, seed, share))
     if all(i in region for i in rules if graph.nodes[i].backward):
       raise NotSplittable("the region holds the whole backward pass: that is the step "
                           "in micro-batches (split_batch)")
-    return _place(graph, axes, rules, inputs, chosen, region, strided)
-  return _split(graph, groups, names, place, strided)
+    return place(graph, axes, rules, inputs, chosen, region, strided)
+  return _split(graph, groups, names, around_peak, strided)

@@ -46,6 +46,9 @@ class Split:
       instead of a block (a batch sharded over devices): a demanded value
       is then made again per chunk only where its example axis keeps its
       extent through every reshape.
+    rebuilt: equations of ``before`` also made again per chunk, first, at
+      the chunk's size: the forward work whose values the region reads
+      (``graph._channel_axes``), so that they are not held until it runs.
   """
   graph: Graph
   inputs: tuple[int, ...]
@@ -58,6 +61,7 @@ class Split:
   names: tuple[str, ...] = ()
   whole: bool = True
   strided: bool = False
+  rebuilt: tuple[int, ...] = ()
 
   @property
   def batch(self) -> int:
@@ -81,7 +85,7 @@ class Split:
     read = set(graph.output_ids)
     read.update(v for (v, _), how in self.demanded.items() if how is None)
     remade = [how for how in self.demanded.values() if how is not None]
-    for i, taken in [(i, self.rules[i].demand) for i in self.region] + [
+    for i, taken in [(i, self.rules[i].demand) for i in self.rebuilt + self.region] + [
         (i, ()) for i in self.after] + remade:
       skip = {p for p, _ in taken}
       read.update(a for p, a in enumerate(graph.nodes[i].ins)
@@ -101,7 +105,7 @@ class Split:
     gradients."""
     graph, before = self.graph, self.run_before()
     needed = {v for v, _ in self.demanded}
-    for i in list(self.region) + [how[0] for how in self.demanded.values() if how]:
+    for i in [*self.rebuilt, *self.region] + [how[0] for how in self.demanded.values() if how]:
       needed.update(a for a in graph.nodes[i].ins if isinstance(a, int))
     early = set()
     for i in reversed(before):

@@ -25,10 +25,14 @@ def bind_node(node, args, tag: str | None = None, params: dict | None = None,
               name_stack: str | None = None) -> list:
   """``node``'s equation applied to ``args`` (with ``params`` in place of its
   own where given) under its original name stack (or ``name_stack``, a
-  path such as ``node.name_stack``); its outputs as a list."""
+  path such as ``node.name_stack``); its outputs as a list. An equation
+  inlined from a call (``custom_jvp_call``, ``pjit``) keeps the path of the
+  call around it, as the step's graph reads it."""
   from jax._src import source_info_util
   params = node.prim.get_bind_params(node.params if params is None else params)
   subfuns, bind_params = params if isinstance(params, tuple) else ((), params)
+  if name_stack is None and str(node.source_info.name_stack) != node.name_stack:
+    name_stack = node.name_stack
   stack = (node.source_info.name_stack if name_stack is None
            else source_info_util.new_name_stack(name_stack))
   if tag is not None:

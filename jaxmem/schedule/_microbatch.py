@@ -99,7 +99,11 @@ def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> C
   made = {o for i in split.region for o in nodes[i].outs}  # a loop's output cut as taken
   scanned = [(v, split.axes[v]) for v in split.inputs] + [
       key for key, how in split.demanded.items() if how is None and key[0] not in made]
+  # Cut inside the loop: moving any other axis first would copy the value whole.
+  cut = [key for key in scanned if key[1] != 0 and not strided]
+  scanned = [key for key in scanned if key not in cut]
   returned, kept = split.returned(), split.kept()
+  folded = _folded(split, combined)
 
   def run(*flat):
     env = dict(graph.consts)
@@ -115,16 +119,22 @@ def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> C
     xs = [jnp.arange(k, dtype=np.uint32)] + [_chunks(env[v], axis, k, strided)
                                              for v, axis in scanned]
     init = [_initial(split.rules[i].output_combines()[p], graph.values[nodes[i].outs[p]].aval,
+                     read(folded[i, p][1]) if (i, p) in folded else
                      _threaded(split.rules[i], p, lambda q: read(nodes[i].ins[q])))
             for i, p in combined]
     init += [jnp.zeros(graph.values[v].aval.shape, graph.values[v].aval.dtype) for v in kept]
 
     def body(carry, chunk):
       index, chunk = chunk[0], chunk[1:]
+      chunk = list(zip(scanned, chunk)) + [(key, _part(env[key[0]], key[1], k, index))
+                                           for key in cut]
       one = _Chunk(split, k, index, binds, env,
-                   {v: x for (v, _), x in zip(scanned, chunk) if v in split.axes},
-                   {key: x for key, x in zip(scanned, chunk) if key[0] not in split.axes})
+                   {v: x for (v, _), x in chunk if v in split.axes},
+                   {key: x for key, x in chunk if key[0] not in split.axes})
       acc = dict(zip(combined, carry))
+      for i in split.rebuilt:
+        one.local.update(zip(nodes[i].outs, one.apply(i, split.rules[i].demand,
+                                                      split.rules[i].outs[0])))
       for i in split.region:
         rule = split.rules[i]
         outs = one.apply(i, rule.demand, rule.outs[0],
@@ -142,14 +152,50 @@ def micro_batched(split: Split, k: int, binds: Mapping[str, Callable] = {}) -> C
     with _in_pass_of(split):
       carry, ys = jax.lax.scan(body, init, xs)
     for (i, p), total in zip(combined, carry):
-      env[nodes[i].outs[p]] = total.astype(graph.values[nodes[i].outs[p]].aval.dtype)
+      v = folded[i, p][0] if (i, p) in folded else nodes[i].outs[p]
+      env[v] = total.astype(graph.values[v].aval.dtype)
     env.update(zip(kept, carry[len(combined):]))
     env.update((v, _unchunk(y, split.axes[v], strided)) for v, y in zip(returned, ys))
+    sums = {graph.values[v].producer for v, _ in folded.values()}
     for i in deferred + split.after:
-      once(i)
+      if i not in sums:
+        once(i)
     return [read(o) for o in graph.outputs]
 
   return run
+
+
+def _folded(split: Split, combined) -> dict:
+  """Sums over the chunks whose one reader, after them, adds them to a
+  value made before them (a layer's input gradient, its residual branch's
+  added to its chunked branch's): ``(equation, output position) -> (that
+  reader's output, the value)``. The sum then starts from the value
+  instead of zeros, so no buffer of zeros is held, and the reader is
+  not run."""
+  graph, found = split.graph, {}
+  late = {o for i in (*split.region, *split.after) for o in graph.nodes[i].outs}
+  after = set(split.after)
+  for i, p in combined:
+    v = graph.nodes[i].outs[p]
+    uses = graph.values[v].uses
+    if (split.rules[i].output_combines()[p] != ADD or p in dict(split.rules[i].threads)
+        or len(uses) != 1 or v in graph.output_ids or uses[0] not in after):
+      continue
+    reader = graph.nodes[uses[0]]
+    others = [a for a in reader.ins if a != v]
+    if reader.prim.name not in ("add", "add_any") or len(reader.ins) != 2 or len(others) != 1:
+      continue
+    other = others[0]
+    if (isinstance(other, int) and other not in late
+        and graph.values[other].aval == graph.values[v].aval):
+      found[i, p] = (reader.outs[0], other)
+  return found
+
+
+def _part(x, axis: int, k: int, index):
+  """Chunk ``index`` of ``k`` blocks of ``x`` along ``axis``."""
+  n = x.shape[axis] // k
+  return jax.lax.dynamic_slice_in_dim(x, index * n, n, axis)
 
 
 def _threaded(rule, position: int, operand: Callable):
@@ -243,8 +289,11 @@ class _Chunk:
     a loop's body, cut from the whole value)."""
     key = (vid, axis)
     if key not in self.taken and self.split.demanded[key] is None:
-      whole = _chunks(self.get(vid), axis, self.k, self.split.strided)
-      self.taken[key] = jax.lax.dynamic_index_in_dim(whole, self.index, keepdims=False)
+      if self.split.strided:
+        whole = _chunks(self.get(vid), axis, self.k, True)
+        self.taken[key] = jax.lax.dynamic_index_in_dim(whole, self.index, keepdims=False)
+      else:
+        self.taken[key] = _part(self.get(vid), axis, self.k, self.index)
     if key not in self.taken:
       i, demand = self.split.demanded[key]
       node = self.split.graph.nodes[i]
