@@ -1,7 +1,8 @@
 """The smallest footprint jaxmem reaches per zoo model: by plans of the
 residuals alone (the optimizer state on the device, the step whole:
 ``host_state=False, micro_batches=1``), with the optimizer state allowed in
-host memory between steps, and with micro-batches too (the defaults), on
+host memory between steps, and with micro-batches too (the defaults; where
+BatchNorm keeps the batch whole, layers' features in chunks instead), on
 the target's compiler (XLA:GPU for a GPU target compiled here, or XLA:CPU).
 
 For each model (the zoo's CPU sizes): the step's own footprint on the
@@ -92,6 +93,7 @@ def at_budgets(name: str, config: dict, where: str, budgets) -> list[dict]:
       row.update(fits=True, footprint=fit.footprint, share=fit.footprint / fit.unconstrained,
                  micro=1 if fit.micro is None else fit.micro.count,
                  region=bool(fit.micro and fit.micro.region),
+                 features=bool(fit.micro and fit.micro.features),
                  predicted=(None if fit.predicted is None or not fit.unconstrained_predicted
                             else fit.predicted / fit.unconstrained_predicted))
     except jaxmem.BudgetError as err:
@@ -109,8 +111,10 @@ def budget_table(rows) -> str:
       lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | no (smallest "
                    f"{r['smallest'] / MIB:.2f} MiB) | - | - | - | {r['seconds']:.0f} |")
       continue
-    chunks = ("-" if r["micro"] == 1 else
-              f"{r['micro']} {'region chunks' if r['region'] else 'micro-batches'}")
+    kind = ("feature chunks" if r.get("features") else
+            "region chunks" if r["region"] else "micro-batches")
+    chunks = "-" if r["micro"] == 1 else f"{r['micro']} {kind}"
+
     predicted = "-" if r["predicted"] is None else f"{r['predicted']:.2f}x"
     lines.append(f"| {r['model']} | {r['target']} | {r['budget']} | yes | "
                  f"{r['footprint'] / MIB:.2f} MiB ({r['share']:.0%}) | {chunks} | {predicted} | "
@@ -120,7 +124,8 @@ def budget_table(rows) -> str:
 
 def table(rows) -> str:
   lines = ["| model | target | step as written MiB | optimizer state MiB (leaves) | "
-           "plans of residuals | + optimizer state in host memory | + micro-batches | "
+           "plans of residuals | + optimizer state in host memory | + micro-batches (or, with "
+           "BatchNorm, layers' features in chunks) | "
            "search s (each) |",
            "|---|---|---|---|---|---|---|---|"]
   lines += [f"| {r['model']} | {r['target']} | {r['unconstrained'] / MIB:.2f} | "
