@@ -188,6 +188,7 @@ def test_transform_splits_features_where_no_plan_fits(tmp_path):
   budget = _below_the_plans_floor(step, args)
   copy = lambda tree: jax.tree_util.tree_map(jnp.copy, tree)
   fitted = jaxmem.transform(step, budget=budget, reserve=0, donate_argnums=0)
+  assert fitted.can_fit(copy(args[0]), *args[1:])  # the quick check splits them too
   fit = fitted.fit(copy(args[0]), *args[1:])
   assert fit.micro is not None and fit.micro.features and fit.micro.count > 1
   assert "chunked features" in fit.report() and "feature_chunks=" in repr(fit)

@@ -371,7 +371,8 @@ def fit_whole_or_chunked(whole: Callable, chunked: Callable, splits: Callable[[]
   they cannot help; layers' features in chunks (:data:`FEATURES`) are
   fitted last."""
   if not find_smallest:
-    return chunked(fitted=whole())
+    found = chunked(fitted=whole())
+    return chunked(region=FEATURES) if found is None and not splits() else found
   found = whole(only_fitting=True)
   if found is not None:
     return chunked(fitted=found)

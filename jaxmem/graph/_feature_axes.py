@@ -207,10 +207,10 @@ def _placed(graph: Graph, layer: int, axes: dict, rules: dict) -> Split:
 def split_features(graph: Graph, layer: int) -> Split:
   """The backward pass of the features equation ``layer`` makes (one of
   :func:`feature_layers`), with the forward work it reads, split into
-  chunks of those features (module docstring), inside the module that
-  holds the layer (features added to a residual stream are split in the
-  block that makes them; the next block reads them whole);
-  :class:`NotSplittable` says why it cannot be."""
+  chunks of those features (module docstring), followed inside the module
+  that holds the layer; :class:`NotSplittable` says why it cannot be
+  (features that leave that module before a layer sums over them: a
+  residual stream, the logits)."""
   node = graph.nodes[layer]
   axis = kernel_axis(graph, node)
   if axis is None:
