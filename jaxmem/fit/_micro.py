@@ -226,11 +226,13 @@ def _chunking(graph, closed, groups, names, region, strided: bool, counts):
 def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, names,
                       limit: int | None, error: BudgetError | None = None,
                       counts: Sequence[int] | None = None, find_smallest: bool = True,
-                      region: bool = False, planned: bool = True, written: int | None = None,
+                      region: bool | str = False, planned: bool = True,
+                      written: int | None = None,
                       unmet: Callable[[int], BudgetError] | None = None,
                       strided: bool = False, faster: Callable | None = None):
   """The traced step ``closed`` (of ``graph``) fitted in micro-batches, or
-  with only the region around its peak in chunks (``region``).
+  with only the region around its peak in chunks (``region`` True), or
+  with layers' features in chunks (``region`` :data:`FEATURES`).
 
   Each of ``counts`` (by default those :func:`sizes_to_try` gives) is
   measured as written (``measure(traced)``: its ``footprint``), until one
