@@ -209,9 +209,13 @@ def _chunking(graph, closed, groups, names, region, strided: bool, counts):
   batch, the region around the peak (``region`` True) or layers' features
   (``region`` :data:`FEATURES`)."""
   if region == FEATURES:
-    def features(k):
-      traced, layers = features_step(closed, k)
-      return traced, MicroBatches(k, 0, (), features=layers)
+    made: dict = {}
+
+    def features(k):  # each count traced once, the probe's reused
+      if k not in made:
+        traced, layers = features_step(closed, k)
+        made[k] = traced, MicroBatches(k, 0, (), features=layers)
+      return made[k]
     features(max(counts or COUNTS))  # NotSplittable before any compilation
     return list(counts or COUNTS), 1.0, features
   split, held, around = _split(graph, closed, groups, names, region, strided)

@@ -89,7 +89,7 @@ def _cross_example(combiner, reader) -> NotSplittable:
 
 
 def place(graph: Graph, axes: dict, rules: dict, inputs: tuple, names,
-           region: set | None = None, strided: bool = False) -> Split:
+          region: set | None = None, strided: bool = False) -> Split:
   """The equations before, per chunk (``region``: by default every one that
   reads examples) and after, with the demanded values."""
   whole = region is None
@@ -144,7 +144,7 @@ def _grown(graph: Graph, axes: dict, rules: dict, seed: int, share: float) -> se
   return region
 
 
-def convex(graph: Graph, rules: dict, region: set) -> set:
+def _convex(graph: Graph, rules: dict, region: set) -> set:
   """``region`` with every equation on a path between two of its own added,
   so that it runs as one piece between what comes before and after."""
   while True:
@@ -243,7 +243,7 @@ def split_region(graph: Graph, groups: Sequence[Sequence[int]], near: Sequence[i
     if not held:
       raise NotSplittable("none of the values live at the step's peak holds examples")
     seed = max(held, key=lambda v: graph.values[v].nbytes)
-    region = convex(graph, rules, _grown(graph, axes, rules, seed, share))
+    region = _convex(graph, rules, _grown(graph, axes, rules, seed, share))
     if all(i in region for i in rules if graph.nodes[i].backward):
       raise NotSplittable("the region holds the whole backward pass: that is the step "
                           "in micro-batches (split_batch)")

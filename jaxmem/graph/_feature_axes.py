@@ -165,8 +165,9 @@ def _checked(graph: Graph, layer: int, axes: dict, rules: dict, rebuilt, remade)
   """Refuses a stretch that is no layer's alone: features that another
   layer makes too or that leave it uncontracted (a residual stream), or
   forward work that reads another layer's activations whole."""
-  makers = [i for i in rules if kernel_axis(graph, graph.nodes[i]) is not None
-            and axes.get(graph.nodes[i].ins[1]) == kernel_axis(graph, graph.nodes[i])]
+  makes = {i: kernel_axis(graph, graph.nodes[i]) for i in rules}
+  makers = [i for i, axis in makes.items()
+            if axis is not None and axes.get(graph.nodes[i].ins[1]) == axis]
   if len(makers) > 1:
     raise NotSplittable(f"{len(makers)} layers make these features (a residual stream)")
   made = {o for i in rules if not graph.nodes[i].backward for o in graph.nodes[i].outs}

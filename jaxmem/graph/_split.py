@@ -48,7 +48,7 @@ class Split:
       extent through every reshape.
     rebuilt: equations of ``before`` also made again per chunk, first, at
       the chunk's size: the forward work whose values the region reads
-      (``graph._channel_axes``), so that they are not held until it runs.
+      (``graph._feature_axes``), so that they are not held until it runs.
   """
   graph: Graph
   inputs: tuple[int, ...]

@@ -192,8 +192,11 @@ def _folded(split: Split, combined) -> dict:
   return found
 
 
-def _part(x, axis: int, k: int, index):
-  """Chunk ``index`` of ``k`` blocks of ``x`` along ``axis``."""
+def _part(x, axis: int, k: int, index, strided: bool = False):
+  """Chunk ``index`` of ``k`` of ``x`` along ``axis``, as :func:`_chunks`
+  cuts it: a block is sliced where it lies, with no copy of ``x``."""
+  if strided:
+    return jax.lax.dynamic_index_in_dim(_chunks(x, axis, k, True), index, keepdims=False)
   n = x.shape[axis] // k
   return jax.lax.dynamic_slice_in_dim(x, index * n, n, axis)
 
@@ -289,11 +292,7 @@ class _Chunk:
     a loop's body, cut from the whole value)."""
     key = (vid, axis)
     if key not in self.taken and self.split.demanded[key] is None:
-      if self.split.strided:
-        whole = _chunks(self.get(vid), axis, self.k, True)
-        self.taken[key] = jax.lax.dynamic_index_in_dim(whole, self.index, keepdims=False)
-      else:
-        self.taken[key] = _part(self.get(vid), axis, self.k, self.index)
+      self.taken[key] = _part(self.get(vid), axis, self.k, self.index, self.split.strided)
     if key not in self.taken:
       i, demand = self.split.demanded[key]
       node = self.split.graph.nodes[i]
