@@ -100,6 +100,20 @@ MAX_BATCH = ("gpt2", "resnet18")  # models whose max batch the full run finds
 # per-block remat that reaches least memory
 MAX_BATCH_METHODS = ("unconstrained", "remat:nothing_saveable", "jaxmem:recompute")
 
+
+
+def configs(cpu_sizes: bool) -> dict:
+  """Each model's configuration: the edge sizes above, or (``--cpu-sizes``)
+  the zoo's CPU sizes, which plan and compile in seconds: a dry run of the
+  script itself."""
+  if not cpu_sizes:
+    return CONFIGS
+  from jaxmem._zoo import models
+  sizes = models().CPU_SIZES
+  return {name: dict(sizes[config.get("zoo", name)], **{
+      k: v for k, v in config.items() if k in ("zoo", "scan")}) for name, config in CONFIGS.items()}
+
+
 QUICK = dict(models=("gpt2", "resnet18"), budgets=("50%",),
              remat=("dots_saveable", "offload_dot_with_no_batch_dims"),
              planners=("auto", "lgm"), max_batch=())
@@ -175,7 +189,7 @@ def plan_jobs(plan: dict, baselines: dict, device_memory: int | None, profile) -
   jobs = []
   for model in plan["models"]:
     base = baselines[model]
-    common = dict(kind="measure", model=model, config=CONFIGS[model], profile=profile)
+    common = dict(kind="measure", model=model, config=plan["configs"][model], profile=profile)
     if not base.get("footprint"):
       continue
     for policy in plan["remat"]:
@@ -189,9 +203,9 @@ def plan_jobs(plan: dict, baselines: dict, device_memory: int | None, profile) -
     base = baselines.get(model, {})
     if not base.get("footprint"):
       continue
-    batch = CONFIGS[model]["batch"]
+    batch = plan["configs"][model]["batch"]
     for method in MAX_BATCH_METHODS:
-      jobs.insert(0, dict(kind="maxbatch", model=model, config=CONFIGS[model],
+      jobs.insert(0, dict(kind="maxbatch", model=model, config=plan["configs"][model],
                           method=method, budget="100%", budget_bytes=base["footprint"],
                           step=max(batch // 2, 1), limit=3 * batch, profile=profile))
   return jobs
@@ -216,7 +230,7 @@ def run(plan: dict, runner: Runner, workers: int, out: str | None,
     profile = rows[-1].get("profile")
   device_memory = (env.get("bytes_limit") or 0) / MEM_FRACTION or None
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    first = [dict(kind="measure", model=m, config=CONFIGS[m], method="unconstrained",
+    first = [dict(kind="measure", model=m, config=plan["configs"][m], method="unconstrained",
                   budget="-", budget_bytes=None, profile=profile)
              for m in dict.fromkeys(plan["models"] + plan["max_batch"])]
     baselines = {r["model"]: r for r in pool.map(runner, first)}
@@ -400,6 +414,9 @@ def parse(argv):
                       help="with --dry-run: compile every method for this GPU on this "
                            "machine (XLA:GPU's footprints, no GPU needed; needs JAX's CUDA "
                            "plugin). On a GPU, the GPU present is the target.")
+  parser.add_argument("--cpu-sizes", action="store_true",
+                      help="the zoo's CPU sizes instead of the edge sizes (with --dry-run: "
+                           "the script checked in seconds)")
   parser.add_argument("--models", nargs="*", choices=sorted(CONFIGS))
   parser.add_argument("--budgets", nargs="+")
   parser.add_argument("--max-batch", nargs="*", choices=sorted(CONFIGS),
@@ -441,6 +458,7 @@ def run_plan(args) -> dict:
       plan[option] = tuple(getattr(args, option))
   if args.budgets:
     plan["budgets"] = tuple(args.budgets)
+  plan["configs"] = configs(args.cpu_sizes)
   return plan
 
 

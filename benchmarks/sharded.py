@@ -17,7 +17,9 @@ footprint):
 Per-block remat wraps each layer (each transformer block) in
 ``jax.checkpoint`` with a policy. FLOPs are XLA's cost analysis of the
 per-device program, as a ratio to the step as written (none for a step in
-micro-batches: the analysis counts a loop's body once).
+micro-batches: the analysis counts a loop's body once). ``model / XLA`` is
+the memory model's footprint of each plan over XLA's per-device footprint
+of it (none in micro-batches, where the model is one micro-batch's).
 
     PYTHONPATH=. python benchmarks/sharded.py --out benchmarks/results/sharded-cpu8
     PYTHONPATH=. python benchmarks/sharded.py --target t4 --out benchmarks/results/sharded-t4x8
@@ -165,7 +167,9 @@ def rows_for(name: str, target: str | None = None) -> list[dict]:
                        smallest=err.smallest))
       continue
     compiled = fitted.lower(*(args if target is None else placed(args, target))).compile()
-    rows.append(dict(mesh=name, method=f"jaxmem {budget}", footprint=xla_footprint(compiled),
+    footprint = xla_footprint(compiled)
+    rows.append(dict(mesh=name, method=f"jaxmem {budget}", footprint=footprint,
+                     model=None if fit.micro else fit.memory.peak / footprint,
                      ms=_ms(compiled, target),
                      flops=_ratio(compiled_flops(compiled), own_flops),
                      seconds=time.perf_counter() - start, budget=fit.budget,
@@ -178,8 +182,8 @@ def rows_for(name: str, target: str | None = None) -> list[dict]:
 def table(rows) -> str:
   timed = any(r.get("ms") is not None for r in rows)
   lines = ["| mesh | method | per-device footprint MiB (share) | FLOPs per device (ratio) | "
-           + ("predicted ms | " if timed else "") + "fit s |",
-           "|---|---|---|---|" + ("---|" if timed else "") + "---|"]
+           + ("predicted ms | " if timed else "") + "model / XLA | fit s |",
+           "|---|---|---|---|" + ("---|" if timed else "") + "---|---|"]
   for r in rows:
     if r["footprint"] is None:
       cell = f"not met; smallest {r['smallest'] / MIB:.2f} MiB"
@@ -191,7 +195,9 @@ def table(rows) -> str:
         cell += f", {r['micro']} micro-batches"
         flops = "- (a loop)"
     ms = (f" {r['ms']:.3g} |" if r.get("ms") is not None else " - |") if timed else ""
-    lines.append(f"| {r['mesh']} | {r['method']} | {cell} | {flops} |{ms} {r['seconds']:.1f} |")
+    model = "-" if r.get("model") is None else f"{r['model']:.2f}"
+    lines.append(f"| {r['mesh']} | {r['method']} | {cell} | {flops} |{ms} {model} | "
+                 f"{r['seconds']:.1f} |")
   return "\n".join(lines)
 
 

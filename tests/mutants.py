@@ -416,6 +416,26 @@ MUTANTS = [
            "    return Rule(outs=(out_spec[1],))",
            "    return Rule(outs=(out_spec[0],))",
            ("tests/test_feature_split.py",)),
+    Mutant("collective-buffers-unheld",
+           "the buffers a partitioned program's collectives write (gathered activations) "
+           "are not held",
+           "jaxmem/cost/_xla_buffers.py",
+           "    if not self.buffers.spans:\n      return []",
+           "    if True:\n      return []",
+           ("tests/test_sharded_steps.py::test_a_tensor_parallel_steps_model_follows_xla_gpu_per_device",
+            "tests/test_xla_buffers.py::test_a_partitioned_programs_collectives_hold_their_buffers")),
+    Mutant("collective-sums-are-copies",
+           "an all-reduce's result is taken for a copy of its node's value, not the value",
+           "jaxmem/cost/_xla_buffers.py",
+           "                  and count(v) == found.array.size), None) if found.owns else None",
+           "                  and count(v) == found.array.size), None) if False else None",
+           ("tests/test_xla_buffers.py::test_a_partitioned_programs_collectives_hold_their_buffers",)),
+    Mutant("gathers-set-shards",
+           "an all-gather's arrays count as shards of the values of the equation it runs for",
+           "jaxmem/cost/_xla_shards.py",
+           "          and (inst.opcode not in hlo.EXCHANGES or inst.opcode in hlo.REDUCTIONS)):",
+           "          and True):",
+           ("tests/test_xla_buffers.py::test_a_partitioned_programs_collectives_hold_their_buffers",)),
 ]
 
 

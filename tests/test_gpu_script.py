@@ -16,6 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 import gpu  # noqa: E402
 
+from jaxmem._zoo import models  # noqa: E402
+
 GIB = 2**30
 
 
@@ -31,9 +33,11 @@ def _dry_run(tmp_path, *options):
 
 def test_dry_run_plans_and_lowers_every_kind_of_method(tmp_path):
   """One model through every kind of method: the unmodified step, a remat
-  offload policy, a jaxmem planner, XLA's own remat."""
-  result, text = _dry_run(tmp_path, "--models", "resnet18", "--planners", "lgm",
-                          "--budgets", "80%", "--remat", "offload_dot_with_no_batch_dims")
+  offload policy, a jaxmem planner, XLA's own remat (at the zoo's CPU
+  sizes: the edge sizes take minutes to plan on two cores)."""
+  result, text = _dry_run(tmp_path, "--cpu-sizes", "--models", "resnet18", "--planners",
+                          "lgm", "--budgets", "80%", "--remat",
+                          "offload_dot_with_no_batch_dims")
   rows = {r["method"]: r for r in result["rows"]}
   assert set(rows) == {"unconstrained", "remat:offload_dot_with_no_batch_dims",
                        "jaxmem:lgm", "xla:remat"}
@@ -45,6 +49,7 @@ def test_dry_run_plans_and_lowers_every_kind_of_method(tmp_path):
   assert result["environment"]["backend"] == "cpu"
   assert "| resnet18 | jaxmem:lgm | 80% |" not in text  # budgets are printed with bytes
   assert "| resnet18 | jaxmem:lgm | 80% (" in text
+  assert rows["unconstrained"]["config"] == models().CPU_SIZES["resnet18"]
 
 
 @pytest.mark.slow

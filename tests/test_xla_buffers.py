@@ -15,6 +15,7 @@ from jaxmem.graph._graph import build_graph
 from jaxmem.cost import _hlo as hlo
 from jaxmem.cost._xla_buffers import (WrittenBuffer, assign, compile_tagged, learn, read,
                                       rewritten, with_buffers, workspaces, written_buffers)
+from jaxmem.cost._xla_shards import elements, shard_elements
 from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint
 
 # A scheduled program as XLA:GPU prints it, cut to what the reader uses: a
@@ -74,6 +75,55 @@ def test_the_buffers_a_program_writes_are_read_off_its_text():
       8: [(1, 4, 0), (16, 64, 0)],  # the loop's carries, which nothing reads
       9: [(16, 64, 1)],  # the body's sine, in the body's result
   }
+
+
+# One device's program of a partitioned step, cut to its collectives: a
+# matmul's partial result summed over devices (all-reduce), and two
+# operands gathered in one transfer for the equations that read them.
+PARTITIONED = """\
+HloModule jit_run, is_scheduled=true
+
+ENTRY %main (x: f32[4,8], w: f32[8,4]) -> f32[4,4] {
+  %x = f32[4,8]{1,0} parameter(0)
+  %w = f32[8,4]{1,0} parameter(1)
+  %gemm = f32[4,4]{1,0} custom-call(%x, %w), custom_call_target="__cublas$gemm", metadata={op_name="jit(run)/jaxmem#0/dot_general"}
+  %sum-start = f32[4,4]{1,0} all-reduce-start(%gemm), metadata={op_name="jit(run)/jaxmem#0/dot_general"}
+  %sum-done = f32[4,4]{1,0} all-reduce-done(%sum-start), metadata={op_name="jit(run)/jaxmem#0/dot_general"}
+  %gather-start = ((f32[4,4]{1,0}, f32[4,8]{1,0}), (f32[16,4]{1,0}, f32[16,8]{1,0})) all-gather-start(%sum-done, %x), dimensions={0}, metadata={op_name="jit(run)/jaxmem#1/tanh"}
+  %gather-done = (f32[16,4]{1,0}, f32[16,8]{1,0}) all-gather-done(%gather-start), metadata={op_name="jit(run)/jaxmem#1/tanh"}
+  %first = f32[16,4]{1,0} get-tuple-element(%gather-done), index=0
+  %second = f32[16,8]{1,0} get-tuple-element(%gather-done), index=1
+  %tanh = f32[4,4]{1,0} tanh(%first), metadata={op_name="jit(run)/jaxmem#1/tanh"}
+  %mul = f32[4,4]{1,0} multiply(%tanh, %tanh), metadata={op_name="jit(run)/jaxmem#2/mul"}
+  %late = f32[4,4]{1,0} slice(%second), slice={[0:4], [0:4]}, metadata={op_name="jit(run)/jaxmem#3/add"}
+  ROOT %add = f32[4,4]{1,0} add(%mul, %late), metadata={op_name="jit(run)/jaxmem#3/add"}
+}
+"""
+
+
+def test_a_partitioned_programs_collectives_hold_their_buffers():
+  """In one device's program of a partitioned step (its examples over 4
+  devices): each value's shard is read off the instructions its equation
+  runs as, not off what an all-gather run for it gathers; a node's partial
+  results summed over devices are that node's value (the partial a copy
+  held while the node runs); what an all-gather gathers for its readers is
+  no value's: each result is held from the node the gather runs for to the
+  last node that reads it, and names the node that made what it gathers
+  (None for an argument)."""
+  def run(x, w):
+    y = x @ w
+    t = jnp.tanh(y)
+    return t * t + y
+  graph = build_graph(jax.make_jaxpr(run)(jnp.ones((16, 8)), jnp.ones((8, 4))))
+  assert [n.prim.name for n in graph.nodes] == ["dot_general", "tanh", "mul", "add"]
+  compiled = type("Compiled", (), {"as_text": lambda self: PARTITIONED})()
+  known = shard_elements(graph, [], compiled)
+  assert known == {n.outs[0]: 16 for n in graph.nodes}  # a quarter of each [16, 4]
+  buffers = read(graph, compiled, elements(graph, known))
+  made = graph.nodes[0].outs[0]
+  assert made in buffers.materialized and buffers.transient[0] == 64  # the partial
+  assert buffers.extra == {}
+  assert sorted(buffers.spans) == [(1, 1, 256, 0), (1, 3, 512, None)]
 
 
 def test_a_library_calls_workspace_is_scratch_of_its_equation():

@@ -31,6 +31,7 @@ _INSTRUCTION = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\](\{[^}]*\})?")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALL_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_INDEX = re.compile(r"\bindex=(\d+)")
 _CALLED = re.compile(
     r"\b(calls|body|condition|to_apply|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -44,6 +45,18 @@ NO_BUFFER = frozenset({
 COLLECTIVES = frozenset({
     "all-gather", "all-gather-start", "all-reduce", "all-reduce-start", "reduce-scatter",
     "all-to-all", "collective-permute", "collective-permute-start"})
+# The second of an async collective's pair: it waits for what its start
+# (its operand) began and names the results, whose buffers its start holds
+# from then on (the start's shape lists its operands beside them).
+COLLECTIVE_DONES = frozenset({
+    "all-gather-done", "all-reduce-done", "reduce-scatter-done", "all-to-all-done",
+    "collective-permute-done"})
+# Every instruction of a collective, and those of them whose results are a
+# value summed over the devices' parts of it (not a copy of what one device
+# holds: an all-gather's operand).
+EXCHANGES = COLLECTIVES | COLLECTIVE_DONES | {"reduce-scatter-start", "all-to-all-start"}
+REDUCTIONS = frozenset({"all-reduce", "all-reduce-start", "all-reduce-done", "reduce-scatter",
+                        "reduce-scatter-start", "reduce-scatter-done"})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +117,11 @@ class Instruction:
 
   def operands(self) -> list[str]:
     return re.findall(r"%([\w.\-]+)", self.rest[:closing(self.rest, depth=1)])
+
+  def tuple_index(self) -> int | None:
+    """The element a ``get-tuple-element`` takes of its operand, else None."""
+    found = _INDEX.search(self.rest) if self.opcode == "get-tuple-element" else None
+    return int(found.group(1)) if found else None
 
   def called(self) -> list[tuple[str, str]]:
     """(role, computation) of each computation it calls: ``calls`` (a

@@ -68,6 +68,12 @@ class Buffers:
       the host and back, which it prices on the link alone, look hidden
       behind compute that does not last that long. 1 where the target has
       no profile.
+    spans: ``(first node, last node, bytes, source node)`` of each buffer
+      a collective of a partitioned program writes that is no value's own
+      (an all-gathered operand, or many of them combined into one
+      transfer), held from the node the collective runs for to the last
+      node that reads it; ``source`` made what it exchanges (None where
+      unknown).
   """
   materialized: frozenset
   extra: Mapping[int, int]
@@ -76,6 +82,7 @@ class Buffers:
   transient: Mapping[int, int] = dataclasses.field(default_factory=dict)
   library: Mapping[int, str] = dataclasses.field(default_factory=dict)
   time_scale: float = 1.0
+  spans: tuple = ()
 
 
 def tag_of(inst: hlo.Instruction) -> int | None:
@@ -117,13 +124,14 @@ def _launching(kernels: list[list]) -> frozenset:
 def _kernels(program: hlo.Program) -> list[list]:
   """Per instruction that writes buffers in the scheduled computations, the
   (tag, array, readers) of each buffer with a tag: ``readers`` counts the
-  instructions reading the instruction's results."""
+  instructions reading the instruction's results. Collectives' buffers are
+  :func:`_exchanged`'s."""
   found = []
   for name in program.scheduled():
     instructions = program.computations[name]
     readers = _readers(instructions)
     for inst in instructions:
-      if inst.opcode not in hlo.NO_BUFFER:
+      if inst.opcode not in hlo.NO_BUFFER and inst.opcode not in hlo.EXCHANGES:
         found.append([(tag, array, readers.get(inst.name, 0))
                       for tag, array in _producers(inst, program) if tag is not None])
   return found
@@ -149,6 +157,76 @@ def _readers(instructions: list) -> dict[str, int]:
     return counts[name]
 
   return {inst.name: count(inst.name) for inst in instructions}
+
+
+class Exchanged(NamedTuple):
+  """A buffer a collective writes: the node it runs for (its start's tag),
+  its array, whether it is a value summed over devices (``hlo.REDUCTIONS``:
+  the node's own where one of its outputs has its size), the last node
+  that reads it, and the node that made what it exchanges (None where
+  unnamed)."""
+  tag: int
+  array: hlo.Array
+  owns: bool
+  last: int
+  source: int | None = None
+
+
+def _exchanged(program: hlo.Program) -> list[Exchanged]:
+  """Every buffer the collectives of the scheduled computations write (the
+  results of an async one's done, which its start holds from then on)."""
+  found = []
+  for name in program.scheduled():
+    instructions = program.computations[name]
+    by_name = {inst.name: inst for inst in instructions}
+    users: dict[str, list] = {}
+    for inst in instructions:
+      for operand in dict.fromkeys(inst.operands()):
+        users.setdefault(operand, []).append(inst)
+
+    def last(inst, index=None) -> int | None:
+      """The latest tag of what reads ``inst`` (its element ``index``),
+      through tuple elements and bitcasts."""
+      tags = []
+      for user in users.get(inst.name, ()):
+        if user.opcode == "get-tuple-element":
+          if index is None or user.tuple_index() == index:
+            tags.append(last(user))
+        elif user.opcode == "bitcast":
+          tags.append(last(user))
+        else:
+          tags.append(tag_of(user))
+      return max((t for t in tags if t is not None), default=None)
+
+    for inst in instructions:
+      if inst.opcode not in hlo.EXCHANGES or inst.opcode.endswith("-start"):
+        continue
+      start = (by_name.get(next(iter(inst.operands()), ""))
+               if inst.opcode in hlo.COLLECTIVE_DONES else inst)
+      tag = tag_of(start) if start is not None else None
+      tag = tag_of(inst) if tag is None else tag
+      if tag is None:
+        continue
+      arrays = inst.arrays()
+      alone = len(arrays) == 1
+      sources = [by_name.get(o) for o in (start or inst).operands()]
+      for i, array in enumerate(arrays):
+        read = last(inst, None if alone else i)
+        source = sources[i] if len(sources) == len(arrays) else None
+        found.append(Exchanged(tag, array, inst.opcode in hlo.REDUCTIONS,
+                               tag if read is None else max(read, tag),
+                               None if source is None else _made_by(source, by_name)))
+  return found
+
+
+def _made_by(inst: hlo.Instruction, by_name: dict) -> int | None:
+  """The tag of what made ``inst``'s value, through tuple elements and
+  bitcasts."""
+  while inst.opcode in ("get-tuple-element", "bitcast") and inst.operands():
+    if inst.operands()[0] not in by_name:
+      break
+    inst = by_name[inst.operands()[0]]
+  return tag_of(inst)
 
 
 def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:
@@ -189,11 +267,35 @@ def _copies(copies: list[WrittenBuffer], value_bytes: int,
   return held, sum(c.nbytes for c in copies if c.readers <= 1)
 
 
-def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
+def assign(graph: Graph, written: dict[int, list[WrittenBuffer]],
+           exchanged: tuple[Exchanged, ...] = (),
+           elements: Mapping[int, int] | None = None) -> Buffers:
   """The graph values that own the buffers ``written`` names: each node's
-  buffers are matched to its outputs by element count; buffers left over
-  are copies of its value (:func:`_copies`), but for a loop or a branch. A
-  view's buffer is its source's."""
+  buffers are matched to its outputs by element count (``elements``, value
+  id -> its elements on one device, where the program is one device's of
+  a partitioned step; else each value's own); buffers left over are copies
+  of its value (:func:`_copies`), but for a loop or a branch. A view's
+  buffer is its source's. Of the buffers collectives write
+  (``exchanged``), a sum over devices that one of its node's outputs
+  matches is that output's own buffer (the node's own result before it is
+  then a copy of it); the rest are :attr:`Buffers.spans`."""
+  count = (lambda v: graph.values[v].aval.size) if elements is None else elements.__getitem__
+  written = {tag: list(arrays) for tag, arrays in written.items()}
+  spans, summed = [], {}  # node -> its outputs a sum over devices is
+  for found in exchanged:
+    if found.tag >= len(graph.nodes) or found.last >= len(graph.nodes):
+      continue
+    taken = summed.setdefault(found.tag, [])
+    match = next((v for v in graph.nodes[found.tag].outs if v not in taken
+                  and count(v) == found.array.size), None) if found.owns else None
+    if match is not None:
+      taken.append(match)
+      written.setdefault(found.tag, []).insert(
+          len(taken) - 1, WrittenBuffer(found.array.size, found.array.nbytes, 1))
+    else:
+      source = found.source if found.source is not None and found.source < len(graph.nodes) \
+          else None
+      spans.append((found.tag, found.last, found.array.nbytes, source))
   materialized: set[int] = set()
   extra: dict[int, int] = {}
   transient: dict[int, int] = {}
@@ -208,7 +310,7 @@ def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
     control = _primitives.info(node.prim.name).kind == _primitives.CONTROL
     left, copies = list(node.outs), []
     for buffer in arrays:
-      match = next((v for v in left if graph.values[v].aval.size == buffer.elements), None)
+      match = next((v for v in left if count(v) == buffer.elements), None)
       if match is None:
         copies += [] if control else [buffer]
         continue
@@ -225,7 +327,7 @@ def assign(graph: Graph, written: dict[int, list[WrittenBuffer]]) -> Buffers:
     if (_primitives.is_view(node.prim.name) and node.outs and node.outs[0] in materialized
         and node.ins and isinstance(node.ins[0], int)):
       materialized.add(node.ins[0])
-  return Buffers(frozenset(materialized), extra, transient=transient)
+  return Buffers(frozenset(materialized), extra, transient=transient, spans=tuple(spans))
 
 
 def tagged(graph: Graph, binds=None):
@@ -276,12 +378,14 @@ def compile_tagged(graph: Graph, target, leaves, one_device: bool = False):
                  ).lower(*target.place(leaves)).compile()
 
 
-def read(graph: Graph, compiled) -> Buffers:
+def read(graph: Graph, compiled, elements: Mapping[int, int] | None = None) -> Buffers:
   """The buffers the program ``compiled`` (``graph``'s step with its
-  equations tagged, compiled for a target) gives ``graph``'s values."""
+  equations tagged, compiled for a target) gives ``graph``'s values;
+  ``elements``: where ``compiled`` is one device's program of a
+  partitioned step, each value's elements on that device."""
   program = hlo.parse(compiled.as_text())
   kernels = _kernels(program)
-  found = assign(graph, _written(kernels))
+  found = assign(graph, _written(kernels), tuple(_exchanged(program)), elements)
   ours = lambda per_tag: {t: v for t, v in per_tag.items() if t < len(graph.nodes)}
   return dataclasses.replace(found, launches=frozenset(
       t for t in _launching(kernels) if t < len(graph.nodes)),
@@ -397,9 +501,33 @@ class LearnedFusion(Fusion):
                                                 indexed=False)[2]
 
   def held(self, root: dict) -> list[tuple[int, int, int]]:
-    """No spans: XLA:GPU expands a max-pool's gradient without iotas, all
-    of it while the gradient runs (:meth:`scratch`)."""
-    return []
+    """The collectives' buffers (:attr:`Buffers.spans`), each from the op
+    that runs its first node, or the last that makes what it exchanges
+    where that comes later (a plan that rebuilds a gathered activation in
+    the backward pass, or copies it back from the host, gathers it there),
+    to the last op that runs its last
+    node; none where a plan moves the one after the other. XLA:GPU expands
+    a max-pool's gradient without iotas, all of it while the gradient runs
+    (:meth:`scratch`)."""
+    if not self.buffers.spans:
+      return []
+    first, last, made = {}, {}, {}
+    for pos, op in enumerate(self.ops):
+      if op.kind == "prefetch":  # a copy back of what a node made
+        made[self.graph.values[op.outs[0][0]].producer] = pos
+      if op.node is None:
+        continue
+      made[op.node] = pos
+      if op.kind == "node":
+        first.setdefault(op.node, pos)
+        last[op.node] = pos
+    found = []
+    for a, b, size, source in self.buffers.spans:
+      if a in first and b in last:
+        start = max(first[a], made.get(source, -1))
+        if start <= last[b]:
+          found.append((start, last[b], size))
+    return found
 
   def beside(self, key) -> int:
     pos = self.producer_of.get(key)

@@ -34,37 +34,63 @@ from jaxmem.cost._xla_buffers import tag_of, tagged
 from jaxmem.graph._graph import Graph, residuals_of
 
 
-def _shard_of(shape: tuple, arrays) -> int | None:
+def _shard_of(shape: tuple, itemsize: int, arrays) -> int | None:
   """The elements of the largest of ``arrays`` that is a shard of ``shape``
-  (same rank, each dimension a divisor of the global one)."""
+  (same rank, each dimension a divisor of the global one); where none is,
+  of the largest of its item size whose elements divide the global ones
+  (a cuBLAS call's result, flattened to a matrix)."""
   found = [a.size for a in arrays if len(a.dims) == len(shape) and a.dims
            and all(d and g % d == 0 for d, g in zip(a.dims, shape))]
+  if not found:
+    size = math.prod(shape)
+    found = [a.size for a in arrays if hlo.itemsize(a.dtype) == itemsize
+             and a.size <= size and size % a.size == 0]
   return max(found, default=None)
 
 
-def shard_elements(graph: Graph, args, target) -> dict[int, int]:
+def partitioned(graph: Graph, args, target):
+  """``graph``'s step as written, its equations tagged, compiled by
+  ``target`` (a :class:`~jaxmem.targets.Target`) for ``args`` (the step's
+  flat arguments, placed with their shardings): one device's program, which
+  :func:`shard_elements` reads each value's shard off and, on a GPU,
+  ``_xla_buffers.read`` the buffers."""
+  return jax.jit(target.compiles(tagged(graph), args),
+                 compiler_options=target.options(measuring=True) or None
+                 ).lower(*args).compile()
+
+
+def shard_elements(graph: Graph, args, compiled) -> dict[int, int]:
   """Value id -> its elements on one device, for the values of ``graph``'s
-  step as written that the program ``target`` (a
-  :class:`~jaxmem.targets.Target`) compiles for ``args`` (the step's flat
-  arguments, placed with their shardings) shows, its inputs included."""
+  step as written that ``compiled`` (:func:`partitioned` for ``args``)
+  shows, its inputs included. An all-gather (or another collective that
+  copies what devices hold) runs for the equation that reads what it
+  gathers, so its arrays say nothing of that equation's values."""
   local = {v: arg.sharding.shard_shape(arg.shape) for v, arg in zip(graph.inputs, args)
            if getattr(arg, "sharding", None) is not None}
   found = {v: math.prod(shape) for v, shape in local.items()}
-  text = jax.jit(target.compiles(tagged(graph), args)).lower(*args).compile().as_text()
   by_tag: dict[int, list] = {}
-  for instructions in hlo.parse(text).computations.values():
+  for instructions in hlo.parse(compiled.as_text()).computations.values():
     for inst in instructions:
       tag = tag_of(inst)
-      if tag is not None and tag < len(graph.nodes):
+      if (tag is not None and tag < len(graph.nodes)
+          and (inst.opcode not in hlo.EXCHANGES or inst.opcode in hlo.REDUCTIONS)):
         by_tag.setdefault(tag, []).extend(inst.arrays())
   for tag, arrays in by_tag.items():
     for v in graph.nodes[tag].outs:
       shape = tuple(graph.values[v].aval.shape)
       if v not in found and shape:
-        size = _shard_of(shape, arrays)
+        size = _shard_of(shape, graph.values[v].aval.dtype.itemsize, arrays)
         if size is not None:
           found[v] = size
   return found
+
+
+def elements(graph: Graph, known: Mapping[int, int]) -> dict[int, int]:
+  """Each value's elements on one device, as :func:`per_device` counts its
+  bytes."""
+  share = _share(graph, known)
+  return {v: max(1, round(value.aval.size * share[v])) if share.get(v, 1) < 1
+          else value.aval.size for v, value in graph.values.items()}
 
 
 def _share(graph: Graph, known: Mapping[int, int]) -> dict[int, float]:

@@ -25,7 +25,7 @@ from jaxmem.fit._checks import fittable
 from jaxmem.cost._evaluate import Candidate
 from jaxmem.fit._inner import body_graph, embedded, inner_body
 from jaxmem.targets._host_args import devices_of
-from jaxmem.cost._xla_shards import per_device, shard_elements
+from jaxmem.cost._xla_shards import elements, partitioned, per_device, shard_elements
 from jaxmem.schedule._emit import emit
 from jaxmem.graph._graph import Graph, analysis, build_graph
 from jaxmem.graph._state import apply_host_decisions
@@ -104,13 +104,13 @@ def graphs(closed, target: Target, planner, name: str, graph: Graph | None = Non
   fittable(graph, name)
   loop = inner_body(graph)
   mapped = loop is not None and graph.nodes[loop[0]].prim.name == "shard_map"
-  if loop is None and written is not None and written.tagged is graph:
+  if loop is None and devices_of(leaves) > 1:
+    planned = _per_device(graph, target, target.place(leaves))
+  elif loop is None and written is not None and written.tagged is graph:
     planned = _read(graph, written.baseline, target.profile)
   else:
     planned = modelled(graph if loop is None else body_graph(graph, loop), target,
                        graph.nodes[loop[0]].params["mesh"] if mapped else None)
-  if loop is None and devices_of(leaves) > 1:
-    planned = per_device(planned, shard_elements(planned, target.place(leaves), target))
   if loop is None:
     graph = planned
     if isinstance(planner, Fixed):
@@ -155,6 +155,22 @@ def modelled(graph: Graph, target: Target, mesh=None) -> Graph:
   if target.platform == "cpu":
     return graph
   return _learned(graph, target, mesh)
+
+
+def _per_device(graph: Graph, target: Target, args) -> Graph:
+  """``graph`` (of a step whose flat arguments ``args`` lie on several
+  devices) as one device of the target compiler's partition runs it: each
+  value's bytes that device's shard and, on a GPU, the buffers that
+  device's program gives them, the collectives' among them (an FSDP or
+  tensor-parallel step's gathered activations, held where the program
+  holds them), read off one compilation."""
+  compiled = partitioned(graph, args, target)
+  known = shard_elements(graph, args, compiled)
+  planned = per_device(graph, known)
+  if target.platform == "cpu":
+    return planned
+  return timed(with_buffers(planned, read(planned, compiled, elements(graph, known))),
+               compiled, target.profile)
 
 
 @analysis
