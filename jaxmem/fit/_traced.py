@@ -105,7 +105,10 @@ def graphs(closed, target: Target, planner, name: str, graph: Graph | None = Non
   loop = inner_body(graph)
   mapped = loop is not None and graph.nodes[loop[0]].prim.name == "shard_map"
   if loop is None and devices_of(leaves) > 1:
-    planned = _per_device(graph, target, target.place(leaves))
+    planned = _per_device(graph, target, tuple(
+        jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding,
+                             weak_type=jax.typeof(a).weak_type)
+        for a in target.place(leaves)))
   elif loop is None and written is not None and written.tagged is graph:
     planned = _read(graph, written.baseline, target.profile)
   else:
@@ -157,9 +160,11 @@ def modelled(graph: Graph, target: Target, mesh=None) -> Graph:
   return _learned(graph, target, mesh)
 
 
-def _per_device(graph: Graph, target: Target, args) -> Graph:
-  """``graph`` (of a step whose flat arguments ``args`` lie on several
-  devices) as one device of the target compiler's partition runs it: each
+@analysis
+def _per_device(graph: Graph, target: Target, args: tuple) -> Graph:
+  """``graph`` (of a step whose flat arguments, abstract as ``args``, lie
+  on several devices) as one device of the target compiler's partition
+  runs it, once per graph, target and arguments' shardings: each
   value's bytes that device's shard and, on a GPU, the buffers that
   device's program gives them, the collectives' among them (an FSDP or
   tensor-parallel step's gathered activations, held where the program
