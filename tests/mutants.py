@@ -430,6 +430,13 @@ MUTANTS = [
            "                  and count(v) == found.array.size), None) if found.owns else None",
            "                  and count(v) == found.array.size), None) if False else None",
            ("tests/test_xla_buffers.py::test_a_partitioned_programs_collectives_hold_their_buffers",)),
+    Mutant("plateau-skipped-counts-untried",
+           "where the most micro-batches fit after the footprint levelled, the counts "
+           "passed over are not tried",
+           "jaxmem/fit/_micro.py",
+           "      return _fewest(lambda i: _quietly(within, *at(skipped[i])), len(skipped), found)",
+           "      return found",
+           ("tests/test_region_split.py::test_counts_the_plateau_passed_over_are_tried_where_the_last_fits",)),
     Mutant("gathers-set-shards",
            "an all-gather's arrays count as shards of the values of the equation it runs for",
            "jaxmem/cost/_xla_shards.py",

@@ -155,16 +155,19 @@ def test_planned_counts_back_off_to_the_fewest_that_fit():
           predicted=None if predicted is None else predicted[micro])
     return fit, tried
 
-  fewer = [(k, None, k, None) for k in (2, 4, 8, 16, 32)]
+  fewer = (2, 4, 8, 16, 32)
+
+  def fewest(fit, found):
+    return _micro._fewest(lambda i: fit(None, fewer[i], False, None), len(fewer), found)
   fit, tried = fits_from(8)
   found = fit(None, 64, True, None)
-  assert _micro._fewest(fit, fewer[::-1], found).micro.count == 8
+  assert fewest(fit, found).micro.count == 8
   assert tried == [64, 8, 4]  # the planned count, then a bisection of five
   # With a clock, the fastest of the fits found: here the planned count.
   fit, _ = fits_from(8, {8: 3.0, 64: 2.0})
-  assert _micro._fewest(fit, fewer, fit(None, 64, True, None)).micro.count == 64
+  assert fewest(fit, fit(None, 64, True, None)).micro.count == 64
   fit, _ = fits_from(128)  # none of the fewer fits: the planned count stays
-  assert _micro._fewest(fit, fewer, found).micro.count == 64
+  assert fewest(fit, found).micro.count == 64
 
 
 def _whole_and_chunked(whole_fits: bool, chunks, smallest: int):

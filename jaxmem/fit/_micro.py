@@ -267,27 +267,42 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
                         smallest=error.smallest) from None
     raise BudgetError(f"{error} Micro-batching cannot help either: {why}.",
                       smallest=error.smallest) from None
-  tried = []
+  tried, skipped = [], []
   if not planned:  # the largest count alone, to name the smallest, where none may fit
     counts = [k for k in counts if written is None or limit is None
               or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit] or (
                   counts[-1:] if unmet else [])
   queue = list(counts)
-  while queue:
-    k = queue.pop(0)
+
+  def at(k: int):
+    """The count ``k`` traced and measured as written."""
     traced, micro = make(k)
     measured = measure(traced)
     _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)
+    return traced, micro, measured
+
+  def within(traced, micro, measured):
+    """A quick fit of a count whose footprint as written is within
+    ``limit`` (None for any other)."""
+    if limit is None or measured.footprint is None or measured.footprint > limit:
+      return None
+    return fit(traced, micro, False, measured)
+
+  while queue:
+    k = queue.pop(0)
+    traced, micro, measured = at(k)
     if faster is not None and not faster(measured):
       _log.info("jaxmem: no faster than the plan that fits: more chunks are slower still")
       return None
-    if limit is not None and measured.footprint is not None and measured.footprint <= limit:
-      found = fit(traced, micro, False, measured)
-      if found is not None:
-        return found
+    found = within(traced, micro, measured)
+    if found is not None:
+      # Counts the plateau passed over may fit too, in fewer chunks: the
+      # footprint can fall at once where chunks grow small (XLA:GPU gives
+      # small matrix products no cuBLAS workspace).
+      return _fewest(lambda i: _quietly(within, *at(skipped[i])), len(skipped), found)
     tried.append((measured.footprint or 0, k, traced, micro, measured))
     if len(queue) > 1 and _levelled([t[0] for t in tried]):
-      queue = queue[-1:]
+      skipped, queue = queue[:-1], queue[-1:]
   smallest = min((t[0] for t in tried), default=0)
   if not planned and unmet is not None and smallest:
     raise unmet(smallest)
@@ -301,7 +316,20 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
     raise err if error is None or err.smallest < error.smallest else error
   if found is None and error is not None and find_smallest:
     raise error
-  return found and _fewest(fit, [t[1:] for t in tried if t[1] < k], found)
+  fewer = sorted((t[1:] for t in tried if t[1] < k), key=lambda t: t[0])
+
+  def planned_quickly(i: int):  # the i-th fewer count, its residuals planned
+    _, traced, micro, measured = fewer[i]
+    return _quietly(fit, traced, micro, False, measured)
+  return found and _fewest(planned_quickly, len(fewer), found)
+
+
+def _quietly(fit: Callable, *args):
+  """``fit(*args)``, or None where it raises :class:`BudgetError`."""
+  try:
+    return fit(*args)
+  except BudgetError:
+    return None
 
 
 def _levelled(footprints: list[int]) -> bool:
@@ -312,24 +340,18 @@ def _levelled(footprints: list[int]) -> bool:
   return footprints[-1] >= (1 - PLATEAU) * footprints[-2]
 
 
-def _fewest(fit: Callable, fewer: list, found):
-  """``found`` (a fit in the count of chunks of smallest footprint as
-  written, often the most), or a fit in fewer chunks where one's plan
-  meets the budget too: each chunk costs a pass of the loop (kernel
-  launches, the weights read again), so 2048 chunks of 2 examples run
-  far slower than 256 of 16. The fewest found by bisection over
-  ``fewer`` (``(k, traced, micro, measured)`` as written, fewer chunks
-  first), each a quick fit (footprints fall as chunks grow in number);
-  on a target with a clock, the fit predicted fastest among those found."""
-  fewer = sorted(fewer, key=lambda t: t[0])
-  fits, low, high = [found], 0, len(fewer)
+def _fewest(attempt: Callable, count: int, found):
+  """``found`` (a fit in some count of chunks), or a fit in fewer chunks
+  where one meets the budget too: each chunk costs a pass of the loop
+  (kernel launches, the weights read again), so 2048 chunks of 2 examples
+  run far slower than 256 of 16. ``attempt(i)`` fits the ``i``-th of
+  ``count`` fewer counts (fewest first; a Fit or None), tried by bisection
+  (footprints fall as chunks grow in number); on a target with a clock,
+  the fit predicted fastest among those found."""
+  fits, low, high = [found], 0, count
   while low < high:
     middle = (low + high) // 2
-    _, traced, micro, measured = fewer[middle]
-    try:
-      got = fit(traced, micro, False, measured)
-    except BudgetError:
-      got = None
+    got = attempt(middle)
     if got is None:
       low = middle + 1
     else:
