@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 
 import numpy as np
 
@@ -163,6 +164,64 @@ class Program:
       for inst in self.computations[name]:
         todo += [c for role, c in inst.called() if _runs_as_schedule(inst.opcode, role)]
     return seen
+
+
+class Exchange(typing.NamedTuple):
+  """One array a collective writes: the instruction it runs as (an async
+  pair's start, else itself), the array, whether it is summed over the
+  devices (:data:`REDUCTIONS`), the instructions that read it (through
+  tuple elements and bitcasts) and the one that made what it exchanges
+  (through the same; None where unknown)."""
+  start: Instruction
+  array: Array
+  reduces: bool
+  readers: tuple
+  source: Instruction | None
+
+
+_VIEWS = ("get-tuple-element", "bitcast")
+
+
+def exchanges(program: Program) -> list[Exchange]:
+  """Every array the collectives of the scheduled computations write: the
+  results of an async collective's done, which its start holds from then
+  on (the start's own shape lists its operands beside them)."""
+  found = []
+  for name in program.scheduled():
+    instructions = program.computations[name]
+    by_name = {inst.name: inst for inst in instructions}
+    users: dict[str, list] = {}
+    for inst in instructions:
+      for operand in dict.fromkeys(inst.operands()):
+        users.setdefault(operand, []).append(inst)
+
+    def readers(inst, index=None) -> list:
+      found = []
+      for user in users.get(inst.name, ()):
+        if user.opcode in _VIEWS:
+          if user.opcode == "bitcast" or index is None or user.tuple_index() == index:
+            found += readers(user)
+        else:
+          found.append(user)
+      return found
+
+    def made(inst):
+      while inst is not None and inst.opcode in _VIEWS and inst.operands():
+        inst = by_name.get(inst.operands()[0])
+      return inst
+
+    for inst in instructions:
+      if inst.opcode not in EXCHANGES or inst.opcode.endswith("-start"):
+        continue
+      start = (by_name.get(next(iter(inst.operands()), ""), inst)
+               if inst.opcode in COLLECTIVE_DONES else inst)
+      arrays = inst.arrays()
+      sources = [made(by_name.get(o)) for o in start.operands()]
+      for i, array in enumerate(arrays):
+        found.append(Exchange(start, array, inst.opcode in REDUCTIONS,
+                              tuple(readers(inst, None if len(arrays) == 1 else i)),
+                              sources[i] if len(sources) == len(arrays) else None))
+  return found
 
 
 def _runs_as_schedule(opcode: str, role: str) -> bool:

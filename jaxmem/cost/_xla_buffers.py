@@ -173,60 +173,18 @@ class Exchanged(NamedTuple):
 
 
 def _exchanged(program: hlo.Program) -> list[Exchanged]:
-  """Every buffer the collectives of the scheduled computations write (the
-  results of an async one's done, which its start holds from then on)."""
+  """Every buffer the collectives of the scheduled computations write
+  (``hlo.exchanges``), by the tags of the nodes they run for and are read
+  by."""
   found = []
-  for name in program.scheduled():
-    instructions = program.computations[name]
-    by_name = {inst.name: inst for inst in instructions}
-    users: dict[str, list] = {}
-    for inst in instructions:
-      for operand in dict.fromkeys(inst.operands()):
-        users.setdefault(operand, []).append(inst)
-
-    def last(inst, index=None) -> int | None:
-      """The latest tag of what reads ``inst`` (its element ``index``),
-      through tuple elements and bitcasts."""
-      tags = []
-      for user in users.get(inst.name, ()):
-        if user.opcode == "get-tuple-element":
-          if index is None or user.tuple_index() == index:
-            tags.append(last(user))
-        elif user.opcode == "bitcast":
-          tags.append(last(user))
-        else:
-          tags.append(tag_of(user))
-      return max((t for t in tags if t is not None), default=None)
-
-    for inst in instructions:
-      if inst.opcode not in hlo.EXCHANGES or inst.opcode.endswith("-start"):
-        continue
-      start = (by_name.get(next(iter(inst.operands()), ""))
-               if inst.opcode in hlo.COLLECTIVE_DONES else inst)
-      tag = tag_of(start) if start is not None else None
-      tag = tag_of(inst) if tag is None else tag
-      if tag is None:
-        continue
-      arrays = inst.arrays()
-      alone = len(arrays) == 1
-      sources = [by_name.get(o) for o in (start or inst).operands()]
-      for i, array in enumerate(arrays):
-        read = last(inst, None if alone else i)
-        source = sources[i] if len(sources) == len(arrays) else None
-        found.append(Exchanged(tag, array, inst.opcode in hlo.REDUCTIONS,
-                               tag if read is None else max(read, tag),
-                               None if source is None else _made_by(source, by_name)))
+  for exchange in hlo.exchanges(program):
+    tag = tag_of(exchange.start)
+    if tag is None:
+      continue
+    read = [t for t in map(tag_of, exchange.readers) if t is not None]
+    found.append(Exchanged(tag, exchange.array, exchange.reduces, max([tag, *read]),
+                           None if exchange.source is None else tag_of(exchange.source)))
   return found
-
-
-def _made_by(inst: hlo.Instruction, by_name: dict) -> int | None:
-  """The tag of what made ``inst``'s value, through tuple elements and
-  bitcasts."""
-  while inst.opcode in ("get-tuple-element", "bitcast") and inst.operands():
-    if inst.operands()[0] not in by_name:
-      break
-    inst = by_name[inst.operands()[0]]
-  return tag_of(inst)
 
 
 def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:

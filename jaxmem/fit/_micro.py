@@ -241,7 +241,8 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   Each of ``counts`` (by default those :func:`sizes_to_try` gives) is
   measured as written (``measure(traced)``: its ``footprint``), until one
   gains less than :data:`PLATEAU` over the count before it (then the most
-  chunks are measured, and no count between); the fewest
+  chunks are measured, and where those fit, the counts between by
+  bisection); the fewest
   whose footprint is within ``limit`` bytes are fitted (``fit(traced, micro,
   find_smallest, measured) -> Fit or None``), a quick answer. Where none
   is, the count with the smallest footprint as written is planned, searched
@@ -267,42 +268,13 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
                         smallest=error.smallest) from None
     raise BudgetError(f"{error} Micro-batching cannot help either: {why}.",
                       smallest=error.smallest) from None
-  tried, skipped = [], []
   if not planned:  # the largest count alone, to name the smallest, where none may fit
     counts = [k for k in counts if written is None or limit is None
               or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit] or (
                   counts[-1:] if unmet else [])
-  queue = list(counts)
-
-  def at(k: int):
-    """The count ``k`` traced and measured as written."""
-    traced, micro = make(k)
-    measured = measure(traced)
-    _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)
-    return traced, micro, measured
-
-  def within(traced, micro, measured):
-    """A quick fit of a count whose footprint as written is within
-    ``limit`` (None for any other)."""
-    if limit is None or measured.footprint is None or measured.footprint > limit:
-      return None
-    return fit(traced, micro, False, measured)
-
-  while queue:
-    k = queue.pop(0)
-    traced, micro, measured = at(k)
-    if faster is not None and not faster(measured):
-      _log.info("jaxmem: no faster than the plan that fits: more chunks are slower still")
-      return None
-    found = within(traced, micro, measured)
-    if found is not None:
-      # Counts the plateau passed over may fit too, in fewer chunks: the
-      # footprint can fall at once where chunks grow small (XLA:GPU gives
-      # small matrix products no cuBLAS workspace).
-      return _fewest(lambda i: _quietly(within, *at(skipped[i])), len(skipped), found)
-    tried.append((measured.footprint or 0, k, traced, micro, measured))
-    if len(queue) > 1 and _levelled([t[0] for t in tried]):
-      skipped, queue = queue[:-1], queue[-1:]
+  found, tried = _as_written(counts, make, measure, fit, limit, faster)
+  if found is not None or tried is None:
+    return found
   smallest = min((t[0] for t in tried), default=0)
   if not planned and unmet is not None and smallest:
     raise unmet(smallest)
@@ -330,6 +302,43 @@ def _quietly(fit: Callable, *args):
     return fit(*args)
   except BudgetError:
     return None
+
+
+def _as_written(counts, make: Callable, measure: Callable, fit: Callable,
+                limit: int | None, faster: Callable | None):
+  """``(fit, [])`` of the fewest of ``counts`` whose footprint as written is
+  within ``limit`` (see :func:`fit_micro_batches`), or ``(None, tried)``:
+  each count measured, ``(footprint, k, traced, micro, measured)``; or
+  ``(None, None)`` where ``faster`` says a count is no faster."""
+  tried, skipped, queue = [], [], list(counts)
+
+  def at(k: int):
+    traced, micro = make(k)
+    measured = measure(traced)
+    _log.info("jaxmem: %s, as written: %s", micro.describe(), measured.footprint)
+    return traced, micro, measured
+
+  def within(traced, micro, measured):
+    if limit is None or measured.footprint is None or measured.footprint > limit:
+      return None
+    return fit(traced, micro, False, measured)
+
+  while queue:
+    k = queue.pop(0)
+    traced, micro, measured = at(k)
+    if faster is not None and not faster(measured):
+      _log.info("jaxmem: no faster than the plan that fits: more chunks are slower still")
+      return None, None
+    found = within(traced, micro, measured)
+    if found is not None:
+      # Counts the plateau passed over may fit too, in fewer chunks: the
+      # footprint can fall at once where chunks grow small (XLA:GPU gives
+      # small matrix products no cuBLAS workspace).
+      return _fewest(lambda i: _quietly(within, *at(skipped[i])), len(skipped), found), []
+    tried.append((measured.footprint or 0, k, traced, micro, measured))
+    if len(queue) > 1 and _levelled([t[0] for t in tried]):
+      skipped, queue = queue[:-1], queue[-1:]
+  return None, tried
 
 
 def _levelled(footprints: list[int]) -> bool:
