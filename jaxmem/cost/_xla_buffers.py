@@ -463,10 +463,9 @@ class LearnedFusion(Fusion):
     that runs its first node, or the last that makes what it exchanges
     where that comes later (a plan that rebuilds a gathered activation in
     the backward pass, or copies it back from the host, gathers it there),
-    to the last op that runs its last
-    node; none where a plan moves the one after the other. XLA:GPU expands
-    a max-pool's gradient without iotas, all of it while the gradient runs
-    (:meth:`scratch`)."""
+    to the last op that runs its last node; none where a plan moves the
+    one after the other. XLA:GPU expands a max-pool's gradient without
+    iotas, all of it while the gradient runs (:meth:`scratch`)."""
     if not self.buffers.spans:
       return []
     first, last, made = {}, {}, {}

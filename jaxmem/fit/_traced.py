@@ -174,8 +174,7 @@ def _per_device(graph: Graph, target: Target, args: tuple) -> Graph:
   planned = per_device(graph, known)
   if target.platform == "cpu":
     return planned
-  return timed(with_buffers(planned, read(planned, compiled, elements(graph, known))),
-               compiled, target.profile)
+  return _learned_from(planned, compiled, target.profile, elements(graph, known))
 
 
 @analysis
@@ -185,9 +184,16 @@ def _learned(graph: Graph, target: Target, mesh) -> Graph:
 
 @analysis
 def _read(graph: Graph, tagged, profile) -> Graph:
+  """:func:`_learned_from`, once per graph, program and profile."""
+  return _learned_from(graph, tagged, profile)
+
+
+def _learned_from(graph: Graph, tagged, profile, elements=None) -> Graph:
   """``graph`` with the buffers its tagged compilation ``tagged`` gives it
-  (and the time model's scale to its clock on ``profile``, where given)."""
-  return timed(with_buffers(graph, read(graph, tagged)), tagged, profile)
+  (and the time model's scale to its clock on ``profile``, where given);
+  ``elements``: where ``tagged`` is one device's program of a partitioned
+  step, each value's elements on that device."""
+  return timed(with_buffers(graph, read(graph, tagged, elements)), tagged, profile)
 
 
 def target_clock(target: Target) -> Callable | None:
