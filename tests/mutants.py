@@ -443,6 +443,22 @@ MUTANTS = [
            "          and (inst.opcode not in hlo.EXCHANGES or inst.opcode in hlo.REDUCTIONS)):",
            "          and True):",
            ("tests/test_xla_buffers.py::test_a_partitioned_programs_collectives_hold_their_buffers",)),
+    Mutant("rebuilt-slices-summed",
+           "a rebuilding loop's body holds the sum of the slices it rebuilds beside its "
+           "own scratch, not what running its iteration holds",
+           "jaxmem/cost/_memory.py",
+           "      (_rebuilding_scratch(graph, it.backward, it.forward, it.rebuilt) if it.rebuilt",
+           "      (loop_scratch(graph, it.backward) + sum(graph.values[graph.nodes[it.backward]"
+           ".ins[i]].nbytes // graph.nodes[it.backward].params['length'] for i, _ in it.rebuilt)"
+           " if it.rebuilt",
+           ("tests/test_loop_segments.py::test_a_rebuilding_loops_body_is_sized_as_xla_gpu_runs_it",)),
+    Mutant("segments-pieces-held-throughout",
+           "a segmented backward loop holds the pieces its earlier segments read through "
+           "its later segments",
+           "jaxmem/cost/_memory.py",
+           "      + it.fetched - sum(nbytes(k) for k in it.done if k in last_read)",
+           "      + it.fetched",
+           ("tests/test_loop_segments.py::test_a_rebuilding_loops_body_is_sized_as_xla_gpu_runs_it",)),
 ]
 
 

@@ -32,6 +32,7 @@ from jax.extend import core as jex
 from jaxmem._decisions import Plan
 from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis, build_graph
+from jaxmem.schedule._scan_remat import rebuilding_iteration
 from jaxmem.schedule._schedule import Schedule, build_schedule
 from jaxmem.cost._xla_buffers import LearnedFusion
 from jaxmem.graph._xla_cpu_fusion import Fusion
@@ -229,7 +230,8 @@ def _prepare(schedule: Schedule) -> _Prepared:
       {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys
        if k not in host},
       nbytes)
-  loops = {pos: loop_scratch(graph, op.node) for pos, op in enumerate(ops)
+  loops = {pos: _held_inside(graph, op, set(free_at.get(pos, ())) - host, nbytes)
+           for pos, op in enumerate(ops)
            if op.kind == "node" and graph.nodes[op.node].prim.name == "scan"}
   return _Prepared(arguments, reads, root, fused_reads, fused, fusion, owned_by, free_at,
                    host, in_outputs, arguments + out_bytes,
@@ -283,12 +285,36 @@ def loop_scratch(graph: Graph, index: int) -> int:
   while the loop runs: its own temporaries at their peak, which XLA
   allocates once for every iteration (the chunks of a step run in
   micro-batches, a layer of a scanned stack)."""
-  body = build_graph(graph.nodes[index].params["jaxpr"])
+  return _body_scratch(build_graph(graph.nodes[index].params["jaxpr"]))
+
+
+@analysis
+def _rebuilding_scratch(graph: Graph, backward: int, forward: int, rebuilt: tuple) -> int:
+  """:func:`loop_scratch` of backward scan ``backward`` whose body first
+  rebuilds the slices at ``rebuilt`` with forward scan ``forward``'s body."""
+  return _body_scratch(build_graph(rebuilding_iteration(graph, backward, forward, rebuilt)))
+
+
+def _body_scratch(body: Graph) -> int:
   liveness = simulate(build_schedule(body, Plan()))
   results = sum(body.values[v].nbytes for v in body.output_ids)
   return max(0, liveness.peak - liveness.arguments - results)
 
 
+def _held_inside(graph: Graph, op, last_read: set, nbytes) -> int:
+  """What the loop an op runs holds while it runs: its body's scratch
+  (:func:`loop_scratch`), or, for a backward scan a plan rewrote, the
+  largest of its segments' bodies (rebuilding or fetching slices, with the
+  slices a nested loop rebuilds beside) less the inputs that the segments
+  run before it read last (in ``last_read``)."""
+  inside = op.params[1] if len(op.params) > 1 else None
+  if inside is None:
+    return loop_scratch(graph, op.node)
+  return inside.beside + max(
+      (_rebuilding_scratch(graph, it.backward, it.forward, it.rebuilt) if it.rebuilt
+       else loop_scratch(graph, it.backward))
+      + it.fetched - sum(nbytes(k) for k in it.done if k in last_read)
+      for it in inside.iterations)
 
 
 def _buffer_roots(ops, names) -> dict:

@@ -16,9 +16,10 @@ rewrites the schedule's scans instead (the re-emitted scans are
   (:func:`~jaxmem.schedule._scan_remat.hostable`): its key is in
   ``Schedule.hosted`` and the memory model counts it on the host.
 
-Each backward scan rewritten gets a scratch output no op reads: the slices
-it holds on the device while it runs (rebuilt, a group's; fetched, one
-iteration's), so the memory model counts them there.
+Each backward scan rewritten says what it holds while it runs
+(:class:`~jaxmem.schedule._scan_remat.Inside`: the body it runs per
+iteration, with the slices it rebuilds or fetches), so the memory model
+sizes its body there.
 
 Example:
   >>> import jax, jax.numpy as jnp
@@ -38,10 +39,11 @@ import dataclasses
 
 from jaxmem._decisions import Plan
 from jaxmem.graph._graph import Graph, Node
-from jaxmem.schedule._loop_segments import (added_flops, scratch_bytes, segmented_backward,
-                                   segmented_forward, segments_of)
+from jaxmem.schedule._loop_segments import (added_flops, segmented_backward,
+                                            segmented_forward, segments_of)
 from jaxmem.graph._loops import loops
-from jaxmem.schedule._scan_remat import (backward_nested, backward_rebuilding, carry_outputs,
+from jaxmem.schedule._scan_remat import (Inside, Iteration, backward_nested,
+                                         backward_rebuilding, carry_outputs,
                                 fetching, forward_nested, forward_without, group_size,
                                 hostable, nestable, rebuildable, scan_shape,
                                 unstacked_carries)
@@ -152,8 +154,7 @@ def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedul
       stacks = {_of(k) for k in op.ins if _of(k) in seg.kinds}
       new = segmented_backward(graph, node, op, forward_ops[seg.forward], seg)
       flops += added_flops(graph, seg, stacks)
-      ops.append(_with_scratch(new, op, []))
-      sizes[ops[-1].outs[-1]] = scratch_bytes(graph, node, seg, stacks)
+      ops.append(new)
       continue
     if op.node in changed_at:
       node = graph.nodes[op.node]
@@ -181,8 +182,8 @@ def apply_in_loops(schedule: Schedule, in_loops: InLoops, plan: Plan) -> Schedul
       flops += graph.nodes[forward].flops
     else:
       new = Op("node", op.node, op.ins, op.outs, (fetching(node),))
-    ops.append(_with_scratch(new, op, gone))
-    sizes[ops[-1].outs[-1]] = _scratch_bytes(graph, new, op, gone, hosted, group)
+    ops.append(dataclasses.replace(
+        new, params=new.params + (_inside(graph, new, op, gone, where, hosted, group),)))
   return dataclasses.replace(schedule, plan=plan, ops=ops, recompute_flops=flops, sizes=sizes,
                              hosted=frozenset({(v, 0) for v in hosted} | host_keys))
 
@@ -192,28 +193,27 @@ def _of(key) -> int | None:
   return key[0] if isinstance(key, tuple) else None
 
 
-def _with_scratch(new: Op, op: Op, gone: list) -> Op:
-  """``new`` with its scratch output: the slices it holds on the device
-  while it runs, keyed by its last output (or its first input)."""
-  scratch = (new.outs[-1][0] if new.outs else op.ins[(gone or [0])[0]][0], _SCRATCH)
-  return dataclasses.replace(new, outs=new.outs + (scratch,))
-
-
-def _scratch_bytes(graph: Graph, new: Op, op: Op, gone: list, hosted, group) -> int:
-  """Bytes of the slices a rewritten backward scan holds while it runs:
-  rebuilt ones (a group's, nested) and fetched ones (one iteration's)."""
+def _inside(graph: Graph, new: Op, op: Op, gone: list, where: dict, hosted,
+            group: int | None) -> Inside:
+  """What a rewritten backward scan holds while it runs: its body with
+  the slices it rebuilds (a nested loop: a group's of them beside) and
+  those it copies back from host memory (one iteration's)."""
   length = graph.nodes[op.node].params["length"]
-  rebuilt = {op.ins[i][0] for i in gone}
-  fetched = {_of(k) for k in new.ins if _of(k) in hosted}
-  return ((group or 1) * sum(graph.values[v].nbytes // length for v in rebuilt)
-          + sum(graph.values[v].nbytes // length for v in fetched))
+  fetched = sum(graph.values[v].nbytes // length
+                for v in {_of(k) for k in new.ins if _of(k) in hosted})
+  if group is not None:
+    return Inside((Iteration(op.node, fetched=fetched),),
+                  group * sum(graph.values[op.ins[i][0]].nbytes // length for i in gone))
+  if not gone:
+    return Inside((Iteration(op.node, fetched=fetched),))
+  rebuilt = tuple(sorted((i, where[op.ins[i][0]][1]) for i in gone))
+  return Inside((Iteration(op.node, where[op.ins[gone[0]][0]][0], rebuilt, fetched),))
 
 
 # Copy indices of the keys the rewrite adds. A re-emitted forward scan's are
 # keyed by the scan's final carry (a value of the graph: the key names its
-# carry); a backward scan's scratch by its last output.
+# carry).
 _START = -1  # a nested loop's group-start carries
-_SCRATCH = -2  # the slices held on the device inside a backward loop
 _STACK = -3  # a carry-in the forward scan did not stack, stacked to rebuild from
 # A loop run in segments adds versions -100 - k and -200 - k for segment k
 # (``_loop_segments``): apart from these, and keyed by the stacks' own ids.

@@ -30,9 +30,9 @@ import jax.numpy as jnp
 from jaxmem._decisions import Plan
 from jaxmem.graph._graph import Graph, Node
 from jaxmem.graph._loops import loops
-from jaxmem.schedule._scan_remat import (backward_rebuilding, carry_outputs, fetching,
-                                forward_without, hostable, rebuildable, scan_shape,
-                                unstacked_carries)
+from jaxmem.schedule._scan_remat import (Inside, Iteration, backward_rebuilding,
+                                         carry_outputs, fetching, forward_without, hostable,
+                                         rebuildable, scan_shape, unstacked_carries)
 from jaxmem.schedule._schedule import Op
 
 KINDS = ("keep", "recompute", "offload")
@@ -277,15 +277,30 @@ def segmented_backward(graph: Graph, node: Node, op: Op, forward_op: Op,
 
   ins = (tuple(op.ins[i] for i in own) + tuple(seg.piece(stack_at[i], k) for i, k in pieces)
          + tuple(forward_op.ins[i] for i in f_in) + tuple(carry_keys.values()))
-  return Op("node", op.node, ins, op.outs, (call,))
+  return Op("node", op.node, ins, op.outs, (call, _inside(graph, op, seg, stack_at, carry_keys)))
 
 
-def scratch_bytes(graph: Graph, node: Node, seg: Segmented, stacks: set) -> int:
-  """Slices a segmented backward op that reads ``stacks`` holds on the
-  device per iteration: those of the stacks it does not read kept."""
-  length = scan_shape(node)[2]
-  return sum(graph.values[v].nbytes // length for v in stacks
-             if any(k != "keep" for k in seg.kinds[v]))
+def _inside(graph: Graph, op: Op, seg: Segmented, stack_at: dict, carry_keys: dict) -> Inside:
+  """What the segmented backward op holds while it runs, segment by
+  segment in the order they run (last first): each one's body, rebuilding
+  or fetching its slices, after the segments before it have read their
+  pieces for the last time."""
+  length = scan_shape(graph.nodes[op.node])[2]
+  read = {k: [seg.piece(v, k) for v in stack_at.values() if seg.has_piece(v, k)]
+          + [key for (_, j), key in carry_keys.items() if j == k and key[1] != 0]
+          for k in range(len(seg.bounds))}
+  iterations = []
+  for k in reversed(range(len(seg.bounds))):
+    kinds = {i: seg.kinds[v][k] for i, v in stack_at.items()}
+    rebuilt = tuple(sorted((i, seg.outputs[stack_at[i]]) for i, kind in kinds.items()
+                           if kind == "recompute"))
+    fetched = sum(graph.values[stack_at[i]].nbytes // length for i, kind in kinds.items()
+                  if kind == "offload")
+    done = tuple(dict.fromkeys(key for j in range(k + 1, len(seg.bounds))
+                               for key in read[j]))
+    iterations.append(Iteration(op.node, seg.forward if rebuilt else None, rebuilt, fetched,
+                                done))
+  return Inside(tuple(iterations))
 
 
 def added_flops(graph: Graph, seg: Segmented, stacks: set) -> float:

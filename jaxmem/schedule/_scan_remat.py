@@ -42,6 +42,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Sequence
 
 import jax
@@ -50,6 +51,37 @@ from jax.extend import core as jex
 from jaxmem._decisions import OFFLOAD, RECOMPUTE, Plan
 from jaxmem.graph._graph import Graph, Node, analysis
 from jaxmem.graph._loops import loops
+
+
+@dataclasses.dataclass(frozen=True)
+class Iteration:
+  """One iteration of a rewritten backward scan, for the memory model to
+  size its body by (``cost._memory.held_inside``).
+
+  Attributes:
+    backward: the backward scan's node index.
+    forward: the forward scan whose body rebuilds the ``xs`` at ``rebuilt``.
+    rebuilt: ``(input position, forward output position)`` pairs of the
+      ``xs`` made again each iteration.
+    fetched: bytes of the slices copied from host memory each iteration.
+    done: keys of the op's inputs that only the segments run before this
+      one read (gone while it runs where the op reads them last).
+  """
+  backward: int
+  forward: int | None = None
+  rebuilt: tuple = ()
+  fetched: int = 0
+  done: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Inside:
+  """What a rewritten backward scan's op holds while it runs beyond its
+  inputs and outputs: the largest body of its ``iterations`` (one per
+  segment it runs, :class:`Iteration`), with ``beside`` bytes (a nested
+  loop's group of rebuilt slices). The op's params are ``(run, inside)``."""
+  iterations: tuple
+  beside: int = 0
 
 
 def scan_shape(node: Node) -> tuple[int, int, int]:
@@ -215,16 +247,13 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int],
   consts, carries, length = scan_shape(node)
   scan = scan or _whole(length)
   f_consts, f_carries, _ = scan_shape(forward)
-  body = jex.jaxpr_as_fun(node.params["jaxpr"])
-  f_body = jex.jaxpr_as_fun(forward.params["jaxpr"])
-  xs_positions = [i for i in range(consts + carries, len(node.ins)) if i not in rebuilt]
+  iteration = _Rebuilding(node, forward, rebuilt)
 
   def run(ins: Sequence, forward_ins: Sequence, f_carry_stacks: Sequence):
     b_consts, b_carry = ins[:consts], ins[consts:consts + carries]
     f_const_in = forward_ins[:f_consts]
-    f_xs = list(forward_ins[f_consts + f_carries:])
-    n_xs, n_fxs = len(xs_positions), len(f_xs)
-    xs = [ins[i] for i in xs_positions] + f_xs + list(f_carry_stacks)
+    xs = ([ins[i] for i in iteration.xs_positions] + list(forward_ins[f_consts + f_carries:])
+          + list(f_carry_stacks))
     # A stack read twice (a layer input the backward body reads, which the
     # rebuild starts from too) is scanned, and copied back, once.
     unique = [x for i, x in enumerate(xs) if not any(x is y for y in xs[:i])]
@@ -232,18 +261,78 @@ def backward_rebuilding(node: Node, forward: Node, rebuilt: dict[int, int],
 
     def step(carry, x):
       fetched = _on_device(x)
-      x = [fetched[j] for j in where]
-      own, fx, fcarry = x[:n_xs], x[n_xs:n_xs + n_fxs], x[n_xs + n_fxs:]
-      f_outs = f_body(*f_const_in, *fcarry, *fx)
-      full = dict(zip(xs_positions, own))
-      full.update({i: f_outs[o] for i, o in rebuilt.items()})
-      outs = body(*b_consts, *carry, *(full[i] for i in range(consts + carries, len(ins))))
-      return list(outs[:carries]), list(outs[carries:])
+      return iteration(b_consts, f_const_in, carry, [fetched[j] for j in where])
 
     carry, ys = scan(step, list(b_carry), unique, node.params["reverse"])
     return list(carry) + list(ys)
 
   return run
+
+
+class _Rebuilding:
+  """One iteration of the backward scan ``node`` whose ``xs`` at the
+  positions of ``rebuilt`` (input position -> forward output position) the
+  forward body makes again first: ``self(b_consts, f_consts, carry, x) ->
+  (carry, ys)``, ``x`` the iteration's own ``xs`` slices (at
+  ``xs_positions``), then the forward body's ``xs`` slices, then its
+  carry-ins."""
+
+  def __init__(self, node: Node, forward: Node, rebuilt: dict[int, int]):
+    consts, self.carries, _ = scan_shape(node)
+    _, f_carries, _ = scan_shape(forward)
+    self.body = jex.jaxpr_as_fun(node.params["jaxpr"])
+    self.f_body = jex.jaxpr_as_fun(forward.params["jaxpr"])
+    self.rebuilt, self.n_ins = rebuilt, len(node.ins)
+    self.first_xs = consts + self.carries
+    self.xs_positions = [i for i in range(self.first_xs, len(node.ins)) if i not in rebuilt]
+    self.n_fxs = len(forward.ins) - scan_shape(forward)[0] - f_carries
+
+  def __call__(self, b_consts, f_const_in, carry, x):
+    n_xs = len(self.xs_positions)
+    own, fx, fcarry = x[:n_xs], x[n_xs:n_xs + self.n_fxs], x[n_xs + self.n_fxs:]
+    f_outs = self.f_body(*f_const_in, *fcarry, *fx)
+    full = dict(zip(self.xs_positions, own))
+    full.update({i: f_outs[o] for i, o in self.rebuilt.items()})
+    outs = self.body(*b_consts, *carry, *(full[i] for i in range(self.first_xs, self.n_ins)))
+    return list(outs[:self.carries]), list(outs[self.carries:])
+
+
+
+@analysis
+def rebuilding_iteration(graph: Graph, backward: int, forward: int,
+                         rebuilt: tuple[tuple[int, int], ...]) -> jex.ClosedJaxpr:
+  """One iteration of backward scan ``backward`` with the ``xs`` at
+  ``rebuilt``'s ``(input position, forward output position)`` pairs made
+  again by forward scan ``forward``'s body, as a jaxpr over the iteration's
+  constants, carries and slices: what the memory model sizes the body of a
+  rebuilding loop by (``cost._memory``)."""
+  node, f_node = graph.nodes[backward], graph.nodes[forward]
+  iteration = _Rebuilding(node, f_node, dict(rebuilt))
+  consts, carries, _ = scan_shape(node)
+  f_consts, f_carries, _ = scan_shape(f_node)
+
+  def aval(a, sliced: bool = False):
+    if not isinstance(a, int):
+      return a.val  # a literal stays a constant of the iteration
+    shaped = graph.values[a].aval
+    return jax.ShapeDtypeStruct(shaped.shape[1:] if sliced else shaped.shape, shaped.dtype)
+
+  args = ([aval(a) for a in node.ins[:consts]], [aval(a) for a in f_node.ins[:f_consts]],
+          [aval(a) for a in node.ins[consts:consts + carries]],
+          [aval(node.ins[i], True) for i in iteration.xs_positions]
+          + [aval(a, True) for a in f_node.ins[f_consts + f_carries:]]
+          + [aval(a) for a in f_node.ins[f_consts:f_consts + f_carries]])
+  traced = [jax.tree_util.tree_map(lambda a: isinstance(a, jax.ShapeDtypeStruct), group)
+            for group in args]
+  leaves = [[a for a, t in zip(group, mask) if t] for group, mask in zip(args, traced)]
+
+  def one(*groups):
+    filled = [iter(g) for g in groups]
+    full = [[next(it) if t else a for a, t in zip(group, mask)]
+            for group, mask, it in zip(args, traced, filled)]
+    return iteration(*full)
+
+  return jax.make_jaxpr(one)(*leaves)
 
 
 def fetching(node: Node, scan: Callable | None = None) -> Callable:
