@@ -447,7 +447,7 @@ MUTANTS = [
            "a rebuilding loop's body holds the sum of the slices it rebuilds beside its "
            "own scratch, not what running its iteration holds",
            "jaxmem/cost/_memory.py",
-           "      (_rebuilding_scratch(graph, it.backward, it.forward, it.rebuilt) if it.rebuilt",
+           "      (_rebuilding_scratch(graph, it.backward, it.forward, it.rebuilt, it.once) if it.rebuilt",
            "      (loop_scratch(graph, it.backward) + sum(graph.values[graph.nodes[it.backward]"
            ".ins[i]].nbytes // graph.nodes[it.backward].params['length'] for i, _ in it.rebuilt)"
            " if it.rebuilt",
@@ -458,6 +458,12 @@ MUTANTS = [
            "jaxmem/cost/_memory.py",
            "      + it.fetched - sum(nbytes(k) for k in it.done if k in last_read)",
            "      + it.fetched",
+           ("tests/test_loop_segments.py::test_a_rebuilding_loops_body_is_sized_as_xla_gpu_runs_it",)),
+    Mutant("one-layer-segments-hold-their-slices",
+           "a segment of one layer, which XLA inlines, holds its pieces through its loop",
+           "jaxmem/schedule/_loop_segments.py",
+           "if kind == \"keep\") if b - a == 1 else ()",
+           "if kind == \"keep\") if b - a == 0 else ()",
            ("tests/test_loop_segments.py::test_a_rebuilding_loops_body_is_sized_as_xla_gpu_runs_it",)),
 ]
 

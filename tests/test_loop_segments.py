@@ -147,8 +147,9 @@ def test_a_rebuilding_loops_body_is_sized_as_xla_gpu_runs_it():
   within 8% of XLA:GPU's footprint of the emitted step with the last half
   of the layers rebuilt (that segment runs first) and with every layer
   rebuilt. With only the last layer kept, XLA:GPU inlines that one-layer
-  segment's loops and frees its pieces as their readers run, where the
-  model holds them through the loop: over XLA, by less than 30%."""
+  segment's loops: the model frees its pieces as their readers run, as
+  XLA does, but holds them all from the forward pass, where XLA fuses
+  some into the backward pass's kernels: over XLA, by less than 22%."""
   import jaxmem_models as models
   from jaxmem.cost._memory import _rebuilding_scratch
   from jaxmem.cost._xla_buffers import learn, with_buffers
@@ -162,7 +163,7 @@ def test_a_rebuilding_loops_body_is_sized_as_xla_gpu_runs_it():
   stacked, rebuilt = stacked_residuals(graph), rebuildable(graph)
   plans = {"last half rebuilt": (Chunked(0, ((0, 2), (2, 4)), (KEEP, RECOMPUTE)), 0.92, 1.08),
            "all rebuilt": (RECOMPUTE, 0.92, 1.08),
-           "last layer kept": (Chunked(0, ((0, 3), (3, 4)), (RECOMPUTE, KEEP)), 0.92, 1.3)}
+           "last layer kept": (Chunked(0, ((0, 3), (3, 4)), (RECOMPUTE, KEEP)), 0.92, 1.22)}
   for name, (decision, low, high) in plans.items():
     schedule, memory = evaluate(graph, Plan.of({v: decision for v in rebuilt}))
     xla = xla_footprint(jax.jit(emit(schedule), compiler_options=where.options(measuring=True))

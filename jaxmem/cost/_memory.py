@@ -289,16 +289,40 @@ def loop_scratch(graph: Graph, index: int) -> int:
 
 
 @analysis
-def _rebuilding_scratch(graph: Graph, backward: int, forward: int, rebuilt: tuple) -> int:
+def _rebuilding_scratch(graph: Graph, backward: int, forward: int, rebuilt: tuple,
+                        once: tuple = ()) -> int:
   """:func:`loop_scratch` of backward scan ``backward`` whose body first
-  rebuilds the slices at ``rebuilt`` with forward scan ``forward``'s body."""
-  return _body_scratch(build_graph(rebuilding_iteration(graph, backward, forward, rebuilt)))
+  rebuilds the slices at ``rebuilt`` with forward scan ``forward``'s body;
+  with ``once`` (input positions of ``backward``), of one iteration inlined
+  (:func:`_body_scratch`'s ``freed``)."""
+  jaxpr, at = rebuilding_iteration(graph, backward, forward, rebuilt)
+  return _body_scratch(build_graph(jaxpr), tuple(at[p] for p in once))
 
 
-def _body_scratch(body: Graph) -> int:
-  liveness = simulate(build_schedule(body, Plan()))
+@analysis
+def _inlined_scratch(graph: Graph, index: int, once: tuple) -> int:
+  """:func:`loop_scratch` of scan ``index`` run for one iteration, inlined:
+  its ``xs`` at input positions ``once`` go after their last reader."""
+  return _body_scratch(build_graph(graph.nodes[index].params["jaxpr"]), once)
+
+
+def _body_scratch(body: Graph, freed: tuple = ()) -> int:
+  """What ``body`` holds beyond its inputs and results at its peak. With
+  ``freed`` (indices among its inputs), those inputs' bytes go after their
+  last reader, so the figure can be negative: the body inlined holds less
+  than the slices it was given."""
+  schedule = build_schedule(body, Plan())
+  liveness = simulate(schedule)
   results = sum(body.values[v].nbytes for v in body.output_ids)
-  return max(0, liveness.peak - liveness.arguments - results)
+  if not freed:
+    return max(0, liveness.peak - liveness.arguments - results)
+  last = {}
+  for i in freed:
+    key = (body.inputs[i], 0)
+    last[key] = max(liveness.reads.get(key, [-1]))
+  peak = max(level - sum(schedule.nbytes(k) for k, at in last.items() if at < pos)
+             for pos, level in enumerate(liveness.timeline))
+  return peak - liveness.arguments - results
 
 
 def _held_inside(graph: Graph, op, last_read: set, nbytes) -> int:
@@ -311,7 +335,8 @@ def _held_inside(graph: Graph, op, last_read: set, nbytes) -> int:
   if inside is None:
     return loop_scratch(graph, op.node)
   return inside.beside + max(
-      (_rebuilding_scratch(graph, it.backward, it.forward, it.rebuilt) if it.rebuilt
+      (_rebuilding_scratch(graph, it.backward, it.forward, it.rebuilt, it.once) if it.rebuilt
+       else _inlined_scratch(graph, it.backward, it.once) if it.once
        else loop_scratch(graph, it.backward))
       + it.fetched - sum(nbytes(k) for k in it.done if k in last_read)
       for it in inside.iterations)
@@ -401,7 +426,7 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       if classify:
         held[classify(key)] += nbytes(key) + besides[key]
     scratch = fusion.scratch(pos) + (loops or {}).get(pos, 0)
-    if spans is not None and scratch:
+    if spans is not None and scratch > 0:
       spans.append((pos, pos, scratch))
     walk.timeline.append(live + scratch)
     walk.host_timeline.append(on_host)

@@ -284,7 +284,8 @@ def _inside(graph: Graph, op: Op, seg: Segmented, stack_at: dict, carry_keys: di
   """What the segmented backward op holds while it runs, segment by
   segment in the order they run (last first): each one's body, rebuilding
   or fetching its slices, after the segments before it have read their
-  pieces for the last time."""
+  pieces for the last time (a segment of one layer reads its own as XLA
+  runs it, inlined)."""
   length = scan_shape(graph.nodes[op.node])[2]
   read = {k: [seg.piece(v, k) for v in stack_at.values() if seg.has_piece(v, k)]
           + [key for (_, j), key in carry_keys.items() if j == k and key[1] != 0]
@@ -298,8 +299,10 @@ def _inside(graph: Graph, op: Op, seg: Segmented, stack_at: dict, carry_keys: di
                   if kind == "offload")
     done = tuple(dict.fromkeys(key for j in range(k + 1, len(seg.bounds))
                                for key in read[j]))
+    a, b = seg.bounds[k]
+    once = tuple(i for i, kind in kinds.items() if kind == "keep") if b - a == 1 else ()
     iterations.append(Iteration(op.node, seg.forward if rebuilt else None, rebuilt, fetched,
-                                done))
+                                done, once))
   return Inside(tuple(iterations))
 
 

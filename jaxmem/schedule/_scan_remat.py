@@ -66,12 +66,16 @@ class Iteration:
     fetched: bytes of the slices copied from host memory each iteration.
     done: keys of the op's inputs that only the segments run before this
       one read (gone while it runs where the op reads them last).
+    once: input positions of the ``xs`` read from the segment's own kept
+      pieces where it runs one iteration: XLA inlines a loop of one
+      iteration, so each such slice goes once its last reader has run.
   """
   backward: int
   forward: int | None = None
   rebuilt: tuple = ()
   fetched: int = 0
   done: tuple = ()
+  once: tuple = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,12 +304,13 @@ class _Rebuilding:
 
 @analysis
 def rebuilding_iteration(graph: Graph, backward: int, forward: int,
-                         rebuilt: tuple[tuple[int, int], ...]) -> jex.ClosedJaxpr:
+                         rebuilt: tuple[tuple[int, int], ...]) -> tuple[jex.ClosedJaxpr, dict]:
   """One iteration of backward scan ``backward`` with the ``xs`` at
   ``rebuilt``'s ``(input position, forward output position)`` pairs made
   again by forward scan ``forward``'s body, as a jaxpr over the iteration's
-  constants, carries and slices: what the memory model sizes the body of a
-  rebuilding loop by (``cost._memory``)."""
+  constants, carries and slices, and the index among its inputs of each
+  ``xs`` slice it reads, by input position of ``backward``: what the memory
+  model sizes the body of a rebuilding loop by (``cost._memory``)."""
   node, f_node = graph.nodes[backward], graph.nodes[forward]
   iteration = _Rebuilding(node, f_node, dict(rebuilt))
   consts, carries, _ = scan_shape(node)
@@ -332,7 +337,9 @@ def rebuilding_iteration(graph: Graph, backward: int, forward: int,
             for group, mask, it in zip(args, traced, filled)]
     return iteration(*full)
 
-  return jax.make_jaxpr(one)(*leaves)
+  before = sum(len(group) for group in leaves[:3])
+  return (jax.make_jaxpr(one)(*leaves),
+          {p: before + j for j, p in enumerate(iteration.xs_positions)})
 
 
 def fetching(node: Node, scan: Callable | None = None) -> Callable:
