@@ -42,7 +42,7 @@ from jaxmem._zoo import models  # noqa: E402
 
 from benchmarks._results import write  # noqa: E402
 from benchmarks._steps import compile_for, task as zoo_task  # noqa: E402
-from benchmarks.gpu import CONFIGS  # noqa: E402
+from benchmarks.gpu import configs as check_configs  # noqa: E402
 
 
 def _planned(task, budget: str, target: str) -> dict:
@@ -139,9 +139,11 @@ def main(argv=None) -> None:
                       help="budgets each GPU target fits the step at (planned rows)")
   parser.add_argument("--out", default=None, help="folder for results.md and results.json")
   opts = parser.parse_args(argv)
-  zoo = models()
-  configs = ({k: dict(v) for k, v in zoo.CPU_SIZES.items()} if opts.cpu_sizes
-             else {k: dict(v) for k, v in CONFIGS.items()})
+  # The GPU check's models (a scanned GPT-2 among them) at its sizes, or the
+  # zoo's CPU sizes (every zoo model's, with the check's scanned GPT-2).
+  configs = {k: dict(v) for k, v in check_configs(opts.cpu_sizes).items()}
+  if opts.cpu_sizes:
+    configs.update({k: dict(v) for k, v in models().CPU_SIZES.items()})
   names = opts.models or sorted(configs)
   rows = [measure(name, configs[name], opts.targets, opts.budgets) for name in names]
   table = render(rows, opts.targets)

@@ -63,7 +63,7 @@ class Op:
     params: ``(axis, bounds)`` of a split, ``(axis,)`` of a merge; for a
       node, ``(run,)`` where the equation is re-emitted by ``run(*ins) ->
       outs`` (a scan whose stacked residuals are rebuilt or hosted,
-      ``_loop_schedule``).
+      ``_loop_schedule``; a backward one's ``(run, inside)``, ``Inside``).
   """
   kind: str
   node: int | None
