@@ -182,6 +182,15 @@ class Exchange(typing.NamedTuple):
 _VIEWS = ("get-tuple-element", "bitcast")
 
 
+def users_of(instructions: list[Instruction]) -> dict[str, list[Instruction]]:
+  """Instruction name -> the instructions that read its results, each once."""
+  users: dict[str, list] = {}
+  for inst in instructions:
+    for operand in dict.fromkeys(inst.operands()):
+      users.setdefault(operand, []).append(inst)
+  return users
+
+
 def exchanges(program: Program) -> list[Exchange]:
   """Every array the collectives of the scheduled computations write: the
   results of an async collective's done, which its start holds from then
@@ -190,10 +199,7 @@ def exchanges(program: Program) -> list[Exchange]:
   for name in program.scheduled():
     instructions = program.computations[name]
     by_name = {inst.name: inst for inst in instructions}
-    users: dict[str, list] = {}
-    for inst in instructions:
-      for operand in dict.fromkeys(inst.operands()):
-        users.setdefault(operand, []).append(inst)
+    users = users_of(instructions)
 
     def readers(inst, index=None) -> list:
       found = []

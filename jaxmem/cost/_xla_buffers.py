@@ -141,10 +141,7 @@ def _readers(instructions: list) -> dict[str, int]:
   """Instruction name -> how many instructions read its results, through
   the views and tuple elements that write no buffer (the computation's
   result counts as read by its caller)."""
-  users: dict[str, list] = {}
-  for inst in instructions:
-    for operand in dict.fromkeys(inst.operands()):
-      users.setdefault(operand, []).append(inst)
+  users = hlo.users_of(instructions)
   roots = {inst.name for inst in instructions if inst.root}
   counts: dict[str, int] = {}
 
