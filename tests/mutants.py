@@ -465,6 +465,13 @@ MUTANTS = [
            "if kind == \"keep\") if b - a == 1 else ()",
            "if kind == \"keep\") if b - a == 0 else ()",
            ("tests/test_loop_segments.py::test_a_rebuilding_loops_body_is_sized_as_xla_gpu_runs_it",)),
+    Mutant("loop-bodies-emulated-on-gpu",
+           "on a GPU target a loop's body is sized by XLA:CPU's emulated fusion, not by "
+           "XLA:GPU's compilation of the loop",
+           "jaxmem/cost/_memory.py",
+           "  if graph.buffers is not None and index in graph.buffers.bodies:",
+           "  if False:",
+           ("tests/test_xla_loops.py",)),
 ]
 
 

@@ -284,7 +284,10 @@ def loop_scratch(graph: Graph, index: int) -> int:
   """Bytes the body of scan ``index`` holds beyond its arguments and results
   while the loop runs: its own temporaries at their peak, which XLA
   allocates once for every iteration (the chunks of a step run in
-  micro-batches, a layer of a scanned stack)."""
+  micro-batches, a layer of a scanned stack): on a GPU target, what
+  XLA:GPU gives the body compiled alone where learned (``_xla_loops``)."""
+  if graph.buffers is not None and index in graph.buffers.bodies:
+    return graph.buffers.bodies[index]
   return _body_scratch(build_graph(graph.nodes[index].params["jaxpr"]))
 
 

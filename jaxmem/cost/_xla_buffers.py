@@ -74,6 +74,8 @@ class Buffers:
       transfer), held from the node the collective runs for to the last
       node that reads it; ``source`` made what it exchanges (None where
       unknown).
+    bodies: scan node index -> bytes its body holds beyond its arguments
+      and results in the target's program (``_xla_loops``).
   """
   materialized: frozenset
   extra: Mapping[int, int]
@@ -83,6 +85,7 @@ class Buffers:
   library: Mapping[int, str] = dataclasses.field(default_factory=dict)
   time_scale: float = 1.0
   spans: tuple = ()
+  bodies: Mapping[int, int] = dataclasses.field(default_factory=dict)
 
 
 def tag_of(inst: hlo.Instruction) -> int | None:

@@ -21,6 +21,7 @@ from jaxmem.cost._perf import timed
 from jaxmem.cost._xla_buffers import (compile_tagged, read, rewritten, tagged_program,
                                       with_buffers)
 from jaxmem.cost._xla_clock import program_time
+from jaxmem.cost._xla_loops import loop_bodies
 from jaxmem.fit._checks import fittable
 from jaxmem.cost._evaluate import Candidate
 from jaxmem.fit._inner import body_graph, embedded, inner_body
@@ -179,7 +180,12 @@ def _per_device(graph: Graph, target: Target, args: tuple) -> Graph:
 
 @analysis
 def _learned(graph: Graph, target: Target, mesh) -> Graph:
-  return _read(graph, tagged_program(graph, target, mesh), target.profile)
+  learned = _read(graph, tagged_program(graph, target, mesh), target.profile)
+  if mesh is not None:  # a shard_map's body: its loops' bodies stay emulated
+    return learned
+  bodies = loop_bodies(graph, target)
+  return dataclasses.replace(learned, buffers=dataclasses.replace(learned.buffers,
+                                                                  bodies=bodies))
 
 
 @analysis
