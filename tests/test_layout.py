@@ -35,7 +35,7 @@ LAYERS = [
     {"schedule._loop_schedule"},
     {"schedule._emit"},
     {"schedule._microbatch"},
-    {"cost._xla_buffers", "cost._xla_clock"},
+    {"cost._xla_buffers", "cost._xla_clock", "cost._xla_loops"},
     {"cost._memory", "cost._perf", "cost._xla_shards"},
     {"cost._evaluate"},
     {"planners._blocks", "fit._inner", "fit._shared"},
