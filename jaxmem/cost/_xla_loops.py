@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxmem.cost import _hlo as hlo
 from jaxmem.graph._graph import Graph, Node
+from jaxmem.targets import workspace_bytes
 
 
 def loop_bodies(graph: Graph, target) -> dict[int, int]:
@@ -46,8 +46,4 @@ def loop_scratch_on(node: Node, graph: Graph, target) -> int:
   compiled = jax.jit(target.compiles(run, avals, one_device=True),
                      compiler_options=target.options(measuring=True) or None
                      ).lower(*target.place(avals)).compile()
-  program = hlo.parse(compiled.as_text())
-  workspace = max((sum(a.nbytes for a in inst.arrays()[len(inst.results()):])
-                   for name in program.scheduled() for inst in program.computations[name]
-                   if inst.opcode == "custom-call"), default=0)
-  return max(0, compiled.memory_analysis().temp_size_in_bytes - workspace)
+  return max(0, compiled.memory_analysis().temp_size_in_bytes - workspace_bytes(compiled))

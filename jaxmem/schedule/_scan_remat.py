@@ -56,7 +56,7 @@ from jaxmem.graph._loops import loops
 @dataclasses.dataclass(frozen=True)
 class Iteration:
   """One iteration of a rewritten backward scan, for the memory model to
-  size its body by (``cost._memory.held_inside``).
+  size its body by (``cost._memory._held_inside``).
 
   Attributes:
     backward: the backward scan's node index.
@@ -283,13 +283,13 @@ class _Rebuilding:
 
   def __init__(self, node: Node, forward: Node, rebuilt: dict[int, int]):
     consts, self.carries, _ = scan_shape(node)
-    _, f_carries, _ = scan_shape(forward)
+    f_consts, f_carries, _ = scan_shape(forward)
     self.body = jex.jaxpr_as_fun(node.params["jaxpr"])
     self.f_body = jex.jaxpr_as_fun(forward.params["jaxpr"])
     self.rebuilt, self.n_ins = rebuilt, len(node.ins)
     self.first_xs = consts + self.carries
     self.xs_positions = [i for i in range(self.first_xs, len(node.ins)) if i not in rebuilt]
-    self.n_fxs = len(forward.ins) - scan_shape(forward)[0] - f_carries
+    self.n_fxs = len(forward.ins) - f_consts - f_carries
 
   def __call__(self, b_consts, f_const_in, carry, x):
     n_xs = len(self.xs_positions)
@@ -299,7 +299,6 @@ class _Rebuilding:
     full.update({i: f_outs[o] for i, o in self.rebuilt.items()})
     outs = self.body(*b_consts, *carry, *(full[i] for i in range(self.first_xs, self.n_ins)))
     return list(outs[:self.carries]), list(outs[self.carries:])
-
 
 
 @analysis
@@ -327,8 +326,7 @@ def rebuilding_iteration(graph: Graph, backward: int, forward: int,
           [aval(node.ins[i], True) for i in iteration.xs_positions]
           + [aval(a, True) for a in f_node.ins[f_consts + f_carries:]]
           + [aval(a) for a in f_node.ins[f_consts:f_consts + f_carries]])
-  traced = [jax.tree_util.tree_map(lambda a: isinstance(a, jax.ShapeDtypeStruct), group)
-            for group in args]
+  traced = [[isinstance(a, jax.ShapeDtypeStruct) for a in group] for group in args]
   leaves = [[a for a, t in zip(group, mask) if t] for group, mask in zip(args, traced)]
 
   def one(*groups):
