@@ -15,6 +15,7 @@ from jaxmem.graph._graph import build_graph
 from jaxmem.cost import _hlo as hlo
 from jaxmem.cost._xla_buffers import (WrittenBuffer, assign, compile_tagged, learn, read,
                                       rewritten, with_buffers, workspaces, written_buffers)
+from jaxmem.cost._xla_loops import loop_bodies
 from jaxmem.cost._xla_shards import elements, shard_elements
 from jaxmem.targets import placed, resolve, workspace_bytes, xla_footprint
 
@@ -356,4 +357,7 @@ def test_a_fit_for_a_compile_only_gpu_plans_a_loops_body_with_the_bodys_buffers(
   assert not build_graph(jax.make_jaxpr(step)(*args)).residuals  # the step's: a loop
   assert fit.graph.residuals and fit.graph.buffers is not None
   learned = learn(fit.graph, fit.target)
-  assert dataclasses.replace(fit.graph.buffers, time_scale=learned.time_scale) == learned
+  bodies = loop_bodies(fit.graph, fit.target)  # the body's own loops, compiled alone
+  assert bodies and fit.graph.buffers.bodies == bodies
+  assert dataclasses.replace(fit.graph.buffers, time_scale=learned.time_scale,
+                             bodies=bodies) == dataclasses.replace(learned, bodies=bodies)
