@@ -472,6 +472,15 @@ MUTANTS = [
            "  if graph.buffers is not None and index in graph.buffers.bodies:",
            "  if False:",
            ("tests/test_xla_loops.py",)),
+    Mutant("late-made-values-held-from-the-forward-pass",
+           "a forward value XLA:GPU makes again in a backward kernel (a ReLU6 mask) keeps a "
+           "buffer from the forward pass on",
+           "jaxmem/cost/_xla_buffers.py",
+           "      late = _made_late(graph, node, match, buffer)",
+           "      late = None",
+           ("tests/test_xla_buffers.py::test_the_learned_model_follows_xla_gpu_on_the_step_as_written",
+            "tests/test_xla_buffers.py::"
+            "test_a_forward_value_made_in_a_backward_kernel_is_held_beside_its_readers_only")),
 ]
 
 

@@ -36,6 +36,7 @@ LAYERS = [
     {"schedule._emit"},
     {"schedule._microbatch"},
     {"cost._xla_buffers", "cost._xla_clock", "cost._xla_loops"},
+    {"cost._learned_fusion"},
     {"cost._memory", "cost._perf", "cost._xla_shards"},
     {"cost._evaluate"},
     {"planners._blocks", "fit._inner", "fit._shared"},

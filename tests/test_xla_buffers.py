@@ -68,7 +68,8 @@ def test_the_buffers_a_program_writes_are_read_off_its_text():
   make them (through a reshape to what it reshapes), a library call by its
   result (its workspace is not a value), a loop by its carries and its
   body's own buffers."""
-  assert written_buffers(HLO) == {
+  written = written_buffers(HLO)
+  assert {tag: [b[:3] for b in found] for tag, found in written.items()} == {
       # (elements, bytes, readers)
       2: [(32, 128, 1)],  # the GEMM's result, not its 4 MiB workspace; the fusion reads it
       3: [(32, 128, 1)],  # tanh, the fusion's first output: the result, through views
@@ -76,6 +77,9 @@ def test_the_buffers_a_program_writes_are_read_off_its_text():
       8: [(1, 4, 0), (16, 64, 0)],  # the loop's carries, which nothing reads
       9: [(16, 64, 1)],  # the body's sine, in the body's result
   }
+  # What the kernel writing each buffer runs: the fusion its three equations.
+  assert written[3][0].runs == written[4][0].runs == {3, 4, 5}
+  assert written[2][0].runs == {2} and written[9][0].runs == {9}
 
 
 # One device's program of a partitioned step, cut to its collectives: a
@@ -200,6 +204,27 @@ def test_buffers_go_to_the_values_of_equal_size_and_the_rest_is_extra():
   assert dilated.extra == {} and dilated.transient == {tanh.index: 120}
 
 
+def test_a_forward_value_made_in_a_backward_kernel_is_held_beside_its_readers_only():
+  """XLA:GPU makes a ReLU's mask again in the backward pass, in the kernel
+  that reduces the gradient, from the activation it keeps anyway: the mask
+  has no buffer through the step, only one from its first reader to its
+  last. A buffer made by a kernel of forward equations only is the value's
+  own."""
+  step = lambda w, x: jax.grad(lambda w: jnp.sum(jax.nn.relu(x @ w) ** 2))(w)
+  graph = build_graph(jax.make_jaxpr(step)(jnp.ones((4, 4)), jnp.ones((2, 4))))
+  mask = next(n for n in graph.nodes if not n.backward and n.outs
+              and graph.values[n.outs[0]].aval.dtype == jnp.bool_
+              and graph.values[n.outs[0]].uses
+              and all(graph.nodes[u].backward for u in graph.values[n.outs[0]].uses))
+  readers = graph.values[mask.outs[0]].uses
+  backward = next(n.index for n in graph.nodes if n.backward)
+  late = assign(graph, {mask.index: [WrittenBuffer(8, 8, 1, frozenset({mask.index, backward}))]})
+  assert mask.outs[0] not in late.materialized
+  assert late.spans == ((min(readers), max(readers), 8, None),)
+  early = assign(graph, {mask.index: [WrittenBuffer(8, 8, 1, frozenset({mask.index}))]})
+  assert mask.outs[0] in early.materialized and early.spans == ()
+
+
 def test_a_loops_buffers_beyond_its_outputs_are_not_extra():
   """A scan's body writes temporaries under the scan's tag, and its loop
   state passes its operands through: neither is held beside its outputs."""
@@ -217,10 +242,11 @@ SMALL = {
     "cnn": ("cnn", dict(widths=(8, 16), batch=8, size=16, blocks=6)),
     "transformer": ("transformer", dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64)),
     # Strided depthwise convolutions, whose inputs XLA:GPU pads once and
-    # keeps padded for the backward pass (its first four stages: 2,500
-    # equations, a quarter of the compile time of all seven).
-    "mobilenetv2": ("mobilenetv2", dict(width=0.25, size=32, batch=8, stages=(
-        (1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 2, 2), (6, 64, 1, 2)))),
+    # keeps padded for the backward pass, and ReLU6 masks it makes again in
+    # the backward pass (its first two stages at 224 pixels, where the
+    # masks are 4% of the footprint).
+    "mobilenetv2": ("mobilenetv2", dict(width=1.0, size=224, batch=2, stages=(
+        (1, 16, 1, 1), (6, 24, 2, 2)))),
     # Blocks under one nn.scan: the loops' bodies write buffers that are
     # neither their outputs nor held beside them.
     "scanned gpt2": ("gpt2", dict(dim=64, depth=4, heads=2, seq=64, vocab=256, batch=8,
@@ -231,7 +257,7 @@ SMALL = {
 @pytest.mark.parametrize("name", sorted(SMALL))
 def test_the_learned_model_follows_xla_gpu_on_the_step_as_written(name):
   """With what XLA:GPU fuses learned from its program for a T4, the memory
-  model's footprint of the step as written is within 10% of XLA:GPU's,
+  model's footprint of the step as written is within 3% of XLA:GPU's,
   the cuBLAS/cuDNN workspaces included (the model holds each while its
   call runs). The program it is learned from, the step with its equations
   tagged, has the footprint of the step emitted from its graph untagged:
@@ -249,7 +275,7 @@ def test_the_learned_model_follows_xla_gpu_on_the_step_as_written(name):
   tagged = compile_tagged(graph, target, leaves)
   assert xla_footprint(tagged) == xla_footprint(_compiled(rewritten(graph), leaves, target))
   learned = unplanned(with_buffers(graph, read(graph, tagged)), 0).peak
-  assert abs(learned / xla - 1) <= 0.10, (learned, xla)
+  assert abs(learned / xla - 1) <= 0.03, (learned, xla)
 
 
 @pytest.mark.parametrize("target", [None, "t4"])

@@ -34,7 +34,7 @@ from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis, build_graph
 from jaxmem.schedule._scan_remat import rebuilding_iteration
 from jaxmem.schedule._schedule import Schedule, build_schedule
-from jaxmem.cost._xla_buffers import LearnedFusion
+from jaxmem.cost._learned_fusion import LearnedFusion
 from jaxmem.graph._xla_cpu_fusion import Fusion
 
 # What the ops a rewrite adds are, by schedule op kind (see ``_schedule.Op``):

@@ -12,10 +12,10 @@ library call's result, a loop's carries) names the equation that made it in
 its ``op_name`` metadata, so the equations whose values get buffers are
 read off the program instead of predicted.
 
-:class:`LearnedFusion` is the memory model's fusion interface over what was
-learned: a value with no buffer in the step as written is computed inside
-its readers in every plan, unless a plan makes a copy, a barrier or a
-transfer read it (those read buffers).
+The memory model reads what was learned through
+:class:`~jaxmem.cost._learned_fusion.LearnedFusion`: a value with no buffer
+in the step as written is computed inside its readers in every plan, unless
+a plan makes a copy, a barrier or a transfer read it (those read buffers).
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from jaxmem._decisions import Plan
 from jaxmem.schedule._emit import UNTYPED, emit
 from jaxmem.graph._graph import Graph, Residual, residual_of
 from jaxmem.schedule._schedule import build_schedule
-from jaxmem.graph._xla_cpu_fusion import Fusion, select_and_scatter_bytes
 
 TAG = "jaxmem#"
 _TAG = re.compile(re.escape(TAG) + r"(\d+)")
@@ -69,11 +68,13 @@ class Buffers:
       behind compute that does not last that long. 1 where the target has
       no profile.
     spans: ``(first node, last node, bytes, source node)`` of each buffer
-      a collective of a partitioned program writes that is no value's own
-      (an all-gathered operand, or many of them combined into one
-      transfer), held from the node the collective runs for to the last
-      node that reads it; ``source`` made what it exchanges (None where
-      unknown).
+      held from one node to another that is no value's own from its
+      producer on: one a collective of a partitioned program writes (an
+      all-gathered operand, or many of them combined into one transfer),
+      from the node the collective runs for to the last node that reads
+      it, ``source`` having made what it exchanges (None where unknown);
+      and a forward value the program makes in the backward pass beside
+      its readers (``_made_late``), from its first reader to its last.
     bodies: scan node index -> bytes its body holds beyond its arguments
       and results in the target's program (``_xla_loops``).
   """
@@ -96,11 +97,13 @@ def tag_of(inst: hlo.Instruction) -> int | None:
 
 
 class WrittenBuffer(NamedTuple):
-  """A buffer the program writes: its elements, its bytes and how many
-  instructions read it."""
+  """A buffer the program writes: its elements, its bytes, how many
+  instructions read it, and the tags of the equations the kernel writing
+  it runs (its own and those of its fusion's instructions)."""
   elements: int
   nbytes: int
   readers: int
+  runs: frozenset = frozenset()
 
 
 def written_buffers(text: str) -> dict[int, list[WrittenBuffer]]:
@@ -114,8 +117,9 @@ def written_buffers(text: str) -> dict[int, list[WrittenBuffer]]:
 def _written(kernels: list[list]) -> dict[int, list[WrittenBuffer]]:
   written: dict[int, list[WrittenBuffer]] = {}
   for tags in kernels:
-    for tag, array, readers in tags:
-      written.setdefault(tag, []).append(WrittenBuffer(array.size, array.nbytes, readers))
+    for tag, array, readers, runs in tags:
+      written.setdefault(tag, []).append(
+          WrittenBuffer(array.size, array.nbytes, readers, runs))
   return written
 
 
@@ -126,8 +130,9 @@ def _launching(kernels: list[list]) -> frozenset:
 
 def _kernels(program: hlo.Program) -> list[list]:
   """Per instruction that writes buffers in the scheduled computations, the
-  (tag, array, readers) of each buffer with a tag: ``readers`` counts the
-  instructions reading the instruction's results. Collectives' buffers are
+  (tag, array, readers, runs) of each buffer with a tag: ``readers`` counts
+  the instructions reading the instruction's results, ``runs`` the tags of
+  the equations the instruction runs. Collectives' buffers are
   :func:`_exchanged`'s."""
   found = []
   for name in program.scheduled():
@@ -135,7 +140,9 @@ def _kernels(program: hlo.Program) -> list[list]:
     readers = _readers(instructions)
     for inst in instructions:
       if inst.opcode not in hlo.NO_BUFFER and inst.opcode not in hlo.EXCHANGES:
-        found.append([(tag, array, readers.get(inst.name, 0))
+        runs = frozenset(t for t in map(tag_of, [inst, *program.fused_body(inst)])
+                         if t is not None)
+        found.append([(tag, array, readers.get(inst.name, 0), runs)
                       for tag, array in _producers(inst, program) if tag is not None])
   return found
 
@@ -273,7 +280,11 @@ def assign(graph: Graph, written: dict[int, list[WrittenBuffer]],
         copies += [] if control else [buffer]
         continue
       left.remove(match)
-      materialized.add(match)
+      late = _made_late(graph, node, match, buffer)
+      if late is not None:
+        spans.append(late)
+      else:
+        materialized.add(match)
     if copies and node.outs:
       first = node.outs[0]  # a copy of the node's value is a buffer of it
       held, brief = _copies(copies, graph.values[first].nbytes, first not in left)
@@ -286,6 +297,21 @@ def assign(graph: Graph, written: dict[int, list[WrittenBuffer]],
         and node.ins and isinstance(node.ins[0], int)):
       materialized.add(node.ins[0])
   return Buffers(frozenset(materialized), extra, transient=transient, spans=tuple(spans))
+
+
+def _made_late(graph: Graph, node, vid: int, buffer: WrittenBuffer) -> tuple | None:
+  """Where the program makes forward value ``vid`` (of ``node``) in a kernel
+  that runs backward equations too, next to its readers, all backward (a
+  ReLU's mask, compared again from the activation it is kept beside): the
+  span its buffer is held for, from its first reader to its last; else
+  None. The value then has no buffer from the forward pass: its readers
+  compute it from what it is made of."""
+  readers = graph.values[vid].uses
+  late = [t for t in buffer.runs if t < len(graph.nodes) and graph.nodes[t].backward]
+  if (node.backward or not late or not readers or vid in graph.output_ids
+      or not all(graph.nodes[r].backward for r in readers)):
+    return None
+  return (min(*readers, *late), max(readers), buffer.nbytes, None)
 
 
 def tagged(graph: Graph, binds=None):
@@ -427,68 +453,3 @@ def read_through(graph: Graph, materialized: frozenset) -> tuple[Residual, ...]:
                              min(r.first_backward_use for r in readers),
                              max(r.last_backward_use for r in readers)))
   return tuple(found)
-
-
-class LearnedFusion(Fusion):
-  """:class:`~jaxmem.graph._xla_cpu_fusion.Fusion`'s interface over
-  :class:`Buffers`: a value fuses into a reader where the compiler gave it
-  no buffer in the step as written and the reader is an equation."""
-
-  def __init__(self, schedule, names: list[str], backward: list[bool], buffers: Buffers):
-    super().__init__(schedule, names, backward)
-    self.buffers = buffers
-
-  def fused_into(self, key, reader: int) -> bool:
-    pos = self.producer_of.get(key)
-    if (pos is None or key in self.outputs or self.ops[pos].node is None
-        or self.ops[reader].node is None):
-      return False
-    return key[0] not in self.buffers.materialized
-
-  def always_reads(self, key, reader: int) -> bool:
-    return not self.fused_into(key, reader)
-
-  def scratch(self, pos: int) -> int:
-    node = self.ops[pos].node
-    if node is None:
-      return 0
-    workspace = self.buffers.workspace.get(node, 0) + self.buffers.transient.get(node, 0)
-    if self.graph.nodes[node].prim.name != "select_and_scatter_add":
-      return workspace
-    return workspace + select_and_scatter_bytes(self.graph, self.graph.nodes[node],
-                                                indexed=False)[2]
-
-  def held(self, root: dict) -> list[tuple[int, int, int]]:
-    """The collectives' buffers (:attr:`Buffers.spans`), each from the op
-    that runs its first node, or the last that makes what it exchanges
-    where that comes later (a plan that rebuilds a gathered activation in
-    the backward pass, or copies it back from the host, gathers it there),
-    to the last op that runs its last node; none where a plan moves the
-    one after the other. XLA:GPU expands a max-pool's gradient without
-    iotas, all of it while the gradient runs (:meth:`scratch`)."""
-    if not self.buffers.spans:
-      return []
-    first, last, made = {}, {}, {}
-    for pos, op in enumerate(self.ops):
-      if op.kind == "prefetch":  # a copy back of what a node made
-        made[self.graph.values[op.outs[0][0]].producer] = pos
-      if op.node is None:
-        continue
-      made[op.node] = pos
-      if op.kind == "node":
-        first.setdefault(op.node, pos)
-        last[op.node] = pos
-    found = []
-    for a, b, size, source in self.buffers.spans:
-      if a in first and b in last:
-        start = max(first[a], made.get(source, -1))
-        if start <= last[b]:
-          found.append((start, last[b], size))
-    return found
-
-  def beside(self, key) -> int:
-    pos = self.producer_of.get(key)
-    node = None if pos is None else self.ops[pos].node
-    if node is None or self.graph.nodes[node].outs[:1] != (key[0],):
-      return 0
-    return self.buffers.extra.get(node, 0)
