@@ -74,8 +74,9 @@ class Buffers:
       from the node the collective runs for to the last node that reads
       it, ``source`` having made what it exchanges (None where unknown);
       and a forward value the program makes in the backward pass beside
-      its readers (``_made_late``), from the first backward equation of the kernel
-      that makes it (or its first reader, if earlier) to its last reader.
+      its readers (``_made_late``), from the first backward equation of
+      the kernel that makes it (or its first reader, if earlier) to its
+      last reader.
     bodies: scan node index -> bytes its body holds beyond its arguments
       and results in the target's program (``_xla_loops``).
   """
@@ -305,8 +306,9 @@ def _made_late(graph: Graph, node, vid: int, buffer: WrittenBuffer) -> tuple | N
   that runs backward equations too, next to its readers, all backward (a
   ReLU's mask, compared again from the activation it is kept beside): the
   span its buffer is held for, from the first of that kernel's backward
-  equations and its readers to its last reader; else None. The value then has no buffer from the forward pass: its readers
-  compute it from what it is made of."""
+  equations and its readers to its last reader; else None. The value then
+  has no buffer from the forward pass: its readers compute it from what it
+  is made of."""
   readers = graph.values[vid].uses
   late = [t for t in buffer.runs if t < len(graph.nodes) and graph.nodes[t].backward]
   if (node.backward or not late or not readers or vid in graph.output_ids
