@@ -472,6 +472,20 @@ MUTANTS = [
            "  if graph.buffers is not None and index in graph.buffers.bodies:",
            "  if False:",
            ("tests/test_xla_loops.py",)),
+    Mutant("unnamed-buffers-not-held",
+           "the buffers XLA:GPU writes under no equation's name (a max-pool's argmax "
+           "indices, found in the forward pass for the gradient) are left out",
+           "jaxmem/cost/_xla_buffers.py",
+           "  extra = unnamed_spans(graph, unnamed(program))",
+           "  extra = ()",
+           ("tests/test_xla_buffers.py::test_the_learned_model_follows_xla_gpu_on_the_step_as_written",)),
+    Mutant("max-pool-indices-held-twice",
+           "a max-pool's gradient holds its indices while it runs beside the unnamed "
+           "buffers that already hold them",
+           "jaxmem/graph/_xla_cpu_fusion.py",
+           "    return 0, 0, item * source.size",
+           "    return 0, 0, item * (padded + source.size)",
+           ("tests/test_xla_buffers.py::test_a_max_pool_gradient_holds_what_xla_expands_it_to",)),
     Mutant("late-made-values-held-from-the-forward-pass",
            "a forward value XLA:GPU makes again in a backward kernel (a ReLU6 mask) keeps a "
            "buffer from the forward pass on",

@@ -35,6 +35,8 @@ LAYERS = [
     {"schedule._loop_schedule"},
     {"schedule._emit"},
     {"schedule._microbatch"},
+    {"cost._xla_names"},
+    {"cost._xla_unnamed"},
     {"cost._xla_buffers", "cost._xla_clock", "cost._xla_loops"},
     {"cost._learned_fusion"},
     {"cost._memory", "cost._perf", "cost._xla_shards"},

@@ -39,13 +39,14 @@ class LearnedFusion(Fusion):
                                                 indexed=False)[2]
 
   def held(self, root: dict) -> list[tuple[int, int, int]]:
-    """The buffers of :attr:`Buffers.spans` (collectives' and values made
-    late), each from the op that runs its first node, or the last that
-    makes what a collective exchanges where that comes later (a plan that
-    rebuilds a gathered activation in the backward pass, or copies it back
-    from the host, gathers it there), to the last op that runs its last node; none where a plan moves the
-    one after the other. XLA:GPU expands a max-pool's gradient without
-    iotas, all of it while the gradient runs (:meth:`scratch`)."""
+    """The buffers of :attr:`Buffers.spans` (collectives', values made
+    late, and buffers no equation names), each from the op that runs its
+    first node, or the last that makes its source where that comes later
+    (a plan that rebuilds a gathered activation in the backward pass, or
+    copies it back from the host, gathers it there; one that rebuilds a
+    pooled activation finds its argmax indices there), to the last op
+    that runs its last node; none where a plan moves the one after the
+    other."""
     if not self.buffers.spans:
       return []
     first, last, made = {}, {}, {}

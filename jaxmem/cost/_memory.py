@@ -185,6 +185,9 @@ class _Prepared:
             self.start, self.on_host, self.loops, self.copies_free_at, self.held)
 
 
+_HELD = "held"  # the key of a compiler's own buffer among the temporaries
+
+
 def _prepare(schedule: Schedule) -> _Prepared:
   """Each buffer's owner and last reader, the host's and the output
   buffers' share, under the target's fusion: :func:`_walk`'s arguments."""
@@ -224,19 +227,25 @@ def _prepare(schedule: Schedule) -> _Prepared:
   for pos in owned_by:
     owned_by[pos] = [k for k in owned_by[pos] if k not in pinned]
 
+  # The compiler's own buffers (``Fusion.held``) go into output buffers as
+  # values do: a weight relaid for a convolution, dead before its update.
+  held = fusion.held(root)
+  temps = {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys
+           if k not in host}
+  temps.update({(_HELD, i): (first, last) for i, (first, last, _) in enumerate(held)})
   in_outputs = _share_output_buffers(
       {b: producer_of.get(b, -1) for b in {root.get(k, k) for k in outputs}
        if b not in inputs and b not in host},
-      {k: (producer_of[k], pos) for pos, keys in free_at.items() for k in keys
-       if k not in host},
-      nbytes)
+      temps, lambda k: held[k[1]][2] if k[0] == _HELD else nbytes(k))
+  held = [h for i, h in enumerate(held) if (_HELD, i) not in in_outputs]
+  in_outputs = {k for k in in_outputs if k[0] != _HELD}
   loops = {pos: _held_inside(graph, op, set(free_at.get(pos, ())) - host, nbytes)
            for pos, op in enumerate(ops)
            if op.kind == "node" and graph.nodes[op.node].prim.name == "scan"}
   return _Prepared(arguments, reads, root, fused_reads, fused, fusion, owned_by, free_at,
                    host, in_outputs, arguments + out_bytes,
                    sum(nbytes(k) for k in hosted_in), loops, _copies_free_at(ops, fusion),
-                   fusion.held(root))
+                   held)
 
 
 def fusion_of(schedule: Schedule) -> Fusion:

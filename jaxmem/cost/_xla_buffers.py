@@ -21,20 +21,17 @@ a plan makes a copy, a barrier or a transfer read it (those read buffers).
 from __future__ import annotations
 
 import dataclasses
-import re
 from typing import Mapping, NamedTuple
 
 import jax
 from jaxmem.cost import _hlo as hlo
+from jaxmem.cost._xla_names import TAG, producers, runs, tag_of
+from jaxmem.cost._xla_unnamed import unnamed, unnamed_spans
 from jaxmem.graph import _primitives
 from jaxmem._decisions import Plan
 from jaxmem.schedule._emit import UNTYPED, emit
 from jaxmem.graph._graph import Graph, Residual, residual_of
 from jaxmem.schedule._schedule import build_schedule
-
-TAG = "jaxmem#"
-_TAG = re.compile(re.escape(TAG) + r"(\d+)")
-
 
 @dataclasses.dataclass(frozen=True)
 class Buffers:
@@ -76,6 +73,8 @@ class Buffers:
       and a forward value the program makes in the backward pass beside
       its readers (``_made_late``), from the first backward equation of
       the kernel that makes it (or its first reader, if earlier) to its
+      last reader; and a buffer no equation names (a max-pool's argmax
+      indices: ``_xla_unnamed``), from where the program makes it to its
       last reader.
     bodies: scan node index -> bytes its body holds beyond its arguments
       and results in the target's program (``_xla_loops``).
@@ -89,13 +88,6 @@ class Buffers:
   time_scale: float = 1.0
   spans: tuple = ()
   bodies: Mapping[int, int] = dataclasses.field(default_factory=dict)
-
-
-def tag_of(inst: hlo.Instruction) -> int | None:
-  """The graph node an instruction was emitted for (its ``jaxmem#<node>``
-  name scope), or None."""
-  found = _TAG.search(inst.op_name)
-  return int(found.group(1)) if found else None
 
 
 class WrittenBuffer(NamedTuple):
@@ -142,10 +134,9 @@ def _kernels(program: hlo.Program) -> list[list]:
     readers = _readers(instructions)
     for inst in instructions:
       if inst.opcode not in hlo.NO_BUFFER and inst.opcode not in hlo.EXCHANGES:
-        runs = frozenset(t for t in map(tag_of, [inst, *program.fused_body(inst)])
-                         if t is not None)
-        found.append([(tag, array, readers.get(inst.name, 0), runs)
-                      for tag, array in _producers(inst, program) if tag is not None])
+        ran = runs(inst, program)
+        found.append([(tag, array, readers.get(inst.name, 0), ran)
+                      for tag, array in producers(inst, program) if tag is not None])
   return found
 
 
@@ -194,25 +185,6 @@ def _exchanged(program: hlo.Program) -> list[Exchanged]:
     found.append(Exchanged(tag, exchange.array, exchange.reduces, max([tag, *read]),
                            None if exchange.source is None else tag_of(exchange.source)))
   return found
-
-
-def _producers(inst: hlo.Instruction, program: hlo.Program) -> list:
-  """(tag, array) of each buffer ``inst`` writes."""
-  body = program.fused_body(inst)
-  if body:
-    root = next((i for i in body if i.root), None)
-    if root is not None:
-      by_name = {i.name: i for i in body}
-      outs = ([by_name[o] for o in root.operands() if o in by_name]
-              if root.opcode == "tuple" else [root])
-      found = []
-      for out in outs:
-        while out.opcode == "bitcast" and out.operands() and out.operands()[0] in by_name:
-          out = by_name[out.operands()[0]]  # a reshape names no computation
-        tag = tag_of(out)
-        found.extend((tag if tag is not None else tag_of(inst), a) for a in out.arrays()[:1])
-      return found
-  return [(tag_of(inst), a) for a in inst.results()]
 
 
 def _copies(copies: list[WrittenBuffer], value_bytes: int,
@@ -374,7 +346,8 @@ def read(graph: Graph, compiled, elements: Mapping[int, int] | None = None) -> B
   kernels = _kernels(program)
   found = assign(graph, _written(kernels), tuple(_exchanged(program)), elements)
   ours = lambda per_tag: {t: v for t, v in per_tag.items() if t < len(graph.nodes)}
-  return dataclasses.replace(found, launches=frozenset(
+  extra = unnamed_spans(graph, unnamed(program))
+  return dataclasses.replace(found, spans=found.spans + extra, launches=frozenset(
       t for t in _launching(kernels) if t < len(graph.nodes)),
       workspace=ours(workspaces(program)), library=ours(library_targets(program)))
 

@@ -6,7 +6,7 @@ is traced at its global shapes; XLA's SPMD partitioner decides how every
 value is sharded, and each device's program holds its shards. The memory
 model plans one device's memory, so each value's bytes are divided by how
 many shards it has: the step as written is emitted with every equation
-under a name scope of its own (``_xla_buffers.TAG``), compiled with the
+under a name scope of its own (``_xla_names.TAG``), compiled with the
 arguments' shardings, and each instruction's per-device shape in the
 partitioned program is read back against the global shape of the value its
 equation makes. A value the program never shows (computed inside another
@@ -30,7 +30,8 @@ from typing import Mapping
 import jax
 
 from jaxmem.cost import _hlo as hlo
-from jaxmem.cost._xla_buffers import tag_of, tagged
+from jaxmem.cost._xla_buffers import tagged
+from jaxmem.cost._xla_names import tag_of
 from jaxmem.graph._graph import Graph, residuals_of
 
 

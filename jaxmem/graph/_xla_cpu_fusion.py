@@ -259,14 +259,17 @@ def select_and_scatter_bytes(graph: Graph, node, indexed: bool) -> tuple[int, in
 
   XLA's ``SelectAndScatterExpander`` rewrites it as a scatter into zeros of
   the (padded) operand's shape: the scatter's updates, a copy of the
-  source, and on XLA:CPU (``indexed``) the operand's position along each of
-  its r axes (int32 iotas) and a window reduction over (value, r indices)
-  per source element (the indices). Measured on jax 0.10.2 for 2x2/2 pools
-  while the gradient runs (XLA:CPU ``4 (r N_op + (2 + r) N_src)`` bytes for
-  float32, XLA:GPU for a T4 ``4 (N_op + N_src)``, both to the byte); with
-  padding, the padded operand stands for the operand (within 40% of XLA:CPU
-  on a 3x3/2 SAME pool). Where the iotas and indices live is
-  :meth:`Fusion.held`'s.
+  source, the operand's position along each of its r axes (int32 iotas)
+  and a window reduction over (value, r indices) per source element (the
+  indices). Measured on jax 0.10.2 for 2x2/2 pools while the gradient runs
+  (XLA:CPU ``4 (r N_op + (2 + r) N_src)`` bytes for float32, XLA:GPU for a
+  T4 ``4 (N_op + N_src)``, both to the byte); with padding, the padded
+  operand stands for the operand (within 40% of XLA:CPU on a 3x3/2 SAME
+  pool). On XLA:CPU (``indexed``) where the iotas and indices live is
+  :meth:`Fusion.held`'s. XLA:GPU computes the indices in a fusion of the
+  iotas with no name, beside the forward pool where the operand is a
+  forward value: the learned model reads them off its program
+  (``cost._xla_unnamed``), and only the updates are held here.
   """
   source, operand = (graph.values[a].aval for a in node.ins[:2])
   padded = 1
@@ -275,7 +278,7 @@ def select_and_scatter_bytes(graph: Graph, node, indexed: bool) -> tuple[int, in
   padded = max(padded, operand.size)
   item = operand.dtype.itemsize
   if not indexed:
-    return 0, 0, item * (padded + source.size)
+    return 0, 0, item * source.size
   rank = len(operand.shape)
   return 4 * rank * padded, (item + 4 * rank) * source.size, item * source.size
 
