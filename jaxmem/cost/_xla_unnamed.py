@@ -21,9 +21,10 @@ from jaxmem.graph._graph import Graph
 
 class Unnamed(NamedTuple):
   """A buffer the entry computation writes that no equation names: the
-  span it is held for (the four fields of :attr:`~jaxmem.cost._xla_buffers.Buffers.spans`), whether its
-  kernel reads only the step's arguments (a weight relaid for cuDNN), and
-  the tags its last reader runs."""
+  span it is held for (the four fields of
+  :attr:`~jaxmem.cost._xla_buffers.Buffers.spans`), whether its kernel
+  reads only the step's arguments (a weight relaid for cuDNN), and the tags
+  its last reader runs."""
   first: int
   last: int
   nbytes: int
