@@ -6,6 +6,7 @@ buffers held between two nodes that are no value's own."""
 from __future__ import annotations
 
 from jaxmem.cost._xla_buffers import Buffers
+from jaxmem.graph._graph import Graph, analysis
 from jaxmem.graph._xla_cpu_fusion import Fusion, select_and_scatter_bytes
 
 
@@ -17,6 +18,7 @@ class LearnedFusion(Fusion):
   def __init__(self, schedule, names: list[str], backward: list[bool], buffers: Buffers):
     super().__init__(schedule, names, backward)
     self.buffers = buffers
+    self._scratch, self._beside = _per_node(self.graph)
 
   def fused_into(self, key, reader: int) -> bool:
     pos = self.producer_of.get(key)
@@ -30,13 +32,7 @@ class LearnedFusion(Fusion):
 
   def scratch(self, pos: int) -> int:
     node = self.ops[pos].node
-    if node is None:
-      return 0
-    workspace = self.buffers.workspace.get(node, 0) + self.buffers.transient.get(node, 0)
-    if self.graph.nodes[node].prim.name != "select_and_scatter_add":
-      return workspace
-    return workspace + select_and_scatter_bytes(self.graph, self.graph.nodes[node],
-                                                indexed=False)[2]
+    return 0 if node is None else self._scratch[node]
 
   def held(self, root: dict) -> list[tuple[int, int, int]]:
     """The buffers of :attr:`Buffers.spans` (collectives', values made
@@ -68,8 +64,34 @@ class LearnedFusion(Fusion):
     return found
 
   def beside(self, key) -> int:
-    pos = self.producer_of.get(key)
-    node = None if pos is None else self.ops[pos].node
-    if node is None or self.graph.nodes[node].outs[:1] != (key[0],):
+    extra = self._beside.get(key[0])
+    if not extra:
       return 0
-    return self.buffers.extra.get(node, 0)
+    pos = self.producer_of.get(key)
+    return 0 if pos is None or self.ops[pos].node is None else extra
+
+
+@analysis
+def _per_node(graph: Graph) -> tuple[list[int], dict[int, int]]:
+  """What the learned buffers give each node of ``graph``, read per op of
+  every schedule: the bytes it holds while it runs (its library
+  workspace, its brief buffers, a max-pool gradient's scatter updates),
+  and by its first output's id, the bytes made beside that output
+  (``Buffers.extra``)."""
+  buffers = graph.buffers
+  scratch = []
+  for node in graph.nodes:
+    held = buffers.workspace.get(node.index, 0) + buffers.transient.get(node.index, 0)
+    if node.prim.name == "select_and_scatter_add":
+      held += select_and_scatter_bytes(graph, node, indexed=False)[2]
+    scratch.append(held)
+  beside = {graph.nodes[node].outs[0]: extra for node, extra in buffers.extra.items()
+            if extra and node < len(graph.nodes) and graph.nodes[node].outs}
+  return scratch, beside
+
+
+@analysis
+def node_kinds(graph: Graph) -> tuple[list[str], list[bool]]:
+  """Each node's primitive name, and whether it is a backward node: what
+  the memory model's fusion reads per op of every schedule of ``graph``."""
+  return [node.prim.name for node in graph.nodes], [node.backward for node in graph.nodes]

@@ -34,7 +34,7 @@ from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis, build_graph
 from jaxmem.schedule._scan_remat import rebuilding_iteration
 from jaxmem.schedule._schedule import Schedule, build_schedule
-from jaxmem.cost._learned_fusion import LearnedFusion
+from jaxmem.cost._learned_fusion import LearnedFusion, node_kinds
 from jaxmem.graph._xla_cpu_fusion import Fusion
 
 # What the ops a rewrite adds are, by schedule op kind (see ``_schedule.Op``):
@@ -241,7 +241,7 @@ def _prepare(schedule: Schedule) -> _Prepared:
   in_outputs = {k for k in in_outputs if k[0] != _HELD}
   loops = {pos: _held_inside(graph, op, set(free_at.get(pos, ())) - host, nbytes)
            for pos, op in enumerate(ops)
-           if op.kind == "node" and graph.nodes[op.node].prim.name == "scan"}
+           if op.kind == "node" and fusion.names[pos] == "scan"}
   return _Prepared(arguments, reads, root, fused_reads, fused, fusion, owned_by, free_at,
                    host, in_outputs, arguments + out_bytes,
                    sum(nbytes(k) for k in hosted_in), loops, _copies_free_at(ops, fusion),
@@ -249,13 +249,13 @@ def _prepare(schedule: Schedule) -> _Prepared:
 
 
 def fusion_of(schedule: Schedule) -> Fusion:
-  """The target's fusion decisions over ``schedule``'s ops: XLA:CPU's
-  emulated, or XLA:GPU's learned where the graph carries its buffers."""
+  """The target's fusion over ``schedule``'s ops: XLA:CPU's emulated, else XLA:GPU's learned."""
   graph = schedule.graph
+  node_names, node_backward = node_kinds(graph)
   names = [_OPS.get(op.kind, "optimization_barrier") if op.node is None
-           else graph.nodes[op.node].prim.name for op in schedule.ops]
+           else node_names[op.node] for op in schedule.ops]
   # Recomputed values and barriers belong to the backward pass.
-  backward = [op.kind != "node" or graph.nodes[op.node].backward for op in schedule.ops]
+  backward = [op.kind != "node" or node_backward[op.node] for op in schedule.ops]
   if graph.buffers is None:
     return Fusion(schedule, names, backward)
   return LearnedFusion(schedule, names, backward, graph.buffers)
@@ -421,9 +421,9 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
     if spans is not None:
       spans.append((first, last, size))
   for pos in range(len(ops)):
-    live += opening[pos]
+    live += opening.get(pos, 0)
     if classify:
-      held["temporaries"] += opening[pos]
+      held["temporaries"] += opening.get(pos, 0)
     for key in owned_by.get(pos, ()):
       if key in host:
         on_host += nbytes(key)
@@ -446,9 +446,9 @@ def _walk(schedule, fusion: Fusion, owned_by: dict, free_at: dict, host: set,
       series.append(held[kind] + (scratch if kind == "temporaries" else 0))
     if walk.timeline[-1] > walk.peak:
       walk.peak, walk.peak_op, walk.live_at_peak = walk.timeline[-1], pos, list(live_set)
-    live -= closing[pos]
+    live -= closing.get(pos, 0)
     if classify:
-      held["temporaries"] -= closing[pos]
+      held["temporaries"] -= closing.get(pos, 0)
     for key in (copies_free_at or {}).get(pos, ()):
       if key in live_set:
         release(key, pos, copies_only=True)

@@ -184,8 +184,8 @@ class _Builder:
       if node.index in starts:
         self.enter(starts[node.index], node)
       late = node.backward or node.update  # or an update after a loop of passes
-      if node.backward:
-        self.prefetch(self.fetch_at.get(node.index, ()), node)
+      if node.backward and node.index in self.fetch_at:
+        self.prefetch(self.fetch_at[node.index], node)
       if late and (self.offloaded or graph.hosted):
         self.prefetch([a for a in node.ins if isinstance(a, int)
                        and (a in self.offloaded or a in graph.hosted)], node)
@@ -206,7 +206,7 @@ class _Builder:
                      if a not in self.cache and a not in self.dropped]
           if rebuild:
             self.recompute(rebuild, node, separated=True)
-      ins = tuple(self.read(a, late) for a in node.ins)
+      ins = tuple([self.read(a, late) for a in node.ins])
       if node.backward and self.pinned and node.scope() == self.scope:
         ins = self.copies_read(node, ins, self.pinned)
       if node.backward and self.separate_reads:
@@ -216,7 +216,7 @@ class _Builder:
         # the copies until here; reading them through a barrier at this
         # point keeps the copies to the convolution itself.
         ins = self.pin(ins, node, max(graph.values[v].nbytes for v in node.outs))
-      self.ops.append(Op("node", node.index, ins, tuple(map(self.key, node.outs))))
+      self.ops.append(Op("node", node.index, ins, tuple([(v, 0) for v in node.outs])))
       if node.backward:
         self.made.extend(node.outs)
       for vid in node.outs:
