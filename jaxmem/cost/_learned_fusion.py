@@ -88,10 +88,3 @@ def _per_node(graph: Graph) -> tuple[list[int], dict[int, int]]:
   beside = {graph.nodes[node].outs[0]: extra for node, extra in buffers.extra.items()
             if extra and node < len(graph.nodes) and graph.nodes[node].outs}
   return scratch, beside
-
-
-@analysis
-def node_kinds(graph: Graph) -> tuple[list[str], list[bool]]:
-  """Each node's primitive name, and whether it is a backward node: what
-  the memory model's fusion reads per op of every schedule of ``graph``."""
-  return [node.prim.name for node in graph.nodes], [node.backward for node in graph.nodes]

@@ -34,8 +34,8 @@ from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis, build_graph
 from jaxmem.schedule._scan_remat import rebuilding_iteration
 from jaxmem.schedule._schedule import Schedule, build_schedule
-from jaxmem.cost._learned_fusion import LearnedFusion, node_kinds
-from jaxmem.graph._xla_cpu_fusion import Fusion
+from jaxmem.cost._learned_fusion import LearnedFusion
+from jaxmem.graph._xla_cpu_fusion import Fusion, node_kinds
 
 # What the ops a rewrite adds are, by schedule op kind (see ``_schedule.Op``):
 # copies between memories, and a vTensor's split and merge (copies into

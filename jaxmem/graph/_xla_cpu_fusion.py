@@ -30,6 +30,13 @@ from jaxmem.graph import _primitives
 from jaxmem.graph._graph import Graph, analysis
 
 
+@analysis
+def node_kinds(graph: Graph) -> tuple[list[str], list[bool]]:
+  """Each node's primitive name, and whether it is a backward node: what
+  :class:`Fusion` reads per op of every schedule of ``graph``."""
+  return [node.prim.name for node in graph.nodes], [node.backward for node in graph.nodes]
+
+
 class Fusion:
   """Fusion decisions over the ops of one schedule.
 

@@ -216,7 +216,7 @@ class _Builder:
         # the copies until here; reading them through a barrier at this
         # point keeps the copies to the convolution itself.
         ins = self.pin(ins, node, max(graph.values[v].nbytes for v in node.outs))
-      self.ops.append(Op("node", node.index, ins, tuple([(v, 0) for v in node.outs])))
+      self.ops.append(Op("node", node.index, ins, tuple(map(self.key, node.outs))))
       if node.backward:
         self.made.extend(node.outs)
       for vid in node.outs:
