@@ -479,6 +479,13 @@ MUTANTS = [
            "  extra = unnamed_spans(graph, unnamed(program))",
            "  extra = ()",
            ("tests/test_xla_buffers.py::test_the_learned_model_follows_xla_gpu_on_the_step_as_written",)),
+    Mutant("in-place-update-held-beside",
+           "a copy that a scatter updates in place (a max-pool gradient's, into a copy of "
+           "the activation) is held beside the scatter's result, which is its buffer",
+           "jaxmem/cost/_xla_unnamed.py",
+           "  if len(readers) != 1:",
+           "  if True:",
+           ("tests/test_xla_buffers.py::test_a_buffer_its_one_reader_updates_in_place_is_that_readers_value",)),
     Mutant("max-pool-indices-held-twice",
            "a max-pool's gradient holds its indices while it runs beside the unnamed "
            "buffers that already hold them",

@@ -145,6 +145,49 @@ def test_buffers_no_equation_names_are_held_from_where_they_are_made_to_their_re
   assert spans == ((0, update, 64, None), (0, update, 256, 0))
 
 
+# A max-pool gradient's scatter into a copy of the activation, as XLA:GPU
+# emits it: a copy only the scatter reads, which it updates in place (once
+# inside a fusion, through a reshape), and one read again after it.
+IN_PLACE = """\
+HloModule jit_run, is_scheduled=true
+
+%fused_scatter (p0: f32[4,8], p1: s32[2,8], p2: f32[2,8]) -> f32[4,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = s32[2,8]{1,0} parameter(1)
+  %p2 = f32[2,8]{1,0} parameter(2)
+  %b = f32[4,8]{1,0} bitcast(%p0)
+  ROOT %s = f32[4,8]{1,0} scatter(%b, %p1, %p2), metadata={op_name="jit(run)/jaxmem#3/select_and_scatter_add"}
+}
+
+ENTRY %main (x: f32[4,8], i: s32[2,8], u: f32[2,8]) -> (f32[4,8], f32[4,8]) {
+  %x = f32[4,8]{1,0} parameter(0)
+  %i = s32[2,8]{1,0} parameter(1)
+  %u = f32[2,8]{1,0} parameter(2)
+  %act = f32[4,8]{1,0} exponential(%x), metadata={op_name="jit(run)/jaxmem#1/exp"}
+  %copy = f32[4,8]{1,0} copy(%act)
+  %grad = f32[4,8]{1,0} fusion(%copy, %i, %u), kind=kInput, calls=%fused_scatter, metadata={op_name="jit(run)/jaxmem#3/select_and_scatter_add"}
+  %again = f32[4,8]{1,0} copy(%act)
+  %grad2 = f32[4,8]{1,0} scatter(%again, %i, %u), metadata={op_name="jit(run)/jaxmem#4/select_and_scatter_add"}
+  %sum = f32[4,8]{1,0} add(%again, %grad2), metadata={op_name="jit(run)/jaxmem#5/add"}
+  ROOT %out = (f32[4,8]{1,0}, f32[4,8]{1,0}) tuple(%grad, %sum)
+}
+"""
+
+
+def test_a_buffer_its_one_reader_updates_in_place_is_that_readers_value():
+  """XLA writes a scatter's (or a dynamic-update-slice's) result into its
+  first operand where nothing reads the operand afterwards: a copy of an
+  activation that only a max-pool gradient's scatter reads is then the
+  gradient's own buffer, held as the gradient's value and not beside it.
+  A copy read again after the scatter is held to its last reader."""
+  from jaxmem.cost._xla_unnamed import unnamed
+  program = hlo.parse(IN_PLACE)
+  grad = next(i for i in program.entry_instructions if i.name == "grad")
+  assert hlo.in_place(grad, program) == 0
+  assert [(u.first, u.last, u.nbytes, u.source) for u in unnamed(program)] == [
+      (3, 5, 128, 1)]
+
+
 # One device's program of a partitioned step, cut to its collectives: a
 # matmul's partial result summed over devices (all-reduce), and two
 # operands gathered in one transfer for the equations that read them.

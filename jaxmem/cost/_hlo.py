@@ -166,6 +166,35 @@ class Program:
     return seen
 
 
+# Instructions whose result XLA writes into their first operand's buffer.
+IN_PLACE = frozenset({"dynamic-update-slice", "scatter"})
+
+
+def parameter_number(inst: Instruction) -> int:
+  """The argument position of a ``parameter`` instruction (-1 if unread)."""
+  found = re.match(r"\s*(\d+)", inst.rest)
+  return int(found.group(1)) if found else -1
+
+
+def in_place(inst: Instruction, program: Program) -> int | None:
+  """The operand whose buffer ``inst``'s result is written into: a
+  dynamic-update-slice's or a scatter's first, alone or at the root of a
+  fusion that takes it as a parameter (through reshapes); else None. XLA
+  updates it there when nothing reads the operand afterwards, and copies
+  it first otherwise."""
+  if inst.opcode in IN_PLACE:
+    return 0
+  body = program.fused_body(inst)
+  root = next((i for i in body if i.root), None)
+  if root is None or root.opcode not in IN_PLACE or not root.operands():
+    return None
+  by_name = {i.name: i for i in body}
+  first = by_name.get(root.operands()[0])
+  while first is not None and first.opcode == "bitcast" and first.operands():
+    first = by_name.get(first.operands()[0])
+  return parameter_number(first) if first is not None and first.opcode == "parameter" else None
+
+
 class Exchange(typing.NamedTuple):
   """One array a collective writes: the instruction it runs as (an async
   pair's start, else itself), the array, whether it is summed over the

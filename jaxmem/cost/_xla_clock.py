@@ -268,7 +268,7 @@ def _bytes(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instruction]) -> 
     return 2 * operands[1]
   if not body:
     return sum(operands) + written
-  params = {_parameter_number(i): i.name for i in body if i.opcode == "parameter"}
+  params = {hlo.parameter_number(i): i.name for i in body if i.opcode == "parameter"}
   users: dict[str, list[hlo.Instruction]] = {}
   for i in body:
     for o in i.operands():
@@ -293,11 +293,6 @@ def _update_arrays(root: hlo.Instruction, body: list[hlo.Instruction]) -> list[h
   by_name = {i.name: i for i in body}
   update = root.operands()[1] if len(root.operands()) > 1 else None
   return by_name[update].arrays() if update in by_name else root.arrays()
-
-
-def _parameter_number(inst: hlo.Instruction) -> int:
-  found = re.match(r"\s*(\d+)", inst.rest)
-  return int(found.group(1)) if found else -1
 
 
 def _matmul_flops(inst: hlo.Instruction, shapes: dict, body: list[hlo.Instruction]) -> float:

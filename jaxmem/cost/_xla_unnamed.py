@@ -3,8 +3,9 @@
 Most buffers of the program :func:`~jaxmem.cost._xla_buffers.learn` reads
 carry the tag of the equation that made them. A few are XLA's own: a
 max-pool's argmax indices, which XLA:GPU finds with a variadic
-reduce-window beside the forward pool and keeps for the gradient; an
-activation relaid for the gradient's scatter; weights relaid for cuDNN.
+reduce-window beside the forward pool and keeps for the gradient; a copy of
+an activation the gradient's scatter writes into, where the activation is
+read again after it; weights relaid for cuDNN.
 Their fusions carry no name, but their place in the schedule and their
 readers do: :func:`unnamed` reads them, :func:`unnamed_spans` holds them
 as :attr:`~jaxmem.cost._xla_buffers.Buffers.spans`.
@@ -36,13 +37,15 @@ class Unnamed(NamedTuple):
 def unnamed(program: hlo.Program) -> list[Unnamed]:
   """The buffers the entry computation writes that no equation names,
   read by instructions that do: a max-pool's argmax indices, which XLA:GPU
-  finds in the forward pass beside the pool for its gradient; a relaid
-  copy of an activation that a max-pool's gradient scatters into; weights
-  relaid for cuDNN. Each is held from the last equation named before it in
-  the schedule (where XLA runs it) to its last reader; ``source`` is the
-  last equation its kernel runs or reads the value of (a plan that rebuilds
-  it moves the span). An array nothing reads (a variadic reduction's value
-  beside the indices it is written for) is not held."""
+  finds in the forward pass beside the pool for its gradient; a copy of
+  an activation that a max-pool's gradient scatters into; weights relaid
+  for cuDNN. Each is held from the last equation named before it in the
+  schedule (where XLA runs it) to its last reader; ``source`` is the last
+  equation its kernel runs or reads the value of (a plan that rebuilds it
+  moves the span). An array nothing reads (a variadic reduction's value
+  beside the indices it is written for) is not held, nor one whose only
+  reader writes its result into it (:func:`_updated_in_place`): it is that
+  reader's value's buffer."""
   instructions = program.entry_instructions
   users = hlo.users_of(instructions)
   by_name = {inst.name: inst for inst in instructions}
@@ -56,9 +59,10 @@ def unnamed(program: hlo.Program) -> list[Unnamed]:
             if t is not None]
     source = max(made) if made else None
     for index, (tag, array) in enumerate(arrays):
-      readers = [(t, r) for r in reading(inst.name, users, index if len(arrays) > 1 else None)
-                 for t in [tag_of(r)] if t is not None]
-      if tag is None and readers:
+      every = reading(inst.name, users, index if len(arrays) > 1 else None)
+      readers = [(t, r) for r in every for t in [tag_of(r)] if t is not None]
+      if tag is None and readers and not _updated_in_place(inst, index, every, program,
+                                                           by_name):
         last, reader = max(readers, key=lambda tr: tr[0])
         found.append(Unnamed(min(before, *(t for t, _ in readers)), last, array.nbytes,
                              source, source is None, runs(reader, program)))
@@ -83,6 +87,27 @@ def unnamed_spans(graph: Graph, found: list[Unnamed]) -> tuple:
       continue
     spans.append((u.first, u.last, u.nbytes, u.source))
   return tuple(spans)
+
+
+def _updated_in_place(inst: hlo.Instruction, index: int, readers: list,
+                      program: hlo.Program, by_name: dict) -> bool:
+  """Whether ``inst``'s array ``index`` has one reader, which writes its
+  result into it (``hlo.in_place``: a max-pool gradient's scatter into a
+  copy of the activation, or into zeros). The buffer is then that
+  reader's value's, counted as the value from the reader on."""
+  if len(readers) != 1:
+    return False
+  reader = readers[0]
+  at = hlo.in_place(reader, program)
+  if at is None or at >= len(reader.operands()):
+    return False
+  name = reader.operands()[at]
+  while name in by_name and by_name[name].opcode == "bitcast":
+    name = by_name[name].operands()[0]
+  view = by_name.get(name)
+  if view is not None and view.opcode == "get-tuple-element":
+    return view.operands()[:1] == [inst.name] and view.tuple_index() == index
+  return name == inst.name
 
 
 def _written_by(name: str, by_name: dict) -> hlo.Instruction | None:
