@@ -485,7 +485,14 @@ MUTANTS = [
            "jaxmem/cost/_xla_unnamed.py",
            "  if len(readers) != 1:",
            "  if True:",
-           ("tests/test_xla_buffers.py::test_a_buffer_its_one_reader_updates_in_place_is_that_readers_value",)),
+           ("tests/test_xla_buffers.py::test_a_scatters_base_is_its_value_and_zeros_beside_an_activation_are_not_its_copy",)),
+    Mutant("zeros-held-as-a-copy",
+           "zeros XLA writes beside an activation in its forward kernel (a scatter's base) "
+           "are taken for a copy of the activation and held while it lives",
+           "jaxmem/cost/_xla_names.py",
+           "    if tag is None and not _splat(out, by_name):",
+           "    if tag is None:",
+           ("tests/test_xla_buffers.py::test_a_scatters_base_is_its_value_and_zeros_beside_an_activation_are_not_its_copy",)),
     Mutant("max-pool-indices-held-twice",
            "a max-pool's gradient holds its indices while it runs beside the unnamed "
            "buffers that already hold them",

@@ -145,11 +145,20 @@ def test_buffers_no_equation_names_are_held_from_where_they_are_made_to_their_re
   assert spans == ((0, update, 64, None), (0, update, 256, 0))
 
 
-# A max-pool gradient's scatter into a copy of the activation, as XLA:GPU
-# emits it: a copy only the scatter reads, which it updates in place (once
-# inside a fusion, through a reshape), and one read again after it.
+# A max-pool gradient's scatter as XLA:GPU emits it: into a copy of zeros
+# that the forward kernel of the activation also writes, a copy only the
+# scatter reads and updates in place (inside a fusion, through a reshape);
+# and into a copy of the activation read again after it.
 IN_PLACE = """\
 HloModule jit_run, is_scheduled=true
+
+%fused_forward (p0: f32[4,8]) -> (f32[4,8], f32[4,8]) {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %e = f32[4,8]{1,0} exponential(%p0), metadata={op_name="jit(run)/jaxmem#1/exp"}
+  %zero = f32[] constant(0)
+  %zeros = f32[4,8]{1,0} broadcast(%zero), dimensions={}
+  ROOT %t = (f32[4,8]{1,0}, f32[4,8]{1,0}) tuple(%e, %zeros)
+}
 
 %fused_scatter (p0: f32[4,8], p1: s32[2,8], p2: f32[2,8]) -> f32[4,8] {
   %p0 = f32[4,8]{1,0} parameter(0)
@@ -163,8 +172,10 @@ ENTRY %main (x: f32[4,8], i: s32[2,8], u: f32[2,8]) -> (f32[4,8], f32[4,8]) {
   %x = f32[4,8]{1,0} parameter(0)
   %i = s32[2,8]{1,0} parameter(1)
   %u = f32[2,8]{1,0} parameter(2)
-  %act = f32[4,8]{1,0} exponential(%x), metadata={op_name="jit(run)/jaxmem#1/exp"}
-  %copy = f32[4,8]{1,0} copy(%act)
+  %fwd = (f32[4,8]{1,0}, f32[4,8]{1,0}) fusion(%x), kind=kLoop, calls=%fused_forward, metadata={op_name="jit(run)/jaxmem#1/exp"}
+  %act = f32[4,8]{1,0} get-tuple-element(%fwd), index=0
+  %zeros = f32[4,8]{1,0} get-tuple-element(%fwd), index=1
+  %copy = f32[4,8]{1,0} copy(%zeros)
   %grad = f32[4,8]{1,0} fusion(%copy, %i, %u), kind=kInput, calls=%fused_scatter, metadata={op_name="jit(run)/jaxmem#3/select_and_scatter_add"}
   %again = f32[4,8]{1,0} copy(%act)
   %grad2 = f32[4,8]{1,0} scatter(%again, %i, %u), metadata={op_name="jit(run)/jaxmem#4/select_and_scatter_add"}
@@ -174,18 +185,25 @@ ENTRY %main (x: f32[4,8], i: s32[2,8], u: f32[2,8]) -> (f32[4,8], f32[4,8]) {
 """
 
 
-def test_a_buffer_its_one_reader_updates_in_place_is_that_readers_value():
+def test_a_scatters_base_is_its_value_and_zeros_beside_an_activation_are_not_its_copy():
   """XLA writes a scatter's (or a dynamic-update-slice's) result into its
   first operand where nothing reads the operand afterwards: a copy of an
   activation that only a max-pool gradient's scatter reads is then the
   gradient's own buffer, held as the gradient's value and not beside it.
-  A copy read again after the scatter is held to its last reader."""
+  A copy read again after the scatter is held to its last reader. Zeros
+  that the activation's kernel writes beside it are no copy of the
+  activation: they are held from that kernel to the scatter that reads
+  their copy, whatever becomes of the activation."""
+  from jaxmem.cost._xla_buffers import written_buffers
   from jaxmem.cost._xla_unnamed import unnamed
   program = hlo.parse(IN_PLACE)
   grad = next(i for i in program.entry_instructions if i.name == "grad")
   assert hlo.in_place(grad, program) == 0
   assert [(u.first, u.last, u.nbytes, u.source) for u in unnamed(program)] == [
-      (3, 5, 128, 1)]
+      (0, 3, 128, 1),  # the zeros
+      (3, 5, 128, 1),  # the copy read again
+  ]
+  assert [b.nbytes for b in written_buffers(IN_PLACE)[1]] == [128]  # the activation alone
 
 
 # One device's program of a partitioned step, cut to its collectives: a

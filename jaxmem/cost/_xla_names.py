@@ -32,7 +32,10 @@ def producers(inst: hlo.Instruction, program: hlo.Program) -> list:
 
 def outputs(inst: hlo.Instruction, program: hlo.Program) -> list:
   """(tag, arrays) of each output ``inst`` writes: a fusion's named by the
-  fused instruction that produces it, else by ``inst``."""
+  fused instruction that produces it, else by ``inst``; a constant
+  broadcast that no equation names (zeros XLA made itself: a max-pool
+  gradient's scatter base, merged into a forward kernel) is no equation's
+  (tag None), whatever kernel writes it."""
   body = program.fused_body(inst)
   root = next((i for i in body if i.root), None)
   if root is None:
@@ -45,8 +48,17 @@ def outputs(inst: hlo.Instruction, program: hlo.Program) -> list:
     while out.opcode == "bitcast" and out.operands() and out.operands()[0] in by_name:
       out = by_name[out.operands()[0]]  # a reshape names no computation
     tag = tag_of(out)
-    found.append((tag if tag is not None else tag_of(inst), out.arrays()))
+    if tag is None and not _splat(out, by_name):
+      tag = tag_of(inst)
+    found.append((tag, out.arrays()))
   return found
+
+
+def _splat(inst: hlo.Instruction, by_name: dict) -> bool:
+  """Whether ``inst`` broadcasts a constant."""
+  operands = inst.operands()
+  return (inst.opcode == "broadcast" and len(operands) == 1 and operands[0] in by_name
+          and by_name[operands[0]].opcode == "constant")
 
 
 def runs(inst: hlo.Instruction, program: hlo.Program) -> frozenset:

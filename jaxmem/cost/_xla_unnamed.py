@@ -60,7 +60,7 @@ def unnamed(program: hlo.Program) -> list[Unnamed]:
     source = max(made) if made else None
     for index, (tag, array) in enumerate(arrays):
       every = reading(inst.name, users, index if len(arrays) > 1 else None)
-      readers = [(t, r) for r in every for t in [tag_of(r)] if t is not None]
+      readers = _named_readers(every, users)
       if tag is None and readers and not _updated_in_place(inst, index, every, program,
                                                            by_name):
         last, reader = max(readers, key=lambda tr: tr[0])
@@ -87,6 +87,20 @@ def unnamed_spans(graph: Graph, found: list[Unnamed]) -> tuple:
       continue
     spans.append((u.first, u.last, u.nbytes, u.source))
   return tuple(spans)
+
+
+def _named_readers(readers: list, users: dict) -> list:
+  """(tag, instruction) of each of ``readers`` an equation names, and of
+  those that read a copy no equation names in their place (the copy of
+  zeros a max-pool gradient's scatter writes into)."""
+  found = []
+  for r in readers:
+    tag = tag_of(r)
+    if tag is not None:
+      found.append((tag, r))
+    elif r.opcode == "copy":
+      found += _named_readers(reading(r.name, users), users)
+  return found
 
 
 def _updated_in_place(inst: hlo.Instruction, index: int, readers: list,
