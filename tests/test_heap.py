@@ -67,3 +67,29 @@ def test_packing_is_at_least_the_live_peak_and_sometimes_above_it():
 def test_buffers_are_aligned_before_they_are_packed():
   assert packed([(0, 0, 1), (0, 0, 1)], alignment=128) == 256
   assert packed([(0, 0, 1), (1, 1, 1)], alignment=128) == 128
+
+
+def test_xlas_live_bytes_read_from_its_dump_add_up_to_its_footprint(tmp_path):
+  """``benchmarks/xla_live.py`` reads XLA:GPU's dump of a program for a T4:
+  the parameters' and outputs' allocations and the heap of temporaries
+  add up to XLA's footprint, and the heap holds the most temporaries live
+  at once."""
+  from benchmarks import xla_live
+  from jaxmem.targets import placed, resolve, xla_footprint
+
+  def step(x):
+    pooled = jax.lax.reduce_window(jnp.tanh(x), -jnp.inf, jax.lax.max,
+                                   (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    return jax.grad(lambda y: jnp.sum(jax.lax.reduce_window(
+        jnp.tanh(y), -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID") ** 2))(x), pooled
+
+  target = resolve("t4", ())
+  x = jax.ShapeDtypeStruct((4, 32, 32, 16), jnp.float32)
+  compiled = jax.jit(step, compiler_options={
+      **target.options(measuring=True), "xla_dump_to": str(tmp_path)}).lower(
+          *placed((x,), "t4")).compile()
+  program = xla_live.read(str(tmp_path))
+  found = xla_live.summary(program)
+  assert found["held"] + found["heap"] == xla_footprint(compiled)
+  assert found["heap"] == compiled.memory_analysis().temp_size_in_bytes
+  assert 0 < found["peak"] <= found["heap"]
