@@ -3,9 +3,10 @@
 Most buffers of the program :func:`~jaxmem.cost._xla_buffers.learn` reads
 carry the tag of the equation that made them. A few are XLA's own: a
 max-pool's argmax indices, which XLA:GPU finds with a variadic
-reduce-window beside the forward pool and keeps for the gradient; a copy of
-an activation the gradient's scatter writes into, where the activation is
-read again after it; weights relaid for cuDNN.
+reduce-window beside the forward pool and keeps for the gradient; the
+zeros the gradient's scatter starts from, which XLA:GPU makes in the pooled
+activation's forward kernel (:func:`~jaxmem.cost._xla_names.outputs`) and
+copies for the scatter to write into; weights relaid for cuDNN.
 Their fusions carry no name, but their place in the schedule and their
 readers do: :func:`unnamed` reads them, :func:`unnamed_spans` holds them
 as :attr:`~jaxmem.cost._xla_buffers.Buffers.spans`.
