@@ -11,13 +11,14 @@ from jaxmem.graph._xla_cpu_fusion import Fusion, select_and_scatter_bytes
 
 
 class LearnedFusion(Fusion):
-  """:class:`~jaxmem.graph._xla_cpu_fusion.Fusion`'s interface over
-  :class:`Buffers`: a value fuses into a reader where the compiler gave it
-  no buffer in the step as written and the reader is an equation."""
+  """:class:`~jaxmem.graph._xla_cpu_fusion.Fusion`'s interface over the
+  schedule's graph's :class:`Buffers`: a value fuses into a reader where the
+  compiler gave it no buffer in the step as written and the reader is an
+  equation."""
 
-  def __init__(self, schedule, names: list[str], backward: list[bool], buffers: Buffers):
+  def __init__(self, schedule, names: list[str], backward: list[bool]):
     super().__init__(schedule, names, backward)
-    self.buffers = buffers
+    self.buffers: Buffers = self.graph.buffers
     self._scratch, self._beside = _per_node(self.graph)
 
   def fused_into(self, key, reader: int) -> bool:

@@ -258,7 +258,7 @@ def fusion_of(schedule: Schedule) -> Fusion:
   backward = [op.kind != "node" or node_backward[op.node] for op in schedule.ops]
   if graph.buffers is None:
     return Fusion(schedule, names, backward)
-  return LearnedFusion(schedule, names, backward, graph.buffers)
+  return LearnedFusion(schedule, names, backward)
 
 
 def _copies_free_at(ops, fusion: Fusion) -> dict[int, list]:
