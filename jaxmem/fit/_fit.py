@@ -68,14 +68,14 @@ LOOSEN_MARGIN = 0.05
 # all 16 candidates again finds, and failing takes 178 s instead of 253 s.
 SMALLEST_AGAIN = 3
 
-# How far above the most model bytes per XLA byte seen a plan compiled for
-# the smallest footprint, or the first shaped form of its kind, may lie
-# (``Fitter.may_beat``, ``Fitter.structured``): among the lowest plans of the
-# zoo's ResNet-18 the figure spans 0.95-1.08, of GPT-2's 0.59-0.88; the U-Net's
-# first shaped form for a T4 (1.087) fit 2.9% above the fit's other steps.
+# How far above the most model bytes per XLA byte seen a plan for the smallest
+# footprint, or a kind's first shaped form, may lie (``Fitter.may_beat``,
+# ``Fitter.structured``): lowest plans span 0.95-1.08 (ResNet-18), 0.59-0.88
+# (GPT-2); the U-Net's first shaped form for a T4 fit at 2.9% above the rest.
 LOWEST_MARGIN = 0.1
 
-# The same from the shaped forms of its kind compiled so far (GPT-2, H100: 0.92-0.95).
+# The same from the shaped forms of its kind compiled so far (block-rebuilt
+# forms of GPT-2 at CPU sizes for an H100: 0.92-0.95).
 ALIKE_MARGIN = 0.03
 
 # How much slower than the best plan a shaped form may be predicted and
