@@ -43,6 +43,7 @@ LAYERS = [
     {"cost._evaluate"},
     {"planners._blocks", "fit._inner", "fit._shared"},
     {"planners._base", "planners._choices", "planners._solution", "planners._scores"},
+    {"planners._alike"},
     {"planners._pricing", "planners._highs", "planners._refine"},
     {"planners._greedy", "planners._hybrid", "planners._lgm", "planners._fixed",
      "planners._names"},

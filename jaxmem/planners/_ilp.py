@@ -68,11 +68,9 @@ class ILP(Planner):
       of its peak, 3 s instead of 10 s took the same plans, with a bound
       2% below them instead of 1%).
     mip_gap: the relative gap between a plan's cost and the solver's bound
-      at which a program counts as solved (HiGHS's ``mip_rel_gap``). Proving
-      the last fraction of a percent is most of the solver's time on large
-      graphs (the zoo's ViT at CPU size, 30-44% of its peak: 5 programs of
-      7.5 s each to close a gap under 0.01%); the bound is reported either
-      way, so the plan's distance to the optimum stays proved.
+      at which a program counts as solved (HiGHS's ``mip_rel_gap``; the
+      zoo's ViT at CPU size, 30-44% of its peak, took 5 programs of 7.5 s
+      each to close one under 0.01%); the bound is reported either way.
     guess_gap: the gap to the bound of the program over estimates within
       which a plan found on the table's guessed columns (what the memory
       model likely gives each choice; :mod:`~jaxmem.planners._pricing`) is
@@ -88,9 +86,10 @@ class ILP(Planner):
       and residual MLP, 4 saved at most 0.05% of a plan's cost, at two
       budgets, for 10% more planning time; none by default).
     lazy: whether a choice's column is priced only when a solution takes
-      it (:mod:`~jaxmem.planners._pricing`), else every column before the
-      first program (always on a memory model learned from XLA:GPU's
-      program, where estimates bound nothing).
+      it (:mod:`~jaxmem.planners._pricing`), else every column first. On a
+      memory model learned from XLA:GPU's program (estimates bound
+      nothing) columns of layers alike are moved, not estimated
+      (:mod:`~jaxmem.planners._alike`); :class:`Solution` counts them.
     fallback: the planner asked where no combination fits (a
       :class:`~jaxmem.Planner`; None: the recompute-only greedy), and for
       candidates of the lowest footprint beside the program's own.
@@ -378,19 +377,20 @@ class ILP(Planner):
         if table.price(range(n)):
           continue
         return None
-      if solves == 1 and not table.exact.all():
+      if solves == 1 and not (table.exact | table.moved).all():
         # The program over estimates bounds the exact one: a plan found on
         # the guesses within ``guess_gap`` of that bound is taken unpriced.
         found = self._guessed(graph, table, aim, bound, solves, spent)
         if found is not None:
           return found
       if limit == aim and missed < _WEIGHED and not table.exact[chosen].all():
-        # A plan taken on estimates that fits within the gap of their bound
-        # needs no pricing; one that does not fit is left out of later ones.
+        # A plan on estimates or moved columns that fits within the gap of
+        # their bound needs no pricing; one on estimates that does not fit
+        # is left out of later ones (one on moved columns is priced first).
         found = self._weighed(graph, table, chosen, aim, bound, solves, spent)
         if found.fits and found.details.gap <= self.mip_gap:
           return found
-        if not found.fits:
+        if not found.fits and not table.moved[chosen].any():
           refused.append(chosen)
           # The choices whose guesses say their estimates miss bytes where
           # the plan goes over are priced alone first, a few times.
@@ -444,7 +444,7 @@ class ILP(Planner):
     seconds = time.perf_counter() - began
     if best is None:
       return Gap(cost, None, "unreachable", seconds)
-    return Gap(cost, best.details.bound, best.details.status, seconds)
+    return Gap(cost, best.details.bound, best.details.status, seconds, best.details.moved)
 
   def _min_peak(self, graph: Graph) -> Candidate:
     """The combination of the lowest model peak the program finds (the
@@ -483,12 +483,12 @@ class ILP(Planner):
     if aim == 0:  # the program minimized the peak: its bound is not a cost
       bound = cost
     found.details = Solution([c.describe(graph) for c in choices], cost,
-                             float(bound), status, rounds, seconds)
+                             float(bound), status, rounds, seconds,
+                             moved=int(table.moved.sum()))
     return found
 
 
-# Programs a plan solves, about, before its columns are priced (the
-# planning-time warning's figure; ``Table.lazy`` decides).
+# Programs a plan solves, about, before its columns are priced (``Table.lazy``).
 _PROGRAMS = 12
 
 # Rounds per aim that price only the suspects of a plan judged over it

@@ -74,6 +74,7 @@ from jaxmem._decisions import RECOMPUTE, Plan
 from jaxmem.cost._evaluate import candidate, fused_values
 from jaxmem.graph._graph import Graph
 from jaxmem.cost._memory import Liveness, fusion_of
+from jaxmem.planners import _alike as alike
 from jaxmem.planners._choices import Drop, levels, plan_of
 from jaxmem.graph._xla_cpu_fusion import readable
 
@@ -96,6 +97,10 @@ class Table:
       estimate leaves out (buffers the forward pass reads whatever the
       plan, backward reads of values kept, what the rebuild reads); it
       may lie above or below the exact column, so it bounds nothing.
+    moved: per choice, whether its column and cost (and guess) are those
+      of the same choice in an alike layer, moved to its own
+      (:mod:`~jaxmem.planners._alike`) and not yet priced: near the exact
+      ones, but no bound either way.
     overhead: what any recomputation adds to each row (the reference plan
       against the step as written); ``overhead_cost`` likewise.
     base_cost: the cost of the step as written.
@@ -119,11 +124,15 @@ class Table:
   seconds: float = 0.0
   rows: list = dataclasses.field(default_factory=list, repr=False)
   guess: np.ndarray | None = dataclasses.field(default=None, repr=False)
+  moved: np.ndarray | None = dataclasses.field(default=None, repr=False)
   # How to price: the graph, the planner's cost of a schedule, and the
   # reference plan's rows and cost.
   _graph: Graph | None = dataclasses.field(default=None, repr=False)
   _cost_of: object = dataclasses.field(default=None, repr=False)
   _reference_rows: dict = dataclasses.field(default_factory=dict, repr=False)
+  # Per priced choice, the equations its plan runs again (the reference's
+  # included): where a rebuild reaches, which moving a column needs.
+  _reruns: dict = dataclasses.field(default_factory=dict, repr=False)
   _reference_cost: float = 0.0
 
   def plan(self, graph: Graph, chosen) -> Plan:
@@ -140,9 +149,11 @@ class Table:
     todo = [i for i in chosen if not self.exact[i]]
     began = time.perf_counter()
     for i in todo:
-      self.delta[:, i], self.cost[i] = self._evaluated(self.choices[i])
+      self.delta[:, i], self.cost[i], self._reruns[self.choices[i]] = (
+          self._evaluated(self.choices[i]))
       self.guess[:, i] = self.delta[:, i]
       self.exact[i] = True
+      self.moved[i] = False
     self.priced += len(todo)
     self.seconds += time.perf_counter() - began
     return len(todo)
@@ -174,16 +185,18 @@ class Table:
       return None
     return self.seconds / self.priced * (len(self.choices) - int(self.exact.sum()))
 
-  def _evaluated(self, choice) -> tuple[np.ndarray, float]:
+  def _evaluated(self, choice) -> tuple[np.ndarray, float, frozenset]:
     """A choice's exact column and cost: the plan that takes it alone (on
-    top of the reference) against the reference."""
+    top of the reference) against the reference; and the equations that
+    plan runs again."""
     decisions = {v: RECOMPUTE for v in self.reference}
     decisions.update(plan_of(self._graph, [choice]).as_dict())
     memory = candidate(self._graph, Plan.of(decisions)).memory
     found = levels(memory)
     column = np.array([found.get(k, 0) - self._reference_rows.get(k, 0) for k in self.rows],
                       dtype=float)
-    return column, self._cost_of(memory.schedule) - self._reference_cost
+    reruns = frozenset(op.node for op in memory.schedule.ops if op.kind == "recompute")
+    return column, self._cost_of(memory.schedule) - self._reference_cost, reruns
 
 
 def build(graph: Graph, choices: list, plans: list, base: Liveness, reference: tuple,
@@ -217,14 +230,40 @@ def build(graph: Graph, choices: list, plans: list, base: Liveness, reference: t
       ref_cost - base_cost, base_cost, exclusive([choices[i] for i in kept]), reference,
       _graph=graph, _cost_of=cost_of, rows=keys, _reference_rows=ref_rows,
       _reference_cost=ref_cost,
-      guess=np.array(guesses, dtype=float).T.reshape(len(keys), len(kept)))
+      guess=np.array(guesses, dtype=float).T.reshape(len(keys), len(kept)),
+      moved=np.zeros(len(kept), dtype=bool))
   # On buffers learned from a GPU compiler's program estimates bound
-  # nothing (see the module docstring): every column is priced.
+  # nothing (see the module docstring): every column is priced, but where
+  # ``lazy`` those of layers alike to two priced, which are moved.
   if not lazy or graph.buffers is not None:
-    table.price(range(len(kept)))
+    stacks = alike.groups(graph, table.choices) if lazy else []
+    inner = {i for stack in stacks for i in stack[2:-1]}
+    table.price([i for i in range(len(kept)) if i not in inner])
+    rerun = frozenset(op.node for op in ref.schedule.ops if op.kind == "recompute")
+    for stack in stacks:
+      _move(table, stack[1], stack[2:-1], rerun)
     freeing = [i for i in range(len(kept)) if table.delta[:, i].min() < 0]
     table = _only(table, freeing, exclusive)
   return table
+
+
+def _move(table: Table, source: int, targets, reference: frozenset) -> None:
+  """The priced column and cost of choice ``source`` moved to each of
+  ``targets`` (the same choice in alike layers; :func:`alike.moved`) where
+  its rebuild runs again only its own layer's equations beyond the
+  ``reference`` plan's, else the targets priced."""
+  graph, choice = table._graph, table.choices[source]
+  if not alike.inside(graph, choice, table._reruns[choice] - reference):
+    table.price(targets)
+    return
+  for i in targets:
+    column = alike.moved(graph, table.rows, table.delta[:, source], choice, table.choices[i])
+    if column is None:
+      table.price([i])
+      continue
+    table.delta[:, i] = table.guess[:, i] = column
+    table.cost[i] = table.cost[source]
+    table.moved[i] = True
 
 
 def _only(table: Table, kept: list, exclusive) -> Table:
@@ -232,8 +271,8 @@ def _only(table: Table, kept: list, exclusive) -> Table:
   choices = [table.choices[i] for i in kept]
   return dataclasses.replace(
       table, choices=choices, delta=table.delta[:, kept], guess=table.guess[:, kept],
-      cost=table.cost[kept],
-      exact=table.exact[kept], exclusive=exclusive(choices))
+      cost=table.cost[kept], exact=table.exact[kept], moved=table.moved[kept],
+      exclusive=exclusive(choices))
 
 
 class _Estimator:

@@ -34,6 +34,9 @@ class Solution(Details):
     rounds: programs solved (one more per combination the memory model
       refused).
     seconds: time in the solver.
+    moved: columns of the program moved from alike layers' and never
+      priced (:mod:`~jaxmem.planners._alike`): the bound is over them, near
+      the exact program's but not proved.
   """
   chosen: list
   cost: float
@@ -43,6 +46,7 @@ class Solution(Details):
   seconds: float
   refined: float | None = None
   fallback: str = ""
+  moved: int = 0
 
   @property
   def gap(self) -> float:
@@ -64,6 +68,8 @@ class Solution(Details):
     else:
       head = (f"exact planner ({self.status}): an optimum over its choices saves at most "
               f"{self.gap:.1%} of its cost")
+    if self.moved:
+      head += f" ({_moved(self.moved)})"
     if self.refined is not None and self.refined < self.cost:
       head += f"; the refinement cuts its cost to {self.refined / self.cost:.1%} of that"
     lines = [f"{head} ({self.rounds} programs, {self.seconds:.2f} s):"]
@@ -87,11 +93,14 @@ class Gap:
     status: the program's (``"optimal"``, ``"near-optimal"``, ``"time limit"``,
       ``"aim tightened"``, ``"unreachable"``).
     seconds: time spent pricing and solving.
+    moved: the program's columns moved from alike layers' and never
+      priced (see :class:`Solution`).
   """
   cost: float
   bound: float | None
   status: str
   seconds: float = 0.0
+  moved: int = 0
 
   @property
   def gap(self) -> float | None:
@@ -106,9 +115,17 @@ class Gap:
     if self.bound is None:
       return ("gap unknown: no combination of the exact planner's choices reaches "
               "this plan's peak")
-    solved = "" if self.status == "optimal" else f" (its program: {self.status})"
+    said = ([] if self.status == "optimal" else [f"its program: {self.status}"]) + (
+        [_moved(self.moved)] if self.moved else [])
+    solved = f" ({'; '.join(said)})" if said else ""
     if self.gap < 0:
       return (f"{-self.gap:.1%} cheaper than the exact planner's bound over its "
               f"choices{solved}: the plan reaches outside them")
     return (f"the exact planner's choices save at most {self.gap:.1%} of its cost at its "
             f"peak{solved}")
+
+
+def _moved(count: int) -> str:
+  """What a bound over moved columns says of itself."""
+  return (f"bound over {count} column{'s' if count > 1 else ''} moved from alike "
+          "layers, not priced")
