@@ -31,7 +31,7 @@ class _Layer(nn.Module):
 
 
 class _Stack(nn.Module):
-  depth: int = 5
+  depth: int = 8
 
   @nn.compact
   def __call__(self, x):
@@ -98,7 +98,7 @@ def test_a_moved_column_is_near_the_priced_one(t4_stack):
     assert np.abs(moving.delta[:, i] - eager.delta[:, j]).max() <= 0.01 * largest
     assert moving.cost[i] == pytest.approx(eager.cost[j], rel=0.01, abs=launch)
   stacks = alike.groups(t4_stack, moving.choices)
-  inner = {i for members in stacks for i in members[2:-1]}
+  inner = {i for members in stacks for i in members[2:-2]}
   assert len(inner) > len(moved)  # some rebuilds reach outside their layer
 
 
@@ -132,3 +132,26 @@ def test_pricing_a_moved_column_makes_it_exact(t4_stack):
   assert table.price([i]) == 1
   assert table.exact[i] and not table.moved[i]
   assert (table.guess[:, i] == table.delta[:, i]).all()
+
+
+def test_the_benchmark_compares_moved_columns_with_every_column_priced(tmp_path):
+  """benchmarks/alike.py on a small GPT-2 of five blocks: a table row that
+  counts moved columns and measures them against priced ones (a
+  second-to-last block moved from the second is off by about the whole
+  largest column, as its next layer feeds the head), and a row for its one
+  budget."""
+  import json
+  import sys
+  root = __file__.rsplit("/tests/", 1)[0]
+  sys.path.insert(0, root)
+  from benchmarks import alike as bench
+  bench.main(["--models", "gpt2", "--set", "depth=5", "dim=32", "seq=32", "vocab=64",
+              "batch=2", "--budgets", "1", "--out", str(tmp_path)])
+  rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+  (table,) = [r for r in rows if r["kind"] == "table"]
+  assert 1 <= table["moved"] < table["choices"] and table["unfreeing"] < table["moved"]
+  assert table["column_share"] <= 0.01 and table["cost_share"] <= 0.01
+  plans = [r for r in rows if r["kind"] == "plans"]
+  assert [round(r["fraction"], 2) for r in plans] == [0.95]
+  assert plans[0]["fits"] and plans[0]["added_cost_ratio"] <= 1.01
+  assert "| gpt2 | 95% |" in (tmp_path / "results.md").read_text()

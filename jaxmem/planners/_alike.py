@@ -15,9 +15,13 @@ solution takes it (:mod:`~jaxmem.planners._pricing`).
 The first layer reads the stem's output and the last feeds the head, so
 both often price apart from the rest (GPT-2 at CPU sizes for a T4: the
 first block's policies cost 7-12% more than the same policies in later
-blocks). The first two layers and the last are priced, and the second's
-columns are moved to the layers between (:func:`groups`), but for a
-choice whose rebuild runs equations outside its own layer (:func:`inside`).
+blocks). A moved column follows its source at the layers on either side
+too (a layer's rebuild runs before the next layer's backward equations
+that read its output), so the layer before the last differs as well. The
+first two layers and the last two are priced, and the second's columns
+are moved to the layers between (:func:`groups`, :func:`targets`), but
+for a choice whose rebuild runs equations outside its own layer
+(:func:`inside`).
 Measured against every column priced, on GPT-2 at CPU sizes with 6 blocks
 on the memory model learned for a T4: 67 of its 215 columns are moved;
 they differ from the priced ones by at most 20 KiB (0.3% of the largest
@@ -43,37 +47,52 @@ from jaxmem.planners._choices import Choice, Drop
 
 def groups(graph: Graph, choices: list) -> list[tuple[int, ...]]:
   """Indices into ``choices`` of the same choice in alike layers, in the
-  order the layers run, for stacks of four layers or more (the first two
-  and the last are priced, the others moved from the second)."""
+  order the layers run, for stacks of five layers or more (the first two
+  and the last two are priced, the others moved from the second)."""
   found: dict = {}
   for i, choice in enumerate(choices):
     key = _key(graph, choice)
     if key is not None:
       found.setdefault(key, []).append(i)
   return [tuple(sorted(members, key=lambda i: _layer(graph, _home(graph, choices[i]))[0][0]))
-          for members in found.values() if len(members) >= 4]
+          for members in found.values() if len(members) >= 5]
 
 
-def moved(graph: Graph, rows: list, column: np.ndarray, source, target) -> np.ndarray | None:
+def targets(stack: tuple) -> tuple:
+  """The members of ``stack`` whose columns are moved from its second: all
+  but the first two and the last two."""
+  return stack[2:-2]
+
+
+def moved(graph: Graph, rows: list, column: np.ndarray, homes: list, source: int,
+          target: int) -> np.ndarray | None:
   """``column`` (a choice's, over the table's ``rows`` in schedule order)
-  moved from the layer of choice ``source`` to that of the same choice
-  ``target``: at the target layer's equations, the source's at their
-  counterparts; between its forward and backward passes, the source's
-  there; at equations of other layers run inside its passes (a weight's
-  update between its backward equations), its own level before them; before
-  and after it, the source's before and after the source. None where a row
-  has no counterpart (an equation the source layer runs that has no row),
-  or the target's span is not inside the source's span between passes: the
-  column is priced instead."""
+  moved from layer ``homes[source]`` of a stack to layer ``homes[target]``
+  (``homes``: the stack's module paths in order): at the equations of the
+  target layer and of the layers on either side (where its rebuild may
+  run: before the next layer's backward equations that read its output),
+  the source's at their counterparts; between the target's forward and
+  backward passes, the source's there; at equations of other layers run
+  inside its passes (a weight's update between its backward equations),
+  its own level before them; before and after it, the source's before and
+  after the source. None where a row has no counterpart, or the target's
+  span between passes is not inside the source's: the column is priced
+  instead."""
   position = {node: k for k, node in enumerate(rows)}
-  src, dst = (_layer(graph, _home(graph, c))[0] for c in (source, target))
-  if not all(n in position for n in src + dst):
-    return None
+  layers = [_layer(graph, home)[0] for home in homes]
+  src, dst = layers[source], layers[target]
+  counterpart = {}
+  for step in (-1, 0, 1):
+    if not (0 <= source + step < len(layers) and 0 <= target + step < len(layers)):
+      continue
+    for s, t in zip(layers[source + step], layers[target + step]):
+      if s not in position or t not in position:
+        return None
+      counterpart.setdefault(position[t], position[s])
   a_s, fwd_s, bwd_s, z_s = _span(graph, src, position)
   a_t, fwd_t, bwd_t, z_t = _span(graph, dst, position)
   before = column[a_s - 1] if a_s > 0 else 0.0
   after = column[z_s + 1] if z_s + 1 < len(rows) else 0.0
-  counterpart = {position[t]: position[s] for s, t in zip(src, dst)}
   own = set(position[n] for n in src)
   out = np.empty_like(column)
   for k in range(len(rows)):
@@ -90,6 +109,12 @@ def moved(graph: Graph, rows: list, column: np.ndarray, source, target) -> np.nd
     else:
       out[k] = out[k - 1]
   return out
+
+
+def homes(graph: Graph, choices: list, stack: tuple) -> list[str]:
+  """The module paths of the layers of ``stack`` (indices into ``choices``),
+  in order."""
+  return [_home(graph, choices[i]) for i in stack]
 
 
 def inside(graph: Graph, choice, reruns: frozenset) -> bool:

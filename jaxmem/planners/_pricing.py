@@ -237,27 +237,29 @@ def build(graph: Graph, choices: list, plans: list, base: Liveness, reference: t
   # ``lazy`` those of layers alike to two priced, which are moved.
   if not lazy or graph.buffers is not None:
     stacks = alike.groups(graph, table.choices) if lazy else []
-    inner = {i for stack in stacks for i in stack[2:-1]}
+    inner = {i for stack in stacks for i in alike.targets(stack)}
     table.price([i for i in range(len(kept)) if i not in inner])
     rerun = frozenset(op.node for op in ref.schedule.ops if op.kind == "recompute")
     for stack in stacks:
-      _move(table, stack[1], stack[2:-1], rerun)
+      _move(table, stack, rerun)
     freeing = [i for i in range(len(kept)) if table.delta[:, i].min() < 0]
     table = _only(table, freeing, exclusive)
   return table
 
 
-def _move(table: Table, source: int, targets, reference: frozenset) -> None:
-  """The priced column and cost of choice ``source`` moved to each of
-  ``targets`` (the same choice in alike layers; :func:`alike.moved`) where
-  its rebuild runs again only its own layer's equations beyond the
-  ``reference`` plan's, else the targets priced."""
-  graph, choice = table._graph, table.choices[source]
+def _move(table: Table, stack: tuple, reference: frozenset) -> None:
+  """The priced column and cost of the second choice of ``stack`` (the same
+  choice in alike layers) moved to the stack's :func:`alike.targets`
+  (:func:`alike.moved`) where its rebuild runs again only its own layer's
+  equations beyond the ``reference`` plan's, else those priced."""
+  graph, source = table._graph, stack[1]
+  choice, inner = table.choices[source], alike.targets(stack)
   if not alike.inside(graph, choice, table._reruns[choice] - reference):
-    table.price(targets)
+    table.price(inner)
     return
-  for i in targets:
-    column = alike.moved(graph, table.rows, table.delta[:, source], choice, table.choices[i])
+  layers = alike.homes(graph, table.choices, stack)
+  for target, i in enumerate(inner, 2):
+    column = alike.moved(graph, table.rows, table.delta[:, source], layers, 1, target)
     if column is None:
       table.price([i])
       continue
