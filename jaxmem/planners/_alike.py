@@ -13,15 +13,17 @@ others (:func:`moved`), and the planner prices a moved column only where a
 solution takes it (:mod:`~jaxmem.planners._pricing`).
 
 The first layer reads the stem's output and the last feeds the head, so
-both often price apart from the rest (GPT-2 at CPU sizes for a T4: the
-first block's policies cost 7-12% more than the same policies in later
-blocks). A moved column follows its source at the layers on either side
+both often price apart from the rest. Where the compiler's buffers show
+it they are not alike at all (GPT-2 at CPU sizes for a T4: XLA:GPU fuses
+the embedding's sum into the first block's kernels, whose policies cost
+7-10% less than the later blocks', and most of its choices stand in no
+stack). A moved column follows its source at the layers on either side
 too (a layer's rebuild runs before the next layer's backward equations
 that read its output), so the layer before the last differs as well. The
-first two layers and the last two are priced, and the second's columns
-are moved to the layers between (:func:`groups`, :func:`targets`), but
-for a choice whose rebuild runs equations outside its own layer
-(:func:`inside`).
+first two layers of a stack and the last two are priced, and the
+second's columns are moved to the layers between (:func:`groups`,
+:func:`targets`), but for a choice whose rebuild runs equations outside
+its own layer (:func:`inside`).
 Measured against every column priced, on GPT-2 at CPU sizes with 12
 blocks on the memory model learned for a T4: 222 of its 425 columns are
 moved; they differ from the priced ones by at most 36 KiB (0.6% of the
