@@ -67,19 +67,26 @@ def _disabled_passes() -> list[str]:
 
 def measuring_options(platform: str) -> dict[str, object]:
   """Compiler options for the fit loop's compilations, of which only XLA's
-  footprint is read: :func:`compiler_options`, and LLVM's optimization off.
-  Buffers are assigned before LLVM runs, so footprints are the same
+  footprint and optimized program are read: :func:`compiler_options`, and
+  LLVM's optimization off; on a GPU, ``ptxas`` at ``-O0`` too (it turns
+  each kernel's PTX into machine code, which nothing here runs). Buffers
+  are assigned before LLVM and ``ptxas`` run, so footprints are the same
   (measured equal on the zoo's gpt2, resnet18, mobilenetv2 and unet on
   XLA:CPU, and for a T4 target; ``tests/test_flags.py`` checks it), and
   compiling takes 1.3-2.3x less time on XLA:CPU, 1.4x less for a T4 target
-  (a small CNN). The step the user runs is compiled with
-  :func:`compiler_options`.
+  (a small CNN); ``benchmarks/compile_options.py`` measures each option's
+  share. The step the user runs is compiled with :func:`compiler_options`.
 
   Example:
     >>> measuring_options("cpu")["xla_backend_optimization_level"]
     0
+    >>> measuring_options("gpu")["xla_gpu_disable_gpuasm_optimizations"]
+    True
   """
-  return {**compiler_options(platform), "xla_backend_optimization_level": 0}
+  options = {**compiler_options(platform), "xla_backend_optimization_level": 0}
+  if platform == "gpu":
+    options["xla_gpu_disable_gpuasm_optimizations"] = True
+  return options
 
 
 def _backend_started() -> bool:

@@ -102,9 +102,10 @@ def test_fitted_step_keeps_recomputation_without_the_global_flag():
     ("resnet18", dict(width=8, stages=[1, 1], size=16, batch=4))])
 def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config, target):
   """The fit loop reads footprints from compilations without LLVM's
-  optimization; the step the user runs is compiled with it (on XLA:CPU, and
-  on XLA:GPU for T4 and H100 targets: an option that changes a GPU's
-  convolution workspaces, such as autotuning off, would show on the H100)."""
+  optimization (nor, on a GPU, ptxas's); the step the user runs is
+  compiled with both (on XLA:CPU, and on XLA:GPU for T4 and H100 targets:
+  an option that changes a GPU's convolution workspaces, such as
+  autotuning off, would show on the H100)."""
   import jax
   from jaxmem.targets import placed, resolve, xla_footprint
   from jaxmem._zoo import models
@@ -118,3 +119,5 @@ def test_measuring_compiles_give_the_footprint_of_the_real_one(name, config, tar
                 for options in (on.options(), on.options(measuring=True))}
   assert len(footprints) == 1
   assert on.options(measuring=True)["xla_backend_optimization_level"] == 0
+  assert on.options(measuring=True).get("xla_gpu_disable_gpuasm_optimizations",
+                                         False) == (target != "cpu")
