@@ -38,8 +38,8 @@ MIB = 2.0**20
 def variants(target: str | None) -> dict[str, dict]:
   """Each variant's options over ``compile_for``'s plain ones: ``measuring``
   (the fit loop's), and the fit loop's less each option it adds (that
-  option at its plain value, or XLA's default where plain leaves it
-  unset: ``False`` or 0 never being XLA's default for these)."""
+  option at its plain value, or at XLA's default where plain leaves it
+  unset: :func:`_xla_default`)."""
   where = resolve(target, ())
   plain, measuring = where.options(), where.options(measuring=True)
   added = [k for k in measuring if plain.get(k) != measuring[k]]
