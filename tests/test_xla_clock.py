@@ -150,28 +150,38 @@ def test_convolutions_and_their_gradients_are_priced_by_the_forward_flops():
       (first + second + 2 * (first + second) + second) / 1e9, rel=1e-6)
 
 
-def test_a_forward_convolution_with_fewer_output_tiles_than_multiprocessors_runs_slower():
+@pytest.mark.parametrize("micro_batches", [1, 4])
+def test_a_forward_convolution_with_fewer_output_tiles_than_multiprocessors_runs_slower(
+    micro_batches):
   """The filter gradient of a stride-2 transposed convolution: XLA:GPU
   emits it as a forward convolution whose window spans the image and whose
   output is the 2x2 filter, one 128x128 tile of work, so it keeps one of the
   T4's 40 multiprocessors busy and takes 40 times its FLOPs' time; the
   forward pass and the input gradient write enough tiles to fill the GPU
   (``occupancy``). Against the same profile naming no GPU, the clock adds
-  39 times the filter gradient's FLOPs over the rate."""
+  39 times the filter gradient's FLOPs over the rate, once per micro-batch
+  where the gradients are summed over micro-batches in a loop: there XLA:GPU
+  fuses the sum into the call (``__cudnn$convBiasActivationForward``, the
+  running sum its side input), which tiles its output alike."""
   n, h, c_in, c = 8, 64, 32, 16  # the input gradient: 8*64*64*32 = 64 tiles
   up = lambda x, w: jax.lax.conv_transpose(x, w, (2, 2), "VALID",
                                            dimension_numbers=("NHWC", "HWIO", "NHWC"))
   loss = lambda w, x: jnp.sum(jnp.tanh(up(x, w)))
-  step = lambda w, x: w - jax.grad(loss)(w, x)
-  args = placed((jnp.ones((2, 2, c_in, c)), jnp.ones((n, h, h, c_in))), "t4")
+  summed = lambda w, xs: jax.lax.fori_loop(
+      0, micro_batches, lambda i, acc: acc + jax.grad(loss)(w, xs[i]), jnp.zeros_like(w))
+  step = lambda w, xs: w - summed(w, xs)
+  args = placed((jnp.ones((2, 2, c_in, c)), jnp.ones((micro_batches, n, h, h, c_in))), "t4")
   text = jax.jit(step, compiler_options=resolve("t4", ()).options()).lower(
       *args).compile().as_text()
+  if micro_batches > 1:
+    assert "__cudnn$convBiasActivationForward" in text
   matmul_only = dataclasses.replace(TOY, memory_bandwidth=1e30, kernel_latency=0.0)
   assert matmul_only.description.core_count == 40
   filter_gradient = 2 * n * h * h * c_in * c * 2 * 2
   unnamed = dataclasses.replace(matmul_only, description=None)
   added = program_time(text, matmul_only).seconds - program_time(text, unnamed).seconds
-  assert added == pytest.approx(39 * filter_gradient / matmul_only.matmul_throughput, rel=1e-6)
+  assert added == pytest.approx(
+      micro_batches * 39 * filter_gradient / matmul_only.matmul_throughput, rel=1e-6)
   # The planners price the equation by the same rule.
   op = OpCost("conv_general_dilated", filter_gradient, 0, matmul=True,
               library="__cudnn$convForward", outputs=2 * 2 * c_in * c)

@@ -81,9 +81,12 @@ LIBRARY_CALLS = (("__cublas", 2.0, 1.0), ("__cudnn$convBackwardFilter", 1.0, 0.5
 # filter gradient of a strided transposed convolution is such a call (XLA
 # emits it as a forward convolution whose output is the small filter and
 # whose window spans the image); on the H100's trace these ran 4-60x over
-# the rate-only price. Filter-gradient and matmul kernels also split the
-# reduction, so the rule leaves them alone.
-TILED_CALLS = ("__cudnn$convForward",)
+# the rate-only price. A forward convolution fused with a bias or side
+# input (XLA:GPU's convBiasActivationForward: a filter gradient summed over
+# micro-batches in a loop takes the running sum as its side input) runs the
+# same tiles. Filter-gradient and matmul kernels also split the reduction,
+# so the rule leaves them alone.
+TILED_CALLS = ("__cudnn$convForward", "__cudnn$convBiasActivationForward")
 TILE_ELEMENTS = 128 * 128
 
 
