@@ -540,6 +540,12 @@ MUTANTS = [
            "        if not found.fits and not table.moved[chosen].any():",
            "        if not found.fits:",
            ("tests/test_alike.py",)),
+    Mutant("side-input-convolution-untiled",
+           "a forward convolution fused with a side input is priced as if it filled the GPU",
+           "jaxmem/cost/_xla_clock.py",
+           'TILED_CALLS = ("__cudnn$convForward", "__cudnn$convBiasActivationForward")',
+           'TILED_CALLS = ("__cudnn$convForward",)',
+           ("tests/test_xla_clock.py",)),
 ]
 
 
