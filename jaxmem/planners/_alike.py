@@ -61,9 +61,9 @@ def groups(graph: Graph, choices: list) -> list[tuple[int, ...]]:
 
 
 def targets(stack: tuple) -> tuple:
-  """The members of ``stack`` whose columns are moved from its second: all
-  but the first two and the last two."""
-  return stack[2:-2]
+  """The members of ``stack`` whose columns are moved from its second, each
+  with its position in the stack: all but the first two and the last two."""
+  return tuple(enumerate(stack))[2:-2]
 
 
 def moved(graph: Graph, rows: list, column: np.ndarray, homes: list, source: int,

@@ -237,7 +237,7 @@ def build(graph: Graph, choices: list, plans: list, base: Liveness, reference: t
   # ``lazy`` those of layers alike to two priced, which are moved.
   if not lazy or graph.buffers is not None:
     stacks = alike.groups(graph, table.choices) if lazy else []
-    inner = {i for stack in stacks for i in alike.targets(stack)}
+    inner = {i for stack in stacks for _, i in alike.targets(stack)}
     table.price([i for i in range(len(kept)) if i not in inner])
     rerun = frozenset(op.node for op in ref.schedule.ops if op.kind == "recompute")
     for stack in stacks:
@@ -255,10 +255,10 @@ def _move(table: Table, stack: tuple, reference: frozenset) -> None:
   graph, source = table._graph, stack[1]
   choice, inner = table.choices[source], alike.targets(stack)
   if not alike.inside(graph, choice, table._reruns[choice] - reference):
-    table.price(inner)
+    table.price([i for _, i in inner])
     return
   layers = alike.homes(graph, table.choices, stack)
-  for target, i in enumerate(inner, 2):
+  for target, i in inner:
     column = alike.moved(graph, table.rows, table.delta[:, source], layers, 1, target)
     if column is None:
       table.price([i])
