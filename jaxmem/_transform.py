@@ -335,7 +335,8 @@ class Transformed:
                                model_scale=model.peak / max((own.footprint or model.peak)
                                                             - fixed, 1), jit=jit,
                                max_rounds=self.max_rounds, reserve=reserve, where=target.name,
-                               fixed=fixed, clock=clock, plans=plans, to_beat=to_beat)
+                               fixed=fixed, clock=clock, plans=plans, to_beat=to_beat,
+                               own_footprint=None if own is written else own.footprint)
     cached = None if micro else self._cache_entry(step, leaves, target, budget, reserve, planner)
     saved = None if cached is None else _plan_cache.get(*cached, step)
     planned, planner, found = search(

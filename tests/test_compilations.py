@@ -144,6 +144,25 @@ def test_a_second_fit_compiles_no_micro_batches_measured_before(args):
   assert again < len(made), (again, len(made))
 
 
+def test_micro_batches_that_fit_as_written_are_taken_as_compiled(caplog):
+  """Where the step runs in micro-batches, the count whose step as written
+  fits the budget is taken as it was compiled to be measured, on a GPU
+  target too, where a plan of it or its backward reads separated could
+  compile smaller: no other form of it is compiled, and it needs no plan.
+  (6 tanh layers over 4096 examples of 256 for a T4: at 40%, no plan of the
+  whole step fits, 4 micro-batches do as written.)"""
+  from jaxmem.targets import placed
+  step = lambda w, x: tanh_step(w, x, layers=6, lr=1e-3)
+  args = placed((jnp.eye(256) * 0.1, jnp.ones((4096, 256))), "t4")
+  caplog.set_level("INFO", logger="jaxmem")
+  fit = jaxmem.transform(step, budget="40%", target="t4").fit(*args)
+  logged = [r.getMessage() for r in caplog.records]
+  assert fit.micro is not None and not len(fit.plan), fit
+  measured = [m for m in logged if "micro-batches of" in m and "as written:" in m]
+  assert measured[-1].endswith(f"as written: {fit.footprint}"), logged
+  assert not any("backward reads separated" in m for m in logged), logged
+
+
 def test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner(args):
   """Another transform of the same function, traced to the same program,
   plans on the graph and with the planner the first one set up (their

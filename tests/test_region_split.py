@@ -197,6 +197,31 @@ def test_chunks_replace_a_plan_only_where_the_clock_says_they_are_faster():
   assert cheaper(unchanged, offer, clock) is unchanged  # as written: nothing to replace
 
 
+def test_micro_batches_of_the_whole_step_replace_a_plan_where_they_are_faster():
+  """Where the region around the peak in chunks is no faster than the plan
+  (or does not fit), the whole step in micro-batches is weighed too; of
+  several that fit, the fastest is taken."""
+  region = _Priced(1.5, micro=MicroBatches(4, 16, ("tokens",), region="the head"))
+  whole = _Priced(1.0, micro=MicroBatches(2, 16, ("tokens",)))
+  clock = lambda compiled: compiled.seconds
+  asked = []
+
+  def offer(*args, region: bool, **kwargs):
+    asked.append(region)
+    return {True: offered[0], False: offered[1]}[region]
+
+  for offered, want in [((None, whole), whole), ((region, whole), whole),
+                        ((region, _Priced(1.8, micro=whole.micro)), region),
+                        ((None, _Priced(2.5, micro=whole.micro)), None)]:
+    asked.clear()
+    chosen = cheaper(_Priced(2.0), offer, clock)
+    assert asked == [True, False]
+    if want is None:
+      assert chosen.micro is None  # the plan is the fastest
+    else:
+      assert chosen.predicted == want.predicted and "takes longer (2e+03 ms" in chosen.micro.instead
+
+
 def test_chunks_no_faster_than_the_plan_end_the_search_for_a_count():
   """Weighing chunks against a plan that fits, the fewest chunks are
   measured first; where they are predicted no faster than the plan, no

@@ -123,6 +123,9 @@ class Fitter:
     to_beat: a footprint reached otherwise (the step in micro-batches), as
       errors name it, where given: the search for the smallest footprint
       compiles only candidates that may come under it (or the budget).
+    own_footprint: XLA's footprint of this graph's own step as written,
+      where it is not the untransformed step's (the step in micro-batches):
+      a budget it meets needs no plan, nor a form of it compiled again.
   """
   graph: Graph
   planner: Planner
@@ -138,6 +141,7 @@ class Fitter:
   smallest_from: tuple[Plan, ...] | None = None
   plans: dict | None = None
   to_beat: int | None = None
+  own_footprint: int | None = None
   # Model bytes per XLA byte of each planned trial compiled: what the
   # model's peaks have been worth on the target so far in this fit.
   _ratios: list = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -329,7 +333,7 @@ class Fitter:
 
   def _under_written(self) -> bool:
     """A backward pass, and a budget under the step's footprint as written."""
-    return self.graph.has_backward and self.budget < self.unconstrained
+    return self.graph.has_backward and self.budget < (self.own_footprint or self.unconstrained)
 
   def start(self, aim: int) -> Candidate:
     """Where no plan is needed for ``aim``: the step as written, or under its

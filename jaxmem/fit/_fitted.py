@@ -221,7 +221,8 @@ class Fit:
         f"target            {self.target.name}",
         f"planner           {self.planner.describe()}",
         *([f"planned per pass  {self.inner.describe()}"] if self.inner else []),
-        *([f"micro-batches     {self.micro.describe()}: no plan of the whole batch fits "
+        *([f"micro-batches     {self.micro.describe()}: "
+           f"{self.micro.instead or 'no plan of the whole batch fits'} "
            "(residuals, decisions and FLOPs below are one micro-batch's)"]
           if self.micro and not self.micro.region and not self.micro.features else []),
         *([f"chunked region    {self.micro.describe()}: "
