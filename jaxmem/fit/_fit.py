@@ -56,16 +56,14 @@ _log = logging.getLogger("jaxmem")
 # How far under the budget's share of the model the first plan aims.
 FIRST_MARGIN = 0.01
 
-# A fitting plan is loosened (``Fitter.loosen``) where XLA's footprint leaves
-# this share of the budget free and a plan may fit for an aim this much
-# looser: closer, a compilation buys a few recomputations back (GPT-2 at 70%
-# of its footprint: 1% looser, 38 decisions to 41).
+# A fitting plan is loosened (``Fitter.loosen``) where XLA's footprint leaves this share
+# of the budget free and a plan may fit for an aim this much looser: closer, a
+# compilation buys a few recomputations back (GPT-2 at 70%: 1% looser, 38 decisions to 41).
 LOOSEN_MARGIN = 0.05
 
-# Plans of the first search for the smallest footprint that a second fit of
-# the same step (its optimizer state on the host) compiles again: on a 2-layer
-# GPT-2 for a T4 at 10%, the smallest named is then 0.6% over what compiling
-# all 16 candidates again finds, and failing takes 178 s instead of 253 s.
+# Plans of the first search for the smallest footprint that a second fit of the same step
+# (its optimizer state on the host) compiles again: on a 2-layer GPT-2 for a T4 at 10%, the
+# smallest named is 0.6% over compiling all 16 candidates again, failing in 178 s not 253 s.
 SMALLEST_AGAIN = 3
 
 # How far above the most model bytes per XLA byte seen a plan for the smallest
@@ -123,9 +121,8 @@ class Fitter:
     to_beat: a footprint reached otherwise (the step in micro-batches), as
       errors name it, where given: the search for the smallest footprint
       compiles only candidates that may come under it (or the budget).
-    own_footprint: XLA's footprint of this graph's own step as written,
-      where it is not the untransformed step's (the step in micro-batches):
-      a budget it meets needs no plan, nor a form of it compiled again.
+    own_footprint: XLA's footprint of this graph's step as written where it is
+      not the untransformed step's (in micro-batches): a budget it meets needs no plan.
   """
   graph: Graph
   planner: Planner
@@ -336,9 +333,8 @@ class Fitter:
     return self.graph.has_backward and self.budget < (self.own_footprint or self.unconstrained)
 
   def start(self, aim: int) -> Candidate:
-    """Where no plan is needed for ``aim``: the step as written, or under its
-    footprint the planners' starting point (every residual kept, backward
-    reads separated), which XLA:GPU may compile smaller."""
+    """Where no plan is needed for ``aim``: the step as written, or under its footprint the
+    planners' start (each residual kept, backward reads separated), which XLA:GPU may shrink."""
     if self._under_written():
       return candidate(self.graph, Plan(), aim)
     return unplanned(self.graph, aim)
