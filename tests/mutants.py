@@ -196,9 +196,9 @@ MUTANTS = [
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "
            "against 18 MiB compiled as the user's step is)",
            "jaxmem/_flags.py",
-           '  return {**compiler_options(platform), "xla_backend_optimization_level": 0}\n',
-           '  return {**compiler_options(platform), "xla_backend_optimization_level": 0,\n'
-           '          **({"xla_gpu_autotune_level": 0} if platform == "gpu" else {})}\n',
+           '  options = {**compiler_options(platform), "xla_backend_optimization_level": 0}\n',
+           '  options = {**compiler_options(platform), "xla_backend_optimization_level": 0,\n'
+           '             **({"xla_gpu_autotune_level": 0} if platform == "gpu" else {})}\n',
            ("tests/test_flags.py::test_measuring_compiles_give_the_footprint_of_the_real_one",)),
     Mutant("block-barrier-only-rebuild-inputs",
            "a block rebuilt as checkpointed passes only what its recomputation "
@@ -419,7 +419,7 @@ MUTANTS = [
     Mutant("collective-buffers-unheld",
            "the buffers a partitioned program's collectives write (gathered activations) "
            "are not held",
-           "jaxmem/cost/_xla_buffers.py",
+           "jaxmem/cost/_learned_fusion.py",
            "    if not self.buffers.spans:\n      return []",
            "    if True:\n      return []",
            ("tests/test_sharded_steps.py::test_a_tensor_parallel_steps_model_follows_xla_gpu_per_device",
