@@ -562,3 +562,25 @@ def test_a_budget_the_step_meets_on_a_gpu_target_compiles_it_once_for_the_target
     fit = fitted.fit(*args)
   assert not len(fit.plan) and fit.target.compile_only
   assert len(made) == 1, made
+
+
+def test_the_check_of_drawing_per_chunk_is_one_compilation_and_refuses_another_layout(
+    monkeypatch):
+  """``exact`` checks every width and axis in one compilation (eagerly it
+  made one per draw: 46 on this JAX), also from inside a caller's trace,
+  and answers False where chunks are not slices of the whole draw."""
+  from jaxmem.graph import _random_bits
+
+  _random_bits.exact.cache_clear()
+  try:
+    with counted() as made:
+      got = jax.jit(lambda x: x + _random_bits.exact())(0)
+    assert int(got) == 1 and len(made) == 2  # the check's program and the caller's
+    right = _random_bits.chunk_bits
+    monkeypatch.setattr(_random_bits, "chunk_bits",
+                        lambda key, width, shape, axis, start, step, size: right(
+                            key, width, shape, axis, start, 1, size))
+    _random_bits.exact.cache_clear()
+    assert not _random_bits.exact()  # strided chunks read as blocks
+  finally:
+    _random_bits.exact.cache_clear()
