@@ -11,7 +11,9 @@ The public face, in one screen:
   (vTensors) and :class:`Save` (block boundaries);
 * the planners: :class:`Planner` (the contract), :class:`Greedy`,
   :class:`Hybrid`, :class:`LGM`, :class:`ILP` (exact), the factory
-  :func:`hybrid` and the registry :data:`PLANNERS`;
+  :func:`hybrid` and the registry :data:`PLANNERS` (``auto``,
+  ``recompute``, ``hybrid``, ``offload``, ``lgm``, ``ilp``, ``names`` and
+  the ablations ``lgm-whole``, ``lgm-unreserved``);
 * targets, the GPUs plans are made and compiled for
   (:mod:`jaxmem.targets`): :class:`DeviceProfile` with its
   :class:`GpuDescription`, :data:`PROFILES`, :func:`calibrate`;

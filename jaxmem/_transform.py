@@ -148,6 +148,7 @@ class Transformed:
     return fit.runners[where.name]
 
   def report(self, *args, **kwargs) -> str:
+    """:meth:`Fit.report` of the fit for these arguments (``top``: ``.fit(*args).report(top=)``)."""
     return self.fit(*args, **kwargs).report()
 
   def fit(self, *args, **kwargs) -> Fit:
@@ -421,11 +422,10 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
               host_state: bool = True, micro_batches="auto", **jit_kwargs) -> Transformed:
   """Fits a training step into a device-memory budget.
 
-  The step (forward, backward and optimizer update in one function) is traced
-  once per argument signature; its residuals are planned so that the
-  compiled footprint stays within ``budget``, the joint jaxpr is rewritten
-  with the plan and compiled with ``jax.jit``. The result computes the same
-  numbers as ``fun``.
+  The step (forward, backward and optimizer update in one function) is
+  traced once per argument signature, its residuals planned so that XLA's
+  compiled footprint stays within ``budget``, and the joint jaxpr rewritten
+  with the plan and compiled with ``jax.jit``; it computes ``fun``'s numbers.
 
   Args:
     fun: the training step.
@@ -436,31 +436,33 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
       per-block policies and lone recomputations (:class:`jaxmem.ILP`), and
       where none fits takes the greedy's plan, or on a ``target`` with a
       host link of its own the hybrid's (recomputation and offload).
+    target: the device planned and compiled for; None: the one the
+      arguments are on (this machine's GPU or CPU). A name in
+      ``jaxmem.PROFILES`` (``"t4"``) or a :class:`jaxmem.DeviceProfile`:
+      XLA:GPU's program for that GPU, compiled here with JAX's CUDA plugin
+      (``jaxmem[target]``). A planner object keeps its own target.
     static_argnums, static_argnames: as for ``jax.jit`` (a name also makes
       its position static, an index its name; negative indices count from
       the end of the call's positional arguments).
     max_rounds: how often to re-plan with a tighter model target when XLA's
       footprint exceeds the budget.
     reserve: bytes of the budget kept free for what the runtime allocates
-      beyond XLA's compiled footprint (cuDNN/cuBLAS workspaces): XLA's
-      footprint is held to ``budget - reserve``. None: 128 MiB on GPU and
-      other accelerators (the most seen over the footprint on an H200 was
-      92 MB), 0 on CPU.
+      beyond XLA's footprint (cuDNN/cuBLAS workspaces). None: 128 MiB for a
+      budget in bytes on a GPU or other accelerator; 0 on CPU and for a
+      fraction (a share of XLA's footprint, which leaves them out).
     plan: a plan to apply instead of planning: a path to one saved by
       :meth:`Fit.save_plan` (refused if the step or its argument shapes
       changed since) or a :class:`jaxmem.Plan`. It is compiled once and kept
       if it fits the budget.
-    plan_cache: a directory where plans are kept across runs (None: the
-      environment variable ``JAXMEM_PLAN_CACHE_DIR``, or no cache). An
-      entry is keyed by the traced step, the arguments' shapes and
-      shardings, the budget in bytes, the target, the planner and the
-      versions of jaxmem and JAX; a hit is compiled once, without planning,
-      and taken where it fits (else the step is planned again).
+    plan_cache: a directory that keeps plans across runs (None: the
+      environment variable ``JAXMEM_PLAN_CACHE_DIR``, or none), keyed by the
+      traced step, the arguments' shapes and shardings, the budget, target,
+      planner and the versions of jaxmem and JAX; a hit is compiled once
+      without planning and taken where it fits (else planned again).
     host_state: whether, on a GPU with a host link, the optimizer state
-      (arguments only its update reads: Adam's moments), then a
-      mixed-precision step's float32 master weights, may live in
-      ``pinned_host`` memory between steps where no plan fits with them on
-      the device; the step then takes and returns them there (``Fit.hosted``).
+      (arguments only its update reads: Adam's moments), then a mixed-precision
+      step's float32 master weights, may stay in ``pinned_host`` memory between
+      steps where no plan fits with them on the device (``Fit.hosted``).
     micro_batches: ``"auto"``: where no plan fits, the region around the
       step's peak (a loss head) runs over chunks of the batch, else the whole
       step over micro-batches with gradients accumulated, as few as fit
@@ -474,8 +476,8 @@ def transform(fun: Callable, budget, *, planner="auto", target=None,
     A :class:`Transformed` callable.
 
   Raises:
-    BudgetError: for a budget that cannot be read or cannot be met (the
-      message names the smallest footprint reached).
+    BudgetError: for a budget that cannot be read or met (naming the
+      smallest footprint reached).
 
   Example:
     >>> import jax, jax.numpy as jnp, jaxmem

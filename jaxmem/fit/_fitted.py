@@ -167,7 +167,7 @@ class Fit:
     """The plan as a ``jax.checkpoint`` policy over the step's
     ``checkpoint_name``\\ s for the model's layers: the names saved, those
     offloaded to host memory, and the layers (module paths) to wrap in
-    ``nn.remat(Layer, policy=fitted.name_policy())``; every other value a
+    ``nn.remat(Layer, policy=fit.name_policy())``; every other value a
     layer makes is rebuilt (:func:`jaxmem.fit._policies.name_policy`).
 
     Raises:

@@ -14,6 +14,8 @@ Every planner is a :class:`Planner` (``plan``, ``lowest``, ``structured``,
   ``scipy.optimize.milp``), with the greedy where no combination fits;
 * ``auto``: the same, with the hybrid instead of the greedy on a target
   whose host memory is not the device's;
+* ``names``: :class:`Names`, each of the step's ``checkpoint_name``\\ s
+  saved, offloaded or rebuilt in every layer;
 * ablations ``lgm-whole`` and ``lgm-unreserved``.
 
 Example:
@@ -106,7 +108,7 @@ def names(target=None, **options) -> Names:
   """The planner over the step's ``checkpoint_name``\\ s (:class:`Names`):
   each name saved, offloaded (with a target that has a host link) or
   rebuilt, every value no name covers rebuilt; its plans are written out as
-  a ``jax.checkpoint`` policy by ``Fitted.name_policy()``."""
+  a ``jax.checkpoint`` policy by ``Fit.name_policy()``."""
   return Names(target=target, **options)
 
 
