@@ -204,7 +204,7 @@ class Transformed:
     if key not in self._fits:
       args, kwargs, leaves = as_sharded(self.arguments, self.jit_kwargs.get("in_shardings"),
                                         *on_device(self.arguments, args, kwargs))
-      with paused_gc():  # tracing and analysis make many objects, few in cycles
+      with paused_gc(), target.compiling():  # gc: many objects made, few in cycles
         fit = self._build(args, kwargs, leaves, target, find_smallest)
       if fit is None:
         return None

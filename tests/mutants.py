@@ -191,6 +191,14 @@ MUTANTS = [
            "  return max(0, liveness.peak - liveness.arguments - results)",
            "  return 0",
            ("tests/test_region_split.py::test_the_memory_model_counts_the_chunks",)),
+    Mutant("compile-only-fits-fill-the-persistent-cache",
+           "a fit for a compile-only GPU writes its compilations to JAX's "
+           "persistent cache, which cannot load them back without the GPU",
+           "jaxmem/targets/_compile.py",
+           "    if not self.compile_only:\n      yield\n      return\n    from jax._src",
+           "    if True:\n      yield\n      return\n    from jax._src",
+           ("tests/test_target.py::"
+            "test_a_fit_for_a_gpu_not_here_writes_nothing_to_jaxs_persistent_cache",)),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "

@@ -199,3 +199,47 @@ def test_a_calibrated_description_round_trips_through_a_profile():
   np.testing.assert_allclose(jaxmem.transform(step, budget="100%", target=l4)(w, x),
                              jax.jit(step)(w, x), rtol=1e-6)
 
+
+
+
+_PERSISTENT_CACHE = """
+import os, sys, warnings
+import jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", sys.argv[1])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+import jaxmem
+sys.path.insert(0, os.getcwd())
+from tests.helpers import tanh_step
+
+w, x = jnp.eye(128) * 0.1, jnp.ones((4096, 128))
+before_fit = len(os.listdir(sys.argv[1]))  # the eager ops making the arguments
+with warnings.catch_warnings(record=True) as caught:
+  warnings.simplefilter("always")
+  fit = jaxmem.transform(tanh_step, budget="80%", target="t4", micro_batches=1).fit(w, x)
+assert len(fit.plan)  # planned: several compilations for the T4
+after_fit = len(os.listdir(sys.argv[1]))
+jax.jit(lambda x: jnp.sin(x) @ x.T)(x).block_until_ready()  # XLA:CPU's are cached
+print(after_fit - before_fit, len(os.listdir(sys.argv[1])) - after_fit,
+      sum("persistent compilation cache" in str(w.message) for w in caught))
+"""
+
+
+def test_a_fit_for_a_gpu_not_here_writes_nothing_to_jaxs_persistent_cache(tmp_path):
+  """With JAX's persistent compilation cache on, a fit for a compile-only
+  T4 writes none of its compilations there (JAX cannot load them back
+  without the GPU, and warns at every later compile of the same program),
+  while XLA:CPU's compilations in the same process are cached; a second
+  process's fit of the same step warns of nothing."""
+  import subprocess
+  import sys
+  cache = tmp_path / "cache"
+  script = tmp_path / "fit.py"
+  script.write_text(_PERSISTENT_CACHE)
+  seen = []
+  for _ in range(2):
+    done = subprocess.run([sys.executable, str(script), str(cache)], capture_output=True,
+                          text=True, cwd=pathlib.Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen.append(tuple(map(int, done.stdout.split()[-3:])))
+  assert seen == [(0, 1, 0), (0, 0, 0)]

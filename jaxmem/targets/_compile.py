@@ -17,6 +17,7 @@ Compile-only devices need JAX's CUDA plugin, not a GPU or CUDA's libraries:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -235,6 +236,21 @@ class Target:
 
   def reserve(self) -> int:
     return runtime_reserve(self.platform)
+
+  @contextlib.contextmanager
+  def compiling(self):
+    """The context a fit's compilations run in: for a compile-only target,
+    none is written to JAX's persistent compilation cache
+    (``jax_compilation_cache_dir``). JAX writes a compile-only executable
+    there but cannot load one back without the GPU ("PjRtCompiler must be
+    constructed with a Client"): each entry would be disk spent on a
+    warning at every later run's compile of the same program."""
+    if not self.compile_only:
+      yield
+      return
+    from jax._src import config  # its states are context managers (thread-local)
+    with config.persistent_cache_min_compile_time_secs(math.inf):
+      yield
 
   def may_host_state(self) -> bool:
     """Whether a fit may keep optimizer state in host memory here: on a GPU
