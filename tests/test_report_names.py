@@ -55,3 +55,19 @@ def test_the_report_shows_names_whole():
   report = analysis.report(top=None)
   longest = max((r.name for r in analysis.residuals), key=len)
   assert len(longest) > 70 and longest in report
+
+
+def test_the_peak_of_a_step_no_module_names_is_named_by_its_line():
+  """Where no module names the equation at the peak (plain JAX, an NNX
+  model), the report's ``peak at`` gives its source line; a Flax module's
+  path names it alone."""
+  def loss(w, x):
+    h = x
+    for _ in range(4):
+      h = h + jnp.tanh(h @ w)
+    return jnp.sum(h ** 2)
+  step = lambda w, x: w - 0.1 * jax.grad(loss)(w, x)  # noqa: E731
+  peak = jaxmem.analyze(step, jnp.eye(64), jnp.ones((256, 64))).memory.peak_name
+  assert peak.startswith("<top> ") and f"{THIS}:" in peak, peak
+  flax_peak = _report().memory.peak_name
+  assert flax_peak.startswith("Net/") and THIS not in flax_peak, flax_peak

@@ -7,9 +7,8 @@ bring the walk close to XLA:CPU's fusion and buffer assignment:
 
 * outputs are live for the whole step (XLA allocates them up front), and
   until an output is written a temporary no larger may use its buffer,
-  placed the way XLA's buffer assignment does it (``_share_output_buffers``;
-  it matters for optimizer states, whose outputs have the shapes of
-  parameters and are written as soon as each gradient exists);
+  placed as XLA's buffer assignment does (``_share_output_buffers``: optimizer
+  states' outputs are written as soon as each gradient exists);
 * views (``reshape``, ``squeeze``, ``expand_dims``, ``optimization_barrier``)
   share their input's buffer;
 * a convolution computing a kernel gradient also holds transposed copies of
@@ -31,7 +30,7 @@ from jax.extend import core as jex
 
 from jaxmem._decisions import Plan
 from jaxmem.graph import _primitives
-from jaxmem.graph._graph import Graph, analysis, build_graph
+from jaxmem.graph._graph import TOP, Graph, analysis, build_graph
 from jaxmem.schedule._scan_remat import rebuilding_iteration
 from jaxmem.schedule._schedule import Schedule, build_schedule
 from jaxmem.cost._learned_fusion import LearnedFusion
@@ -91,16 +90,17 @@ class Liveness:
 
   @property
   def peak_name(self) -> str:
-    """Readable name of the operation at the peak: the module path and
-    primitive of the equation (``recomputed`` for a rebuilt one; the copy
-    or barrier a rewrite added), and its place in the rewritten step."""
+    """Readable name of the operation at the peak: the equation's module
+    path and primitive (with its source line where no module names it: an
+    NNX model, plain JAX; ``recomputed`` for a rebuilt one), or the copy or
+    barrier a rewrite added, and its place in the rewritten step."""
     op = self.schedule.ops[self.peak_op]
     where = f"op {self.peak_op} of {len(self.schedule.ops)} in the rewritten step"
     if op.node is None:
       return f"{_OPS.get(op.kind, 'optimization_barrier')} ({op.kind}; {where})"
     node = self.schedule.nodes[op.node]
-    how = "recomputed; " if op.kind == "recompute" else ""
-    return f"{node.label} ({how}{where})"
+    name = node.label if node.readable != TOP else f"{node.label} {node.source}".strip()
+    return f"{name} ({'recomputed; ' if op.kind == 'recompute' else ''}{where})"
 
 
 def simulate(schedule: Schedule) -> Liveness:

@@ -30,6 +30,7 @@ from jaxmem.graph import _primitives
 
 _TRANSFORMS = re.compile(r"\b(?:jvp|transpose|vmap|pmap|remat|checkpoint)\(")
 _AD = re.compile(r"\b(jvp|transpose)\(")
+TOP = "<top>"  # the module path of an equation no module names
 
 
 def _outer_ad(stack: str) -> str | None:
@@ -78,7 +79,7 @@ class Node:
 def _readable(name_stack: str) -> str:
   path = _TRANSFORMS.sub("", name_stack).replace(")", "").strip("/")
   path = re.sub(r"/+", "/", path)
-  return path or "<top>"
+  return path or TOP
 
 
 @functools.lru_cache(maxsize=None)
@@ -241,7 +242,7 @@ def _blocks(graph: Graph, depth: int) -> dict[str, list[int]]:
   found: dict[str, list[int]] = {}
   for node in graph.nodes:
     path = node.readable
-    if not node.backward and path != "<top>" and path.count("/") + 1 >= depth:
+    if not node.backward and path != TOP and path.count("/") + 1 >= depth:
       found.setdefault(node.scope(depth), []).append(node.index)
   return found
 

@@ -35,6 +35,7 @@ import numpy as np
 from jax.extend import core as jex
 
 from jaxmem.graph._axis_rules import ADD, AND, MAX, MIN, OR, chunk_params
+from jaxmem.graph._graph import TOP
 from jaxmem.graph._split import Split, shape_of
 from jaxmem.graph._random_bits import chunk_bits
 from jaxmem.schedule._emit import at, bind_node
@@ -327,4 +328,4 @@ def _in_pass_of(split: Split):
 def _plain(node) -> str:
   """``node``'s module path without AD wrappers: what runs once outside the
   chunks is no part of a backward pass, which all runs per chunk."""
-  return "" if node.readable == "<top>" else node.readable
+  return "" if node.readable == TOP else node.readable
