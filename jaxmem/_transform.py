@@ -31,29 +31,20 @@ from jaxmem.fit._micro import (
 from jaxmem.fit._saved import fingerprint, load_plan
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
-from jaxmem.targets._host_args import device_aval, devices_of, sharding_texts
+from jaxmem.targets._host_args import devices_of, sharding_texts
 from jaxmem.fit._host_state import (
     compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state)
 
 _Tracer = jax.core.Tracer
 
 
-def _signature(arguments: Arguments, args, kwargs):
-  """The cache key (static values, tree and avals of the dynamic
-  arguments), the dynamic arguments and their leaves."""
-  statics, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
-  leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-  return (statics, tree, tuple(device_aval(x) for x in leaves)), leaves
-
-
 class Transformed:
   """A training step fitted to a memory budget; made by :func:`transform`.
 
-  Call it like the step. ``.lower(*args)`` gives ``jax.jit``'s AOT stages
-  (``.compile().memory_analysis()``), ``.fit(*args)`` the :class:`Fit`
+  Call it like the step. ``.lower``, ``.trace``, ``.eval_shape`` and
+  ``.clear_cache`` are ``jax.jit``'s; ``.fit(*args)`` gives the :class:`Fit`
   (what was decided) and ``.report(*args)`` a readable summary, for the
-  given arguments' shapes.
-  """
+  given arguments' shapes."""
 
   def __init__(self, fun, budget, planner, static_argnums, static_argnames,
                jit_kwargs, max_rounds, reserve=None, target=None, plan=None,
@@ -138,6 +129,27 @@ class Transformed:
     return lower_placed(self._runner(fit, args, kwargs).lower(*args, **kwargs), fit.hosted,
                         args, kwargs)
 
+  def trace(self, *args, **kwargs):
+    """``jax.jit``'s ``trace`` for the transformed step: the planned step
+    traced for these arguments (``.jaxpr``, ``.lower()``)."""
+    fit = self.fit(*args, **kwargs)
+    if fit.hosted and resolve(None, jax.tree_util.tree_leaves((args, kwargs))).compile_only:
+      raise NotImplementedError("jaxmem: trace() cannot mark the optimizer state a fit for a GPU "
+                                "not here keeps in host memory; use .lower(*args) instead.")
+    args, kwargs = place_state(self.arguments, fit.hosted, args, kwargs, abstract=True)
+    return self._runner(fit, args, kwargs).trace(*args, **kwargs)
+
+  def eval_shape(self, *args, **kwargs):
+    """``jax.jit``'s ``eval_shape``: the step's output shapes and dtypes,
+    without fitting (a plan changes no output)."""
+    return self.arguments.tracing(self.fun).eval_shape(*args, **kwargs)
+
+  def clear_cache(self) -> None:
+    """``jax.jit``'s ``clear_cache``: forgets the fits and compiled programs
+    made so far, so the next call fits again."""
+    self._fits.clear()
+    self._batched.clear()
+
   def _runner(self, fit: Fit, args, kwargs):
     """The fit's ``jax.jit`` for the platform these arguments are on or
     placed on (a fit for a target runs here as it lowers there)."""
@@ -194,7 +206,7 @@ class Transformed:
     """The fit for these arguments' signature, built once (see ``_build``;
     a None is not kept)."""
     try:
-      key, leaves = _signature(self.arguments, args, kwargs)
+      key, leaves = self.arguments.signature(args, kwargs)
     except TypeError:
       # An argument that is not an array: jax.jit's error names its path.
       self.arguments.tracing(self.fun).trace(*args, **kwargs)
@@ -338,7 +350,9 @@ class Transformed:
                                max_rounds=self.max_rounds, reserve=reserve, where=target.name,
                                fixed=fixed, clock=clock, plans=plans, to_beat=to_beat,
                                own_footprint=None if own is written else own.footprint)
-    cached = None if micro else self._cache_entry(step, leaves, target, budget, reserve, planner)
+    cached = None if micro or self.saved is not None else _plan_cache.entry(
+        self.plan_cache, step, leaves, target, planner, budget=budget, reserve=reserve,
+        max_rounds=self.max_rounds, host_state=self.host_state)
     saved = None if cached is None else _plan_cache.get(*cached, step)
     planned, planner, found = search(
         fitter, planned, planner, find_smallest, loop is None and self._may_host(target),
@@ -369,19 +383,6 @@ class Transformed:
     here, run = resolve(None, leaves), jex.jaxpr_as_fun(closed)
     return as_written(run, self._jit(run, out_tree, here, leaves=leaves), target, here, leaves,
                       self._placed(target, args, kwargs), self.arguments.donates, graph)
-
-  def _cache_entry(self, step: str, leaves, target: Target, budget: int, reserve: int,
-                   planner) -> tuple[str, str] | None:
-    """``(directory, entry)`` of this fit in the plan cache, or None where
-    there is no cache (or a plan is given, ``plan=``)."""
-    where = None if self.saved is not None else _plan_cache.directory(self.plan_cache)
-    if where is None:
-      return None
-    return where, _plan_cache.key(
-        step, shardings=list(sharding_texts(leaves)), budget=budget,
-        reserve=reserve, target=target.name, profile=timing_profile(target),
-        description=None if target.profile is None else target.profile.description,
-        planner=planner.describe(), max_rounds=self.max_rounds, host_state=self.host_state)
 
   def _may_host(self, target: Target) -> bool:
     """Whether a fit may keep the optimizer state in host memory."""

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxmem
+from tests.helpers import tanh_step
 
 
 def step(w, x, n=2, *, scale=1.0):
@@ -82,3 +83,23 @@ def test_nothing_is_donated_unless_asked():
   w, x = _args()
   jaxmem.transform(step, budget="100%")(w, x)
   assert not w.is_deleted()
+
+
+def test_trace_eval_shape_and_clear_cache_are_jax_jits():
+  """``trace`` gives the planned step's trace (its jaxpr holds the plan's
+  barriers, and it lowers to what ``lower`` gives); ``eval_shape`` gives
+  ``jax.jit``'s output shapes without fitting; ``clear_cache`` makes the
+  next call fit again."""
+  w, x = jnp.eye(64) * 0.1, jnp.ones((512, 64))
+  fitted = jaxmem.transform(tanh_step, budget="60%", static_argnames="layers")
+  want = jax.jit(tanh_step, static_argnames="layers")
+  assert fitted.eval_shape(w, x, layers=6) == want.eval_shape(w, x, layers=6)
+  assert not fitted._fits  # eval_shape fitted nothing
+  traced = fitted.trace(w, x, layers=6)
+  assert "optimization_barrier" in str(traced.jaxpr)
+  assert "optimization_barrier" not in str(want.trace(w, x, layers=6).jaxpr)
+  assert traced.lower().as_text() == fitted.lower(w, x, layers=6).as_text()
+  np.testing.assert_allclose(fitted(w, x, layers=6), want(w, x, layers=6), rtol=1e-5)
+  first = fitted.fit(w, x, layers=6)
+  fitted.clear_cache()
+  assert fitted.fit(w, x, layers=6) is not first

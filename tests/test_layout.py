@@ -12,15 +12,14 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jaxmem"
 # Lowest first: a module imports only from layers below its own.
 LAYERS = [
     {"_flags", "_provenance", "_budget", "_progress", "graph._primitives", "_decisions",
-     "fit._arguments",
      "fit._batching", "targets._description", "targets._host_args", "targets._remesh",
      "cost._hlo", "cost._heap",
      "graph", "schedule", "cost", "fit"},  # the stage packages' own files hold no code
-    {"fit._saved", "targets._profiles", "fit._unmet"},
-    {"fit._plan_cache"},
+    {"fit._saved", "targets._profiles", "fit._unmet", "fit._arguments"},
     {"targets._compile", "targets._calibrate"},
     {"targets._copy_schedule"},
     {"targets"},
+    {"fit._plan_cache"},
     {"graph._graph"},
     {"graph._xla_cpu_fusion", "graph._loops", "graph._state", "graph._axis_rules",
      "graph._random_bits"},

@@ -23,6 +23,9 @@ from typing import Any, Callable
 
 import jax
 
+from jaxmem.targets._host_args import device_aval
+
+
 def _as_tuple(value) -> tuple:
   if value is None:
     return ()
@@ -88,6 +91,13 @@ class Arguments:
     dyn_args = tuple(a for i, a in enumerate(args) if i not in static)
     dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
     return statics, dyn_args, dyn_kwargs
+
+  def signature(self, args: tuple, kwargs: dict) -> tuple[tuple, list]:
+    """A call's cache key (static values, tree and avals of the dynamic
+    arguments, as ``jax.jit`` keys its cache) and the dynamic leaves."""
+    statics, dyn_args, dyn_kwargs = self.split(args, kwargs)
+    leaves, tree = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
+    return (statics, tree, tuple(device_aval(x) for x in leaves)), leaves
 
   def merge(self, statics, dyn_args: tuple, dyn_kwargs: dict) -> tuple[tuple, dict]:
     """``(args, kwargs)`` again from what :meth:`split` gave."""

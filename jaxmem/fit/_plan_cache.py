@@ -39,6 +39,8 @@ import jax
 
 from jaxmem._decisions import Plan
 from jaxmem.fit._saved import loads
+from jaxmem.targets import Target, timing_profile
+from jaxmem.targets._host_args import sharding_texts
 
 ENVIRONMENT = "JAXMEM_PLAN_CACHE_DIR"
 
@@ -64,6 +66,22 @@ def key(step: str, **decides) -> str:
   record = {"step": step, "jaxmem": _version(), "jax": jax.__version__,
             **{k: repr(v) for k, v in sorted(decides.items())}}
   return hashlib.sha256(json.dumps(record, sort_keys=True).encode()).hexdigest()[:40]
+
+
+def entry(given, step: str, leaves, target: Target, planner, **decides
+          ) -> tuple[str, str] | None:
+  """``(directory, entry)`` of a fit in the cache at ``given``
+  (``transform``'s ``plan_cache``; see :func:`directory`), or None where
+  there is none: keyed by :func:`key` with the arguments' shardings (of
+  ``leaves``), the target's name, timing profile and GPU description, the
+  planner's description and the rest of what ``decides`` the plan."""
+  where = directory(given)
+  if where is None:
+    return None
+  return where, key(
+      step, shardings=list(sharding_texts(leaves)), target=target.name,
+      profile=timing_profile(target), planner=planner.describe(),
+      description=None if target.profile is None else target.profile.description, **decides)
 
 
 def path(where: str, name: str) -> str:
