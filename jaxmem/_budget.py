@@ -9,7 +9,8 @@ Accepted forms:
 * a fraction of the step's own footprint (XLA's compiled footprint of
   the step as written, without donation, on the target): ``"60%"`` or a
   float such as ``0.6``; above 1 (``"150%"``, ``1.5``) a budget the step as
-  written meets, which needs no plan.
+  written meets, which needs no plan. A float above 10 (1000%) is refused:
+  it is most likely bytes written as a float (``6e9``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
     "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
 }
+# The largest float read as a fraction of the footprint (1000%): a larger
+# one is most likely bytes written as a float (``budget=6e9``), refused.
+MAX_FRACTION = 10.0
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z%]*)\s*$")
 
 
@@ -76,6 +80,11 @@ class Budget:
       if not 0.0 < value < math.inf:
         raise _bad(budget, "a float is a fraction of the step's footprint and must be "
                    "positive and finite; pass an int for bytes")
+      if value > MAX_FRACTION:  # budget=6e9: bytes written as a float
+        raise _bad(budget, f"a float is a fraction of the step's footprint, and "
+                   f"{value:g} would be {value:.0%} of it; for bytes pass the int "
+                   f"{int(value)} (or '{format_bytes(value)}'); for that fraction write "
+                   f"'{value:.0%}'")
       return cls(fraction=value, text=f"{value:.0%}")
     if isinstance(budget, str):
       match = _PATTERN.match(budget)

@@ -18,10 +18,11 @@ def test_fraction(text):
   assert Budget.parse(text).resolve(1000) == 600
 
 
-@pytest.mark.parametrize("text", ["150%", 1.5])
+@pytest.mark.parametrize("text", ["150%", 1.5, 10.0, "2000%"])
 def test_a_fraction_above_one_reads_as_it_reads(text):
   # A sweep over 50/100/150% does not break on its third value.
-  assert Budget.parse(text).resolve(1000) == 1500
+  fraction = float(text.rstrip("%")) / 100 if isinstance(text, str) else text
+  assert Budget.parse(text).resolve(1000) == int(fraction * 1000)
 
 
 @pytest.mark.parametrize("bad", [-5, 0, "lots", [1], "0%", "-20%", -0.5, float("inf"), "-3GiB",
@@ -39,10 +40,13 @@ def test_bad_budgets_list_the_accepted_forms(bad):
     ("1e400GB", "too large to be a count of bytes"),
     ("1e400", "too large to be a count of bytes"),
     ("0", "it must be positive"),
+    (6e9, "pass the int 6000000000 (or '5.59 GiB')"),  # bytes as a float, not 6e11%
+    (12.0, "for that fraction write '1200%'"),
 ])
 def test_a_budget_without_a_unit_or_out_of_range_says_what_was_meant(bad, hint):
   """Issue 20: "0.5" said "unknown unit ''" and "1e400GB" raised a raw
-  OverflowError."""
+  OverflowError; a float above 10 is refused, since budget=6e9 (bytes
+  written as a float) would read as a fraction that needs no plan."""
   with pytest.raises(BudgetError, match=re.escape(hint)):
     Budget.parse(bad)
 
