@@ -199,6 +199,26 @@ MUTANTS = [
            "    if True:\n      yield\n      return\n    from jax._src",
            ("tests/test_target.py::"
             "test_a_fit_for_a_gpu_not_here_writes_nothing_to_jaxs_persistent_cache",)),
+    Mutant("effectful-calls-opaque",
+           "a call whose body has effects (a jitted step that prints) is kept "
+           "whole: no backward pass is seen inside it",
+           "jaxmem/graph/_graph.py",
+           "      if body is not None:  # its effectful",
+           "      if body is not None and not _ordering(eqn.effects):  # its effectful",
+           ("tests/test_jit_parity.py::test_a_jitted_step_that_prints_is_planned_inside",)),
+    Mutant("jitted-statics-dropped",
+           "a step already wrapped in jax.jit loses the arguments it makes static",
+           "jaxmem/fit/_arguments.py",
+           '    jitted = getattr(fun, "_jit_info", None)\n',
+           "    jitted = None\n",
+           ("tests/test_jit_parity.py::test_a_jitted_steps_static_arguments_are_kept",)),
+    Mutant("scatter-window-refused",
+           "a scatter whose example axis is a whole window (a masked "
+           "cross-entropy's gradient) refuses micro-batches",
+           "jaxmem/graph/_axis_rules.py",
+           "  windowed = None if ia is not None else _scatter_window(dn, shapes, oa, ua, obatch)",
+           "  windowed = None",
+           ("tests/test_microbatch.py::test_a_masked_cross_entropy_runs_in_micro_batches",)),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "

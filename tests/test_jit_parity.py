@@ -103,3 +103,42 @@ def test_trace_eval_shape_and_clear_cache_are_jax_jits():
   first = fitted.fit(w, x, layers=6)
   fitted.clear_cache()
   assert fitted.fit(w, x, layers=6) is not first
+
+
+@pytest.mark.parametrize("call", [lambda f, w, x: f(w, x, layers=6),
+                                  lambda f, w, x: f(w, x, 6)], ids=["by name", "by position"])
+def test_a_jitted_steps_static_arguments_are_kept(call):
+  """A step already wrapped in ``jax.jit(..., static_argnames=...)`` keeps
+  its static arguments, as it keeps its donations (they were traced as
+  arrays: JAX's error from inside the step)."""
+  w, x = jnp.eye(64) * 0.1, jnp.ones((512, 64))
+  jitted = jax.jit(tanh_step, static_argnames="layers")
+  fitted = jaxmem.transform(jitted, budget="60%", micro_batches=1)
+  np.testing.assert_allclose(call(fitted, w, x), call(jitted, w, x), rtol=1e-5)
+  assert len(fitted.fit(w, x, layers=6).plan)
+
+
+def test_a_jitted_step_that_prints_is_planned_inside(capfd):
+  """A ``jax.debug.print`` inside a jitted step (or a jitted function it
+  calls) does not hide the call's body: the step is planned (it was seen
+  as one opaque call, with no backward pass), and prints once per call,
+  what ``jax.jit`` prints."""
+  @jax.jit
+  def printing(w, x):
+    def loss(w):
+      h = x
+      for _ in range(6):
+        h = h + jnp.tanh(h @ w)
+      return jnp.mean(h ** 2)
+    value, grad = jax.value_and_grad(loss)(w)
+    jax.debug.print("loss {v}", v=value)
+    return w - 0.1 * grad
+  w, x = jnp.eye(64) * 0.1, jnp.ones((1024, 64))
+  fitted = jaxmem.transform(printing, budget="80%", micro_batches=1)
+  assert len(fitted.fit(w, x).plan)
+  capfd.readouterr()
+  got = jax.block_until_ready(fitted(w, x))
+  printed = capfd.readouterr().out
+  want = jax.block_until_ready(printing(w, x))
+  assert printed.count("loss") == 1 and printed == capfd.readouterr().out
+  np.testing.assert_allclose(got, want, rtol=1e-5)

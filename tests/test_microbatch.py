@@ -16,6 +16,7 @@ import json
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -127,6 +128,37 @@ def test_transform_micro_batches_where_nothing_else_fits():
     assert_trees_close((got_params, got_loss), (want_params, want_loss), rtol=1e-4)
     got, want = (got_params, batch), (want_params, batch)
 
+
+
+def _masked_step(params, batch):
+  """An SGD step on a token classifier whose cross-entropy is masked per
+  example (padding): optax's integer-label loss gathers each example's
+  label, and its gradient scatters along the class axis of each example."""
+  def loss(params):
+    h = batch["x"]
+    for w in params:
+      h = h + jnp.tanh(h @ w)
+    ce = optax.softmax_cross_entropy_with_integer_labels(h, batch["labels"])
+    return (ce * batch["mask"]).mean()
+  value, grads = jax.value_and_grad(loss)(params)
+  return [w - 0.1 * g for w, g in zip(params, grads)], value
+
+
+def test_a_masked_cross_entropy_runs_in_micro_batches():
+  """Each example's masked loss is its own, so its batch splits (its
+  gradient's scatter, whose example axis is a whole window, was refused as
+  scattering along the example axis): micro-batches meet a budget no plan
+  does, with the step's updates."""
+  params, batch = _mlp_args(batch=1024, depth=6)
+  batch = {"x": batch["x"], "labels": jnp.arange(1024) % 64,
+           "mask": (jnp.arange(1024) % 3 != 0).astype(jnp.float32)}
+  fitted = jaxmem.transform(_masked_step, budget="30%")
+  fit = fitted.fit(params, batch)
+  assert fit.micro is not None and fit.micro.count > 1
+  assert _footprint(fitted, params, batch) <= fit.budget
+  got, want = fitted(params, batch), jax.jit(_masked_step)(params, batch)
+  assert_updates_close(got[0], want[0], params)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
 
 def test_fewest_micro_batches_that_fit():
   params, batch = _mlp_args()

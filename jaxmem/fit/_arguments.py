@@ -66,6 +66,11 @@ class Arguments:
     signature = _signature(fun)
     static = _infer(signature, _as_tuple(static_argnums), _as_tuple(static_argnames))
     donate = _infer(signature, _as_tuple(donate_argnums), _as_tuple(donate_argnames))
+    # A step already wrapped in jax.jit keeps the arguments it makes static
+    # (jax.jit's own record of them, resolved against the signature).
+    jitted = getattr(fun, "_jit_info", None)
+    static = tuple(tuple(dict.fromkeys((*mine, *getattr(jitted, field, ()))))
+                   for mine, field in zip(static, ("static_argnums", "static_argnames")))
     return cls(getattr(fun, "__name__", repr(fun)), *static, *donate)
 
   def static_positions(self, count: int) -> frozenset[int]:

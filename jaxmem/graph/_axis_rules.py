@@ -262,11 +262,28 @@ def _gather(node, axes, shapes, out_shapes) -> Rule:
   return Rule(outs=(dn.offset_dims[offsets.index(oa)],))
 
 
+def _scatter_window(dn, shapes, oa, ua, obatch) -> Rule | None:
+  """A scatter whose example axis is a whole window axis, of its operand
+  and its updates alike (each example's update lands in that example's
+  slice; the indices point along other axes): chunked as they are."""
+  window = [d for d in range(len(shapes[0]))
+            if d not in dn.inserted_window_dims and d not in obatch]
+  for u, o in zip(dn.update_window_dims, window):
+    if (ua in (None, u) and oa in (None, o) and (ua, oa) != (None, None)
+        and o not in dn.scatter_dims_to_operand_dims and shapes[2][u] == shapes[0][o]):
+      return Rule(outs=(o,), demand=tuple(d for d in ((0, o) if oa is None else None,
+                                                      (2, u) if ua is None else None) if d))
+  return None
+
+
 def _scatter_add(node, axes, shapes, out_shapes) -> Rule:
   dn = node.params["dimension_numbers"]
   oa, ia, ua = axes
   positions = [d for d in range(len(shapes[2])) if d not in dn.update_window_dims]
   obatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims)
+  windowed = None if ia is not None else _scatter_window(dn, shapes, oa, ua, obatch)
+  if windowed is not None:
+    return windowed
   index = ia if ia is not None else (positions.index(ua) if ua in positions else None)
   if index is None or index == len(shapes[1]) - 1:
     raise Refuse("it scatters along the example axis")

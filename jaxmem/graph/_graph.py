@@ -309,7 +309,7 @@ class _Builder:
       body_key = _primitives.inlined_body(eqn.primitive.name) or (
           "jaxpr" if eqn.primitive.name in self.inline_also else None)
       body = eqn.params.get(body_key) if body_key else None
-      if body is not None and not _ordering(eqn.effects):
+      if body is not None:  # its effectful equations (a debug print) come in as nodes too
         self.inline(body, eqn, env, stack, outer_source or _source(eqn.source_info))
         continue
       ins = tuple(read(a) for a in eqn.invars)
