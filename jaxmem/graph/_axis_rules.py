@@ -249,7 +249,9 @@ def _gather(node, axes, shapes, out_shapes) -> Rule:
         raise Refuse("its operand holds examples along another axis")
       return Rule(outs=(positions[ia],), demand=((0, partner),) if oa is None else ())
     if oa is not None:
-      raise Refuse("it gathers examples by examples")
+      raise Refuse("it gathers examples by examples (where it picks each example's own "
+                   "entry, x[jnp.arange(n), labels], write jnp.take_along_axis(x, "
+                   "labels[:, None], axis=1), which splits)")
     return Rule(outs=(positions[ia],))
   if oa in obatch:
     partner = ibatch[obatch.index(oa)]
