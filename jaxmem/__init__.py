@@ -52,3 +52,10 @@ __all__ = [
     "enable_cpu_remat", "hybrid", "progress", "transform",
 ]
 __version__ = "0.1.0"
+
+# The error and the objects a user holds name their public home in
+# tracebacks and reprs (``jaxmem.BudgetError``), not the private module
+# that defines them.
+for _public in (BudgetError, Transformed, Fit, Analysis):
+  _public.__module__ = __name__
+del _public

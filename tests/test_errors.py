@@ -48,3 +48,14 @@ def test_an_unknown_planner_is_refused_with_the_choices():
     jaxmem.transform(step, budget="50%", planner="greedy")
   with pytest.raises(TypeError, match="planner must be a name in .* got int"):
     jaxmem.transform(step, budget="50%", planner=3)
+
+
+def test_the_error_and_the_transform_name_their_public_home():
+  """A traceback names ``jaxmem.BudgetError`` (what to catch), not the
+  private module that defines it; a transformed step's repr likewise."""
+  import traceback
+  with pytest.raises(jaxmem.BudgetError) as err:
+    jaxmem.Budget.parse("sixty")
+  assert traceback.format_exception_only(err.type, err.value)[0].startswith(
+      "jaxmem.BudgetError: jaxmem: cannot read budget")
+  assert repr(jaxmem.transform(lambda w: w, budget="60%")).startswith("<jaxmem.Transformed ")
