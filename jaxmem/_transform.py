@@ -33,7 +33,8 @@ from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
 from jaxmem.targets._host_args import devices_of, sharding_texts
 from jaxmem.fit._host_state import (
-    compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state)
+    compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state,
+    placed_compile_only)
 
 _Tracer = jax.core.Tracer
 
@@ -133,7 +134,7 @@ class Transformed:
     """``jax.jit``'s ``trace`` for the transformed step: the planned step
     traced for these arguments (``.jaxpr``, ``.lower()``)."""
     fit = self.fit(*args, **kwargs)
-    if fit.hosted and resolve(None, jax.tree_util.tree_leaves((args, kwargs))).compile_only:
+    if fit.hosted and placed_compile_only(args, kwargs):
       raise NotImplementedError("jaxmem: trace() cannot mark the optimizer state a fit for a GPU "
                                 "not here keeps in host memory; use .lower(*args) instead.")
     args, kwargs = place_state(self.arguments, fit.hosted, args, kwargs, abstract=True)

@@ -76,13 +76,19 @@ def compile_placed(jitted, target: Target, graph: Graph, arguments: Arguments, a
   return compiled
 
 
+def placed_compile_only(args, kwargs) -> bool:
+  """Whether the call's arguments are placed on a compile-only device
+  (:func:`jaxmem.targets.placed`): lowered for a GPU that is not here."""
+  return any(resolve(None, [leaf]).compile_only
+             for leaf in jax.tree_util.tree_leaves((args, kwargs))
+             if isinstance(leaf, jax.ShapeDtypeStruct))
+
+
 def lower_placed(lowered, positions: tuple, args, kwargs):
   """``lowered`` (a fit's step lowered for ``args``) with the leaves at
   ``positions`` marked host memory where ``args`` are placed on a
-  compile-only device (:func:`jaxmem.targets.placed`)."""
-  leaves = jax.tree_util.tree_leaves((args, kwargs))
-  if positions and any(resolve(None, [leaf]).compile_only for leaf in leaves
-                       if isinstance(leaf, jax.ShapeDtypeStruct)):
+  compile-only device (:func:`placed_compile_only`)."""
+  if positions and placed_compile_only(args, kwargs):
     mark_host_args(lowered, positions)
   return lowered
 
