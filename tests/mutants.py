@@ -219,6 +219,20 @@ MUTANTS = [
            "  windowed = None if ia is not None else _scatter_window(dn, shapes, oa, ua, obatch)",
            "  windowed = None",
            ("tests/test_microbatch.py::test_a_masked_cross_entropy_runs_in_micro_batches",)),
+    Mutant("own-positions-kept-whole",
+           "a chunk's gather by each example's position (log_probs[jnp.arange(n), "
+           "labels]) keeps the whole batch's positions instead of the chunk's",
+           "jaxmem/schedule/_microbatch.py",
+           "      args[position] = _own_positions(args[position], column, in_axes[position])\n",
+           "      pass\n",
+           ("tests/test_microbatch.py::test_a_loss_picked_by_position_runs_in_micro_batches",)),
+    Mutant("positions-any-select",
+           "a select between positions and anything else is taken as positions",
+           "jaxmem/graph/_positions.py",
+           "  return all(holds_positions(graph, c, axis) for c in cases)",
+           "  return any(holds_positions(graph, c, axis) for c in cases)",
+           ("tests/test_microbatch.py::test_a_loss_picked_by_position_runs_in_micro_batches",
+            "tests/test_microbatch.py::test_a_gather_by_other_examples_positions_refuses")),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "

@@ -24,6 +24,7 @@ LAYERS = [
     {"graph._xla_cpu_fusion", "graph._loops", "graph._state", "graph._axis_rules",
      "graph._random_bits"},
     {"graph._split"},
+    {"graph._positions"},
     {"graph._scan_axes"},
     {"graph._batch_axes"},
     {"graph._feature_axes"},

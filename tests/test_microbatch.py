@@ -160,6 +160,69 @@ def test_a_masked_cross_entropy_runs_in_micro_batches():
   assert_updates_close(got[0], want[0], params)
   np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
 
+def _positions_step(params, x, labels, valid):
+  """An SGD step whose loss picks each example's log-probability by its
+  position, ``log_probs[jnp.arange(n), labels]``, over the first ``valid``
+  examples (a mask by position in the whole batch: the rest are padding)."""
+  def loss(params):
+    h = x
+    for w in params:
+      h = h + jnp.tanh(h @ w)
+    n = x.shape[0]
+    nll = -jax.nn.log_softmax(h)[jnp.arange(n), labels]
+    return jnp.sum(jnp.where(jnp.arange(n) < valid, nll, 0.0)) / valid
+  value, grads = jax.value_and_grad(loss)(params)
+  return [w - 0.1 * g for w, g in zip(params, grads)], value
+
+
+def _positions_graph(pick=None):
+  """The flat step of :func:`_positions_step` (with ``pick(n)`` in place of
+  ``jnp.arange(n)`` where given), its graph and leaves."""
+  keys = jax.random.split(jax.random.key(0), 5)
+  args = ([jax.random.normal(k, (16, 16)) / 4 for k in keys[:3]],
+          jax.random.normal(keys[3], (64, 16)), jax.random.randint(keys[4], (64,), 0, 16),
+          jnp.int32(50))
+  leaves, tree = jax.tree_util.tree_flatten(args)
+  step = _positions_step
+  if pick is not None:
+    def step(params, x, labels, valid):
+      def loss(params):
+        h = x @ params[0]
+        return -jnp.mean(jax.nn.log_softmax(h)[pick(x.shape[0]), labels])
+      return jax.grad(loss)(params)
+  flat = lambda *fl: jax.tree_util.tree_leaves(step(*jax.tree_util.tree_unflatten(tree, fl)))  # noqa: E731
+  return flat, build_graph(jax.make_jaxpr(flat)(*leaves)), leaves
+
+
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_loss_picked_by_position_runs_in_micro_batches(strided):
+  """``log_probs[jnp.arange(n), labels]`` picks each example's own row: its
+  gather and its gradient's scatter run per chunk with the chunk's
+  positions, while the mask by position in the whole batch keeps the
+  batch's: the updates are the step's."""
+  step, graph, leaves = _positions_graph()
+  split = split_batch(graph, [(0, 1, 2), (3, 4), (5,)], ["params", "batch", "valid"],
+                      strided=strided)
+  picked = sorted(graph.nodes[i].prim.name for i, rule in split.rules.items() if rule.own)
+  assert picked == ["gather", "scatter-add"]
+  want = jax.jit(step)(*leaves)
+  for k in (2, 4):
+    assert_updates_close(jax.jit(micro_batched(split, k))(*leaves), want,
+                         leaves[:3] + [0.0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("pick", [
+    lambda n: (jnp.arange(n) + 1) % n,
+    lambda n: jnp.where(jnp.arange(n) % 2 == 0, jnp.arange(n), 0),
+], ids=["the next example's", "the first example's for odd ones"])
+def test_a_gather_by_other_examples_positions_refuses(pick):
+  """Rows picked by positions that are not each example's own gather
+  examples by examples, and are refused."""
+  _, graph, _ = _positions_graph(pick=pick)
+  with pytest.raises(NotSplittable, match="gathers examples by examples"):
+    split_batch(graph, [(0, 1, 2), (3, 4), (5,)], ["params", "batch", "valid"])
+
+
 def test_fewest_micro_batches_that_fit():
   params, batch = _mlp_args()
   fit = jaxmem.transform(_mlp_step, budget="20%").fit(params, batch)

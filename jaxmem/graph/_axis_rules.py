@@ -14,7 +14,7 @@ Example:
   >>> g = build_graph(jax.make_jaxpr(lambda x, w: x @ w)(jnp.ones((8, 4)), jnp.ones((4, 2))))
   >>> node = g.nodes[0]
   >>> RULES["dot_general"](node, [0, None], [(8, 4), (4, 2)], [(8, 2)])
-  Rule(outs=(0,), combine=None, demand=(), combines=(), threads=(), body=None)
+  Rule(outs=(0,), combine=None, demand=(), combines=(), threads=(), body=None, own=())
   >>> RULES["dot_general"](node, [1, 0], [(8, 4), (4, 2)], [(8, 2)]).combine
   'add'
 """
@@ -60,6 +60,9 @@ class Rule:
       input (a ``scatter-add`` into its operand, a loop's accumulating
       carry); the chunk's result is the new total.
     body: for a loop, its body's split (``graph._scan_axes.ScanBody``).
+    own: ``(input position, column)`` of index vectors whose column holds
+      each example's own position (``graph._positions``); each chunk puts
+      its own positions there.
   """
   outs: tuple = ()
   combine: str | None = None
@@ -67,6 +70,7 @@ class Rule:
   combines: tuple = ()
   threads: tuple = ()
   body: object = None
+  own: tuple = ()
 
   def output_combines(self) -> tuple:
     """Each output's combine, None where it is not combined."""
@@ -234,7 +238,9 @@ def _conv(node, axes, shapes, out_shapes) -> Rule:
   raise Refuse("it convolves across the example axis")
 
 
-def _gather(node, axes, shapes, out_shapes) -> Rule:
+def _gather(node, axes, shapes, out_shapes, own: tuple = ()) -> Rule:
+  """``own``: the index vectors' columns that hold each example's position
+  (``graph._positions.own_columns``)."""
   dn = node.params["dimension_numbers"]
   oa, ia = axes
   out_rank = len(out_shapes[0])
@@ -249,9 +255,12 @@ def _gather(node, axes, shapes, out_shapes) -> Rule:
         raise Refuse("its operand holds examples along another axis")
       return Rule(outs=(positions[ia],), demand=((0, partner),) if oa is None else ())
     if oa is not None:
-      raise Refuse("it gathers examples by examples (where it picks each example's own "
-                   "entry, x[jnp.arange(n), labels], write jnp.take_along_axis(x, "
-                   "labels[:, None], axis=1), which splits)")
+      column = _own_column(dn.start_index_map, dn.collapsed_slice_dims, oa, own)
+      if column is None:
+        raise Refuse("it gathers examples by examples (where it picks each example's own "
+                     "entry, write jnp.take_along_axis(x, labels[:, None], axis=1), which "
+                     "splits)")
+      return Rule(outs=(positions[ia],), own=((1, column),))
     return Rule(outs=(positions[ia],))
   if oa in obatch:
     partner = ibatch[obatch.index(oa)]
@@ -278,11 +287,37 @@ def _scatter_window(dn, shapes, oa, ua, obatch) -> Rule | None:
   return None
 
 
-def _scatter_add(node, axes, shapes, out_shapes) -> Rule:
+def _own_column(index_map, collapsed, axis: int, own: tuple) -> int | None:
+  """The index column among ``own`` that points along operand ``axis`` (one
+  example's row, collapsed), None where there is none."""
+  column = tuple(index_map).index(axis) if axis in index_map else None
+  return column if column in own and axis in collapsed else None
+
+
+def _scatter_own(dn, axes, positions, own: tuple) -> Rule | None:
+  """A scatter whose index picks each example's own row of its operand (the
+  gradient of ``x[jnp.arange(n), labels]``): per example, None where it is
+  not one."""
+  oa, ia, ua = axes
+  for axis in (oa,) if oa is not None else dn.scatter_dims_to_operand_dims:
+    column = _own_column(dn.scatter_dims_to_operand_dims, dn.inserted_window_dims, axis, own)
+    if column is not None and ua in (None, positions[ia]):
+      return Rule(outs=(axis,), own=((1, column),), demand=tuple(
+          d for d in ((0, axis) if oa is None else None,
+                      (2, positions[ia]) if ua is None else None) if d))
+  return None
+
+
+def _scatter_add(node, axes, shapes, out_shapes, own: tuple = ()) -> Rule:
+  """``own`` as :func:`_gather` takes it."""
   dn = node.params["dimension_numbers"]
   oa, ia, ua = axes
   positions = [d for d in range(len(shapes[2])) if d not in dn.update_window_dims]
   obatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims)
+  if ia is not None and ia not in ibatch and ia != len(shapes[1]) - 1:
+    mine = _scatter_own(dn, axes, positions, own)
+    if mine is not None:
+      return mine
   windowed = None if ia is not None else _scatter_window(dn, shapes, oa, ua, obatch)
   if windowed is not None:
     return windowed
@@ -332,6 +367,9 @@ RULES: dict[str, Callable] = {
     "gather": _gather,
     "scatter-add": _scatter_add, "scatter_add": _scatter_add, "scatter": _scatter_add,
 }
+
+# The rules that take ``own`` (the index columns holding examples' positions).
+INDEXED = frozenset({"gather", "scatter-add", "scatter_add", "scatter"})
 
 
 def chunked(shape: Sequence[int], axis: int, k: int) -> tuple[int, ...]:

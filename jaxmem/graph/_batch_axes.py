@@ -43,8 +43,9 @@ from typing import Mapping, Sequence
 import jax
 from jax.extend import core as jex
 
-from jaxmem.graph._axis_rules import RULES, Refuse, Rule
+from jaxmem.graph._axis_rules import INDEXED, RULES, Refuse, Rule
 from jaxmem.graph._graph import Graph
+from jaxmem.graph._positions import own_columns
 from jaxmem.graph._scan_axes import scan_rule
 from jaxmem.graph._split import NotSplittable, Split, demanded_values, shape_of, where
 
@@ -58,7 +59,10 @@ def _rule(graph: Graph, node, axes: list, strided: bool) -> Rule:
   if node.effects:
     raise Refuse("it has side effects, which would run once per micro-batch")
   shapes = [shape_of(graph, a) for a in node.ins]
-  return rule(node, axes, shapes, [graph.values[o].aval.shape for o in node.outs])
+  outs = [graph.values[o].aval.shape for o in node.outs]
+  if node.prim.name in INDEXED and axes[1] is not None and isinstance(node.ins[1], int):
+    return rule(node, axes, shapes, outs, own=own_columns(graph, node.ins[1], axes[1]))
+  return rule(node, axes, shapes, outs)
 
 
 def _follow(graph: Graph, inputs: Mapping[int, int], strided: bool = False

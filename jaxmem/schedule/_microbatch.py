@@ -202,6 +202,14 @@ def _part(x, axis: int, k: int, index, strided: bool = False):
   return jax.lax.dynamic_slice_in_dim(x, index * n, n, axis)
 
 
+def _own_positions(indices, column: int, axis: int):
+  """``indices`` with ``column`` (of its last axis) holding each example's
+  position in this chunk along ``axis``: the rows of the chunk's operand
+  that the step's positions in the whole batch pointed to."""
+  return indices.at[..., column].set(
+      jax.lax.broadcasted_iota(indices.dtype, indices.shape[:-1], axis))
+
+
 def _threaded(rule, position: int, operand: Callable):
   """The input a threaded output's running total starts from
   (``operand(input position)``), None where the output is not threaded."""
@@ -248,6 +256,8 @@ class _Chunk:
     for position, total in threads.items():
       args[position] = total
     rule = self.split.rules.get(i)
+    for position, column in rule.own if rule is not None else ():
+      args[position] = _own_positions(args[position], column, in_axes[position])
     if rule is not None and rule.body is not None:
       with at(node):
         return self.loop(node, rule.body, args)
