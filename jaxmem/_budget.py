@@ -43,11 +43,14 @@ class BudgetError(ValueError):
   Attributes:
     smallest: for an unmeetable budget, the smallest footprint in bytes that
       the planner reaches (pass it as the budget); None for unreadable input.
+    plan: where known, the plan that reaches ``smallest``, as the JSON text
+      ``Fit.save_plan`` writes (written to a file, ``transform(...,
+      plan=path)`` applies it without planning); None otherwise.
   """
 
-  def __init__(self, message: str, smallest: int | None = None):
+  def __init__(self, message: str, smallest: int | None = None, plan: str | None = None):
     super().__init__(message)
-    self.smallest = smallest
+    self.smallest, self.plan = smallest, plan
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from typing import Callable
@@ -19,21 +20,22 @@ from jaxmem.graph._state import apply_host_decisions
 from jaxmem.fit._checks import fittable, no_backward
 from jaxmem.fit._fit import Fitter
 from jaxmem.fit._search import first_fit, search, state_places
-from jaxmem.fit._unmet import budget_error, known_to_fail, remember
-from jaxmem.fit._fitted import Fit
+from jaxmem.fit._unmet import NoPlanFits, budget_error, known_to_fail, remember, snug_plan
+from jaxmem.fit._fitted import Fit, saved_plan
 from jaxmem.fit._inner import body_of
+from jaxmem.fit._jitting import jit_for
 from jaxmem.graph._graph import Graph, trace
 from jaxmem.fit._traced import (
     Written, as_written, changes, emitted, graphs, looped, target_clock)
 from jaxmem.fit._micro import (
     AUTO, MicroBatches, argument_groups, cheaper, checked_count, fit_chunked, fit_micro_batches,
     fit_whole_or_chunked, splittable, spread)
-from jaxmem.fit._saved import fingerprint, load_plan
+from jaxmem.fit._saved import fingerprint, load_plan, loads_saved
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
 from jaxmem.targets._host_args import devices_of, sharding_texts
 from jaxmem.fit._host_state import (
-    compile_placed, leaf_names, lower_placed, on_device, output_kinds, place_state,
+    compile_placed, leaf_names, lower_placed, on_device, place_state,
     placed_compile_only)
 
 _Tracer = jax.core.Tracer
@@ -141,13 +143,11 @@ class Transformed:
     return self._runner(fit, args, kwargs).trace(*args, **kwargs)
 
   def eval_shape(self, *args, **kwargs):
-    """``jax.jit``'s ``eval_shape``: the step's output shapes and dtypes,
-    without fitting (a plan changes no output)."""
+    """``jax.jit``'s ``eval_shape``, without fitting (a plan changes no output)."""
     return self.arguments.tracing(self.fun).eval_shape(*args, **kwargs)
 
   def clear_cache(self) -> None:
-    """``jax.jit``'s ``clear_cache``: forgets the fits and compiled programs
-    made so far, so the next call fits again."""
+    """``jax.jit``'s ``clear_cache``: forgets the fits made, so the next call fits again."""
     self._fits.clear()
     self._batched.clear()
 
@@ -243,8 +243,8 @@ class Transformed:
       count, region = loaded.micro_batches, loaded.region
       planner = Fixed(loaded.plan, source=loaded.source, around=loaded.around)
     memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count, region)
-    if known_to_fail(self.fun, memo, lambda u: self._budget_bytes(u, target),
-                     find_smallest, planner.name, target.name):
+    in_bytes = lambda u: self._budget_bytes(u, target)  # noqa: E731
+    if known_to_fail(self.fun, memo, in_bytes, find_smallest, planner.name, target.name):
       return None
     graph = graph_of(self.fun, closed)
     fittable(graph, self.__name__)
@@ -253,9 +253,10 @@ class Transformed:
                                 start=start, find_smallest=find_smallest, graph=graph,
                                 programs={}, plans={})
     written = self._written(closed, out_tree, target, leaves, args, kwargs, graph)
-    chunked = functools.partial(self._micro_batched, fitting, closed, planner, written,
-                                args, kwargs)
-    try:
+
+    def fitted(count, region, planner):
+      chunked = functools.partial(self._micro_batched, fitting, closed, planner, written,
+                                  args, kwargs)
       if count not in (AUTO, 1):
         return chunked(counts=[count], region=region)
       if count == 1:
@@ -264,8 +265,17 @@ class Transformed:
           functools.partial(fitting, closed, planner, written), chunked,
           lambda: splittable(graph, closed, *argument_groups(
               self.fun, self.arguments, args, kwargs), spread(leaves)), find_smallest)
+
+    if self.saved is None and (snug := snug_plan(self.fun, memo, in_bytes)):
+      # The budget an error named: the plan that reached it (else planned as any budget is).
+      loaded = loads_saved(snug, step, "of the smallest footprint (an earlier fit's)")
+      with contextlib.suppress(BudgetError):
+        return fitted(loaded.micro_batches, loaded.region,
+                      Fixed(loaded.plan, source=loaded.source, around=loaded.around))
+    try:
+      return fitted(count, region, planner)
     except BudgetError as err:
-      remember(self.fun, memo, err.smallest - self._reserve(target), written.footprint)
+      remember(self.fun, memo, err.smallest - self._reserve(target), written.footprint, err.plan)
       raise
 
   def _micro_batched(self, fitting: Callable, closed, planner, written: Written, args,
@@ -355,10 +365,16 @@ class Transformed:
         self.plan_cache, step, leaves, target, planner, budget=budget, reserve=reserve,
         max_rounds=self.max_rounds, host_state=self.host_state)
     saved = None if cached is None else _plan_cache.get(*cached, step)
-    planned, planner, found = search(
-        fitter, planned, planner, find_smallest, loop is None and self._may_host(target),
-        None if saved is None else (saved, _plan_cache.path(*cached)), timing_profile(target),
-        only_fitting)
+    try:
+      planned, planner, found = search(
+          fitter, planned, planner, find_smallest, loop is None and self._may_host(target),
+          None if saved is None else (saved, _plan_cache.path(*cached)),
+          timing_profile(target), only_fitting)
+    except NoPlanFits as err:  # the user's error, with the plan that reached its smallest
+      raise BudgetError(str(err), smallest=err.smallest, plan=saved_plan(
+          err.graph, err.plans[0], step, err.graph if loop is None else graph, micro,
+          target=target.name, planner=planner.describe(),
+          footprint=err.smallest - reserve)) from None
     if found is None:
       return None
     trial, attempts = found
@@ -378,8 +394,8 @@ class Transformed:
       _plan_cache.put(*cached, fit.saved())  # planned here: kept for the next run
     return fit
 
-  def _written(self, closed, out_tree, target: Target, leaves, args, kwargs,
-               graph=None) -> Written:
+  def _written(self, closed, out_tree, target: Target, leaves, args, kwargs, graph=None
+               ) -> Written:
     """The traced step as written (:func:`~jaxmem.fit._traced.as_written`)."""
     here, run = resolve(None, leaves), jex.jaxpr_as_fun(closed)
     return as_written(run, self._jit(run, out_tree, here, leaves=leaves), target, here, leaves,
@@ -397,25 +413,9 @@ class Transformed:
 
   def _jit(self, run_flat: Callable, out_tree, where: Target | None,
            graph: Graph | None = None, leaves=(), measuring: bool = False):
-    """The ``jax.jit`` of an emitted step (``run_flat`` over flat
-    ``leaves``) as compiled for ``where``: its compiler options (which keep
-    recomputation, :meth:`~jaxmem.targets.Target.options`) go under any the
-    user passed, its meshes are the target's (``Target.compiles``); None:
-    neither. Where ``graph`` keeps optimizer state on the host, the
-    outputs' memory kinds are given (``_host_state.output_kinds``)."""
-    arguments, options = self.arguments, {} if where is None else where.options(measuring)
-    run_flat = run_flat if where is None else where.compiles(run_flat, leaves)
-
-    def run(*args, **kwargs):
-      _, dyn_args, dyn_kwargs = arguments.split(args, kwargs)
-      leaves = jax.tree_util.tree_leaves((dyn_args, dyn_kwargs))
-      return jax.tree_util.tree_unflatten(out_tree, run_flat(*leaves))
-
-    kwargs = dict(self.jit_kwargs)
-    kwargs["compiler_options"] = {**options, **(kwargs.get("compiler_options") or {})} or None
-    if graph is not None and graph.hosted and "out_shardings" not in kwargs:
-      kwargs["out_shardings"] = out_tree.unflatten(output_kinds(graph, leaves))
-    return arguments.jit(run, self.fun, **kwargs)
+    """``fit._jitting.jit_for`` with this transform's arguments and options."""
+    return jit_for(self.arguments, self.fun, self.jit_kwargs, run_flat, out_tree, where, graph,
+                   leaves, measuring)
 
 
 def transform(fun: Callable, budget, *, planner="auto", target=None,

@@ -233,6 +233,14 @@ MUTANTS = [
            "  return any(holds_positions(graph, c, axis) for c in cases)",
            ("tests/test_microbatch.py::test_a_loss_picked_by_position_runs_in_micro_batches",
             "tests/test_microbatch.py::test_a_gather_by_other_examples_positions_refuses")),
+    Mutant("named-budget-searched-again",
+           "a budget at the smallest footprint an error named is searched for "
+           "again instead of taking the plan that reached it",
+           "jaxmem/fit/_unmet.py",
+           "  return plan if smallest <= budget - reserve <= smallest * (1 + SNUG) else None",
+           "  return None",
+           ("tests/test_compilations.py::"
+            "test_the_budget_an_error_named_takes_the_plan_that_reached_it",)),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "

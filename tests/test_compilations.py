@@ -144,6 +144,31 @@ def test_a_second_fit_compiles_no_micro_batches_measured_before(args):
   assert again < len(made), (again, len(made))
 
 
+def test_the_budget_an_error_named_takes_the_plan_that_reached_it(args, tmp_path):
+  """The error of an impossible budget carries the plan that reached the
+  smallest footprint it names. Another transform of the step at that
+  budget applies that plan, compiled once beside the step (and its chunks)
+  as written, without searching; a budget well above it is planned as any
+  budget is. The plan, saved, applies to the step as ``plan=`` does."""
+  step = lambda w, x: _step(w, x)  # a step of its own: nothing remembered yet
+  with pytest.raises(jaxmem.BudgetError) as first:
+    jaxmem.transform(step, budget=1).fit(*args)
+  budget = first.value.smallest
+  assert first.value.plan is not None
+  with counted() as made:
+    fit = jaxmem.transform(step, budget=budget).fit(*args)
+  assert "of the smallest footprint" in fit.planner.name
+  assert fit.footprint <= budget
+  assert len(made) <= 3, len(made)  # the step and its chunks as written, the plan
+  above = jaxmem.transform(step, budget=int(budget * 1.2)).fit(*args)
+  assert "of the smallest footprint" not in above.planner.name
+  path = tmp_path / "smallest.json"
+  path.write_text(first.value.plan)
+  again = jaxmem.transform(step, budget=budget, plan=path)
+  assert again.fit(*args).plan == fit.plan
+  assert jnp.allclose(again(*args), jax.jit(_step)(*args), atol=1e-6)
+
+
 def test_micro_batches_that_fit_as_written_are_taken_as_compiled(caplog):
   """Where the step runs in micro-batches, the count whose step as written
   fits the budget is taken as it was compiled to be measured, on a GPU

@@ -52,7 +52,7 @@ LAYERS = [
     {"planners"},
     {"fit._forewarn", "fit._aims", "fit._trial", "fit._features"},
     {"fit._report", "fit._fit", "fit._host_state", "fit._checks", "fit._micro"},
-    {"fit._search"},
+    {"fit._search", "fit._jitting"},
     {"fit._traced"},
     {"fit._fitted"},
     {"_transform", "_analyze"},

@@ -177,7 +177,7 @@ class Fitter:
         return None
       least = sorted(trials, key=lambda t: t.measured)
       raise NoPlanFits(self.error(least[0].measured),
-                       tuple(t.candidate.plan for t in least[:SMALLEST_AGAIN]))
+                       tuple(t.candidate.plan for t in least[:SMALLEST_AGAIN]), self.graph)
     cheapest = functools.reduce(lambda a, b: self.best_so_far(b, a), fitting)
     return self.structured(cheapest, sparing=True), rounds
 

@@ -28,6 +28,19 @@ def _chunks_name(micro: MicroBatches) -> str:
   return "region_chunks" if micro.region else "micro_batches"
 
 
+def saved_plan(graph: Graph, plan: Plan, step: str, stepped: Graph | None,
+               micro: MicroBatches | None, **about) -> str:
+  """``plan`` of ``graph`` as JSON (:mod:`jaxmem.fit._saved`), for the step
+  of fingerprint ``step``, with the host decisions of ``stepped`` (the
+  whole step, where ``graph`` is a loop's body) and the chunks ``micro``
+  says it runs in; ``about`` as ``dumps`` takes it."""
+  around = stepped is not None and stepped is not graph
+  return dumps(with_host_decisions(graph, plan), step,
+               with_host_decisions(stepped, Plan()) if around else None,
+               **about, micro_batches=1 if micro is None else micro.count,
+               region=FEATURES if micro and micro.features else bool(micro and micro.region))
+
+
 @dataclasses.dataclass
 class Fit:
   """Everything jaxmem decided for one argument signature.
@@ -128,14 +141,9 @@ class Fit:
   def saved(self) -> str:
     """The plan as JSON (:mod:`jaxmem.fit._saved`), with the budget, target,
     planner and footprint it was fitted for."""
-    around = self.stepped is not None and self.stepped is not self.graph
-    return dumps(with_host_decisions(self.graph, self.plan), self.step,
-                 with_host_decisions(self.stepped, Plan()) if around else None,
-                 budget=self.budget, target=self.target.name,
-                 planner=self.planner.describe(), footprint=self.footprint,
-                 micro_batches=1 if self.micro is None else self.micro.count,
-                 region=FEATURES if self.micro and self.micro.features else
-                 bool(self.micro and self.micro.region))
+    return saved_plan(self.graph, self.plan, self.step, self.stepped, self.micro,
+                      budget=self.budget, target=self.target.name,
+                      planner=self.planner.describe(), footprint=self.footprint)
 
   def gap(self) -> Gap:
     """The plan's cost against the exact planner's bound at the plan's own

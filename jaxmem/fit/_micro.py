@@ -265,9 +265,9 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
       return None
     if region == FEATURES:
       raise BudgetError(f"{error} Splitting layers' features cannot help either: {why}.",
-                        smallest=error.smallest) from None
+                        smallest=error.smallest, plan=error.plan) from None
     raise BudgetError(f"{error} Micro-batching cannot help either: {why}.",
-                      smallest=error.smallest) from None
+                      smallest=error.smallest, plan=error.plan) from None
   if not planned:  # the largest count alone, to name the smallest, where none may fit
     counts = [k for k in counts if written is None or limit is None
               or written * (1 - held * (1 - 1 / k)) <= 1.1 * limit] or (

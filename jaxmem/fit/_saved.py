@@ -145,10 +145,16 @@ def load_plan(saved, step: str, micro_batches) -> Saved:
     return Saved(saved, "given", micro_batches, False, Plan())
   path = os.fspath(saved)
   with open(path) as f:
-    record = json.load(f)
+    return loads_saved(f.read(), step, path)
+
+
+def loads_saved(text: str, step: str, source: str) -> Saved:
+  """The saved plan in ``text`` (from ``source``), checked to be for ``step``,
+  with the chunks it runs the step in."""
+  record = json.loads(text)
   # The chunks the step runs in (1: whole), and whether only the region
   # around its peak runs in them (or, named, what else: layers' features).
   region = record.get("region", False)
-  return Saved(_checked(record, step, path), path, int(record.get("micro_batches", 1)),
+  return Saved(_checked(record, step, source), source, int(record.get("micro_batches", 1)),
                region if isinstance(region, str) else bool(region),
                _decisions(record.get("around_loop", [])))

@@ -111,6 +111,8 @@ def search(fitter: Callable[..., Fitter], graph: Graph, planner: Planner,
   try:
     hit = first_fit(functools.partial(attempt, tried)
                     for tried in state_places(graph, profile, may_host))
-  except BudgetError as error:  # the user's error, without the search's plans or its frames
-    raise BudgetError(str(error), smallest=error.smallest) from None
+  except NoPlanFits as error:  # the smallest plan kept; the search's frames not
+    raise NoPlanFits(error, error.plans[:1], error.graph) from None
+  except BudgetError as error:
+    raise BudgetError(str(error), smallest=error.smallest, plan=error.plan) from None
   return hit or (graph, planner, None)

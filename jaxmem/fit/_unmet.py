@@ -1,6 +1,7 @@
 """Budgets a step cannot meet: the error that names the smallest footprint
-reached, and that footprint remembered per step, so a second budget under
-it fails at once."""
+reached, and that footprint remembered per step, with the plan that
+reached it: a second budget under it fails at once, and a budget at it
+(the one the error named) takes that plan without searching again."""
 
 from __future__ import annotations
 
@@ -30,38 +31,62 @@ def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
 
 class NoPlanFits(BudgetError):
   """A :class:`BudgetError` from the fit loop's search for the smallest
-  footprint, with the plans that reached the least, smallest first."""
+  footprint, with the plans that reached the least, smallest first, and
+  the graph they are plans of."""
 
-  def __init__(self, error: BudgetError, plans: tuple[Plan, ...]):
+  def __init__(self, error: BudgetError, plans: tuple[Plan, ...], graph):
     super().__init__(str(error), smallest=error.smallest)
-    self.plans = plans
+    self.plans, self.graph = plans, graph
 
 
 # The smallest footprint a fit reached where it failed, per step function
 # (weakly: it goes with the function) and per what decides it (the traced
-# step's fingerprint, planner, target, planning rounds): a second budget
-# under it fails at once, without planning or compiling again.
+# step's fingerprint, planner, target, planning rounds), with the plan that
+# reached it: a second budget under it fails at once, without planning or
+# compiling again.
 _SMALLEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
+# How far above the smallest footprint a budget takes the plan that reached
+# it, without searching again. There the only plans known to fit are that
+# one's, and a search toward the budget compiles plans that land above it:
+# a Flax ``nn.scan`` transformer at the smallest its error named fitted in 8
+# compilations where the plan that reached it takes 3.
+SNUG = 0.01
 
-def remember(fun, key: tuple, smallest: int, unconstrained: int | None) -> None:
+
+def remember(fun, key: tuple, smallest: int, unconstrained: int | None,
+             plan: str | None = None) -> None:
   """Records that fitting ``fun`` as ``key`` says reaches ``smallest`` bytes
   at least (XLA's footprint, reserve excluded), of ``unconstrained`` (None
-  where the backend gives no footprint: nothing is recorded)."""
+  where the backend gives no footprint: nothing is recorded), by ``plan``
+  (a saved plan's text, where known)."""
   if unconstrained is None:
     return
   try:
-    _SMALLEST.setdefault(fun, {})[key] = (smallest, unconstrained)
+    _SMALLEST.setdefault(fun, {})[key] = (smallest, unconstrained, plan)
   except TypeError:  # a callable that cannot be referenced weakly
     pass
 
 
-def remembered(fun, key: tuple) -> tuple[int, int] | None:
-  """``(smallest, unconstrained)`` recorded for ``fun`` and ``key``."""
+def remembered(fun, key: tuple) -> tuple[int, int, str | None] | None:
+  """``(smallest, unconstrained, plan)`` recorded for ``fun`` and ``key``."""
   try:
     return _SMALLEST.get(fun, {}).get(key)
   except TypeError:
     return None
+
+
+def snug_plan(fun, key: tuple, in_bytes: Callable[[int], tuple[int, int]]) -> str | None:
+  """The plan (a saved plan's text) that reached the smallest footprint an
+  earlier fit of ``fun`` as ``key`` says, where this budget
+  (``in_bytes(unconstrained) -> (budget, reserve)``) lies within
+  :data:`SNUG` above that footprint; else None."""
+  known = remembered(fun, key)
+  if known is None or known[2] is None:
+    return None
+  smallest, unconstrained, plan = known
+  budget, reserve = in_bytes(unconstrained)
+  return plan if smallest <= budget - reserve <= smallest * (1 + SNUG) else None
 
 
 def known_to_fail(fun, key: tuple, in_bytes: Callable[[int], tuple[int, int]],
@@ -74,7 +99,7 @@ def known_to_fail(fun, key: tuple, in_bytes: Callable[[int], tuple[int, int]],
   known = remembered(fun, key)
   if known is None:
     return False
-  smallest, unconstrained = known
+  smallest, unconstrained, _ = known
   budget, reserve = in_bytes(unconstrained)
   if budget - reserve >= smallest:
     return False
