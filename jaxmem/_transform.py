@@ -15,6 +15,7 @@ from jaxmem.fit._shared import graph_of, measuring, planner_of
 from jaxmem.fit._arguments import Arguments, as_sharded, inherited_donations
 from jaxmem.fit._batching import batchable
 from jaxmem._budget import Budget, BudgetError
+from jaxmem._decisions import Plan
 from jaxmem.cost._evaluate import Candidate, paused_gc, unplanned
 from jaxmem.graph._state import apply_host_decisions
 from jaxmem.fit._checks import fittable, no_backward
@@ -173,15 +174,12 @@ class Transformed:
     """Saves the plan fitted for these arguments (or, with none given, the
     one signature fitted so far) as JSON; ``transform(step, budget,
     plan=path)`` applies it again without planning."""
-    if args or kwargs:
-      fit = self.fit(*args, **kwargs)
-    elif len(self._fits) == 1:
-      fit, = self._fits.values()
-    else:
+    if not (args or kwargs) and len(self._fits) != 1:
       raise ValueError(
           f"jaxmem: save_plan(path) without arguments needs exactly one fitted "
           f"signature, got {len(self._fits)}; pass the step's arguments "
           "(save_plan(path, *args)) to say which plan.")
+    fit = self.fit(*args, **kwargs) if args or kwargs else next(iter(self._fits.values()))
     fit.save_plan(path)
 
   def can_fit(self, *args, **kwargs) -> bool:
@@ -281,8 +279,7 @@ class Transformed:
   def _micro_batched(self, fitting: Callable, closed, planner, written: Written, args,
                      kwargs, error: BudgetError | None = None,
                      counts=None, region: bool | None = None, fitted=None) -> Fit | None:
-    """``fit._micro.fit_chunked`` by ``fitting`` (where a plan ``fitted``,
-    ``fit._micro.cheaper``)."""
+    """``fit._micro.fit_chunked`` by ``fitting`` (``cheaper`` where a plan ``fitted``)."""
     where = fitting.keywords
     budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
     measure = measuring(self.fun, (
@@ -298,8 +295,9 @@ class Transformed:
         measure, where["graph"], closed, *argument_groups(self.fun, self.arguments, args, kwargs),
         written.footprint and budget - reserve, find_smallest=where["find_smallest"],
         strided=spread(where["leaves"]), written=written.footprint,
-        unmet=written.footprint and (lambda least: budget_error(
-            budget, reserve, written.footprint, least, planner.name, where["target"].name)))
+        unmet=written.footprint and (lambda least, micro: budget_error(
+            budget, reserve, written.footprint, least, planner.name, where["target"].name,
+            plan=saved_plan(where["graph"], Plan(), where["step"], None, micro))))
     return (cheaper(fitted, split, target_clock(where["target"])) if fitted
             else fit_chunked(split, error, counts, region))
 

@@ -241,6 +241,13 @@ MUTANTS = [
            "  return None",
            ("tests/test_compilations.py::"
             "test_the_budget_an_error_named_takes_the_plan_that_reached_it",)),
+    Mutant("written-count-not-named",
+           "where no plan of the micro-batched step comes under its count as "
+           "written, the error names the plans' smallest, not the count's",
+           "jaxmem/fit/_micro.py",
+           "    err = written_err if written_err is not None and written_err.smallest < err.smallest else err\n",
+           "",
+           ("tests/test_transform.py::test_smallest_feasible_budget_fits_and_matches",)),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "

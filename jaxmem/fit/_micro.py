@@ -232,7 +232,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
                       counts: Sequence[int] | None = None, find_smallest: bool = True,
                       region: bool | str = False, planned: bool = True,
                       written: int | None = None,
-                      unmet: Callable[[int], BudgetError] | None = None,
+                      unmet: Callable[[int, MicroBatches], BudgetError] | None = None,
                       strided: bool = False, faster: Callable | None = None):
   """The traced step ``closed`` (of ``graph``) fitted in micro-batches, or
   with only the region around its peak in chunks (``region`` True), or
@@ -250,7 +250,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   the smallest of all (``error``, the step's own, included); None where
   there is none (or at once, where not ``planned``: then only the counts
   whose modelled chunks may bring ``written``, the step's footprint, within
-  ``limit`` are compiled, and ``unmet(smallest)`` is raised where none
+  ``limit`` are compiled, and ``unmet(smallest, chunks)`` is raised where none
   fits). Where given, ``faster(measured)`` is asked of each count as
   written: the first it answers no ends the search (None), since more
   chunks only run slower. A batch that cannot be split adds why to
@@ -275,16 +275,21 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   found, tried = _as_written(counts, make, measure, fit, limit, faster)
   if found is not None or tried is None:
     return found
-  smallest = min((t[0] for t in tried), default=0)
-  if not planned and unmet is not None and smallest:
-    raise unmet(smallest)
-  if not planned or not tried:
+  if not tried:
     return None
-  _, k, traced, micro, measured = min(tried, key=lambda t: (t[0], t[1]))
+  smallest, k, traced, micro, measured = min(tried, key=lambda t: (t[0], t[1]))
+  if not planned and unmet is not None and smallest:
+    raise unmet(smallest, micro)
+  if not planned:
+    return None
   _log.info("jaxmem: no number of chunks fits as written; planning %d", k)
   try:
     found = fit(traced, micro, find_smallest, measured)
   except BudgetError as err:
+    # The count as written may come under every plan of it (their backward
+    # reads separated): the error names the least of both.
+    written_err = unmet(smallest, micro) if unmet is not None else None
+    err = written_err if written_err is not None and written_err.smallest < err.smallest else err
     raise err if error is None or err.smallest < error.smallest else error
   if found is None and error is not None and find_smallest:
     raise error

@@ -13,9 +13,10 @@ from jaxmem._decisions import Plan
 
 
 def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
-                 planner: str, where: str) -> BudgetError:
+                 planner: str, where: str, plan: str | None = None) -> BudgetError:
   """The error for ``budget`` (bytes, ``reserve`` included) under
-  ``smallest``, the least footprint ``planner`` reaches on ``where``."""
+  ``smallest``, the least footprint ``planner`` reaches on ``where`` (by
+  ``plan``, a saved plan's text, where given)."""
   least = smallest + reserve
   kept = (f", and {format_bytes(reserve)} is kept free beyond it for the "
           "runtime's workspaces (transform(..., reserve=))" if reserve else "")
@@ -26,7 +27,7 @@ def budget_error(budget: int, reserve: int, unconstrained: int, smallest: int,
       f"{f' on target {where}' if where else ''}: the smallest "
       f"footprint it reaches for this step is {format_bytes(smallest)} ({smallest} bytes, "
       f"{smallest / unconstrained:.0%}){kept}. Pass budget >= {least} bytes, "
-      "or shrink the batch.", smallest=least)
+      "or shrink the batch.", smallest=least, plan=plan)
 
 
 class NoPlanFits(BudgetError):
