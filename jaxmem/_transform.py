@@ -268,8 +268,10 @@ class Transformed:
       # The budget an error named: the plan that reached it (else planned as any budget is).
       loaded = loads_saved(snug, step, "of the smallest footprint (an earlier fit's)")
       with contextlib.suppress(BudgetError):
-        return fitted(loaded.micro_batches, loaded.region,
-                      Fixed(loaded.plan, source=loaded.source, around=loaded.around))
+        found = fitted(loaded.micro_batches, loaded.region,
+                       Fixed(loaded.plan, source=loaded.source, around=loaded.around))
+        if found is not None:  # can_fit's quick answer may be no
+          return found
     try:
       return fitted(count, region, planner)
     except BudgetError as err:
