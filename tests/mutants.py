@@ -248,6 +248,21 @@ MUTANTS = [
            "    err = written_err if written_err is not None and written_err.smallest < err.smallest else err\n",
            "",
            ("tests/test_transform.py::test_smallest_feasible_budget_fits_and_matches",)),
+    Mutant("step-as-written-compiled-per-transform",
+           "each transform of a step compiles the step as written again, where "
+           "an earlier fit of it on the same graph did",
+           "jaxmem/fit/_shared.py",
+           "  if where not in made:\n    made[where] = compile()\n  return made[where]\n",
+           "  return compile()\n",
+           ("tests/test_compilations.py::"
+            "test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner",)),
+    Mutant("planned-chunks-compiled-per-transform",
+           "a chunked form a fit planned is compiled again by a later fit of the step",
+           "jaxmem/fit/_shared.py",
+           "    if self._keep is not None:\n      self._keep(self)\n",
+           "    if self._keep is not None:\n      pass\n",
+           ("tests/test_compilations.py::"
+            "test_the_budget_an_error_named_takes_the_plan_that_reached_it",)),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "

@@ -55,6 +55,7 @@ LAYERS = [
     {"fit._search", "fit._jitting"},
     {"fit._traced"},
     {"fit._fitted"},
+    {"_fitting"},
     {"_transform", "_analyze"},
     {""},  # the package itself: the public face
     {"_zoo", "_plots"},

@@ -1,5 +1,5 @@
 """What the fits of one step function share: its graphs, its planners, and
-the footprints of its chunked forms as written.
+its forms as written (the step, and its chunked forms), compiled.
 
 Each ``jaxmem.transform`` of a function traces its step again. Where the
 traced program is the one traced before (the same equations, wiring,
@@ -10,10 +10,15 @@ step (the budget an error named, the next budget of a sweep) then finds
 the planners' searches on that graph done: a plan for a lower aim starts
 where they ended.
 
-Where no plan of a step fits, ``fit._micro`` compiles each count of
-micro-batches (and of the chunks of the region around its peak) that it
-weighs, to read its footprint as written. A later fit of the same step
-reads those footprints here and compiles only the forms it goes on to plan.
+Every fit compiles the step as written, for its footprint (the budget's
+reference) and as the plan that keeps everything: a later fit of the same
+step on the same graph, for the same target, arguments and options, takes
+that compilation (:func:`written_once`). Where no plan of a step fits,
+``fit._micro`` compiles each count of micro-batches (and of the chunks of
+the region around its peak) that it weighs, to read its footprint as
+written. A later fit of the same step reads those footprints here, takes
+the compilations of the forms planned before, and compiles only the other
+forms it goes on to plan.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Callable
 import numpy as np
 from jax.extend import core as jex
 
-from jaxmem.graph._graph import Graph, build_graph
+from jaxmem.graph._graph import Graph, analysis, build_graph
 
 # Graphs kept per function: the step and a few of its micro-batched forms.
 KEPT = 4
@@ -117,25 +122,54 @@ def _equal(x, y) -> bool:
   return x.shape == y.shape and x.dtype == y.dtype and bool(np.array_equal(x, y))
 
 
+@analysis
+def _written_forms(graph: Graph) -> dict:
+  """The step of ``graph`` as written, compiled, by what else decides its
+  program (filled by :func:`written_once`)."""
+  return {}
+
+
+def written_once(graph: Graph, where: tuple, compile: Callable):
+  """The step of ``graph`` as written, ``compile()`` (a
+  ``fit._traced.Written``), made once per graph and ``where`` (hashable:
+  all that decides its program beside its equations: target, argument
+  shardings, static and donated arguments, ``jax.jit`` options, output
+  tree)."""
+  made = _written_forms(graph)
+  if where not in made:
+    made[where] = compile()
+  return made[where]
+
+
 class AsWritten:
   """A chunked form ``traced`` of the step, as written: its ``footprint``
   (XLA's, or None where the backend gives none), and its compilation
-  (``fit._traced.Written``, by ``compile``), made on first use."""
+  (``fit._traced.Written``, by ``compile``), made on first use; ``keep``
+  is told of the form once its compilation is taken (:attr:`written`)."""
 
-  def __init__(self, compile: Callable, traced, footprint=_UNKNOWN):
-    self._compile, self._traced = compile, traced
+  def __init__(self, compile: Callable, traced, footprint=_UNKNOWN,
+               keep: Callable | None = None):
+    self._compile, self._traced, self._keep = compile, traced, keep
     self._footprint, self._written = footprint, None
+
+  def _compiled(self):
+    if self._written is None:
+      self._written = self._compile(self._traced)
+      self._compile = None  # it holds the call's arguments: not kept with the form
+    return self._written
 
   @property
   def written(self):
-    if self._written is None:
-      self._written = self._compile(self._traced)
-    return self._written
+    found = self._compiled()
+    if self._keep is not None:
+      self._keep(self)
+      self._keep = None
+    return found
 
   @property
   def footprint(self) -> int | None:
     if self._footprint is _UNKNOWN:
-      self._footprint = self.written.footprint
+      self._footprint = self._compiled().footprint
     return self._footprint
 
 
@@ -143,16 +177,20 @@ def measuring(fun: Callable, where: tuple, compile: Callable) -> Callable:
   """``measure(traced) -> AsWritten`` for the chunked forms of step ``fun``
   (``compile(traced) -> Written``), with ``where`` (hashable) all that
   decides a form's footprint beside its traced program: target, argument
-  shardings, donations, ``jax.jit`` options. A form measured before for
-  ``fun`` and ``where`` is not compiled to be measured again."""
+  shardings, static and donated arguments, ``jax.jit`` options. A form
+  measured before for ``fun`` and ``where`` is not compiled to be measured
+  again, and one whose compilation a fit took before is taken again; the
+  others' compilations are not kept (only the forms a fit plans are)."""
   known = _kept(_FOOTPRINTS, fun, dict)
   known = {} if known is None else known
 
   def measure(traced) -> AsWritten:
     key = (program(traced), where)
-    if key in known:
-      return AsWritten(compile, traced, known[key])
-    found = AsWritten(compile, traced)
-    known[key] = found.footprint
+    hit = known.get(key, _UNKNOWN)
+    if isinstance(hit, AsWritten):
+      return hit
+    found = AsWritten(compile, traced, hit, keep=lambda form: known.__setitem__(key, form))
+    if hit is _UNKNOWN:
+      known[key] = found.footprint
     return found
   return measure
