@@ -263,6 +263,14 @@ MUTANTS = [
            "    if self._keep is not None:\n      pass\n",
            ("tests/test_compilations.py::"
             "test_the_budget_an_error_named_takes_the_plan_that_reached_it",)),
+    Mutant("counts-out-of-reach-measured",
+           "counts of micro-batches between are measured where the most chunks "
+           "are predicted well above the budget",
+           "jaxmem/fit/_micro.py",
+           "  return after - part / more + part / most > (1 + OUT_OF_REACH) * limit",
+           "  return False",
+           ("tests/test_microbatch.py::"
+            "test_counts_of_micro_batches_are_skipped_where_the_most_are_out_of_reach",)),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "
