@@ -276,12 +276,16 @@ def test_the_search_with_state_on_the_host_starts_from_the_smallest_plans(graph)
   class Fitter:
     def __init__(self, tried, planner, smallest_from=None):
       calls.append((tried, smallest_from))
+      self.tried = tried
 
     def fit(self, find_smallest, only_fitting=False):
-      raise NoPlanFits(jaxmem.BudgetError("over", smallest=100 - len(calls)), smallest)
+      raise NoPlanFits(jaxmem.BudgetError("over", smallest=100 - len(calls)), smallest,
+                       self.tried)
 
-  with pytest.raises(jaxmem.BudgetError) as error:
+  with pytest.raises(NoPlanFits) as error:
     search(Fitter, graph, get_planner("auto"), True, may_host=True)
   assert [from_ for _, from_ in calls] == [None, smallest]
   assert not calls[0][0].hosted and calls[1][0].hosted
-  assert error.value.smallest == 98
+  # The least of both, with the plan that reached it and the graph it is of.
+  assert error.value.smallest == 98 and error.value.graph is calls[1][0]
+  assert error.value.plans == smallest[:1]
