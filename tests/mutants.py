@@ -262,7 +262,9 @@ MUTANTS = [
            "    if self._keep is not None:\n      self._keep(self)\n",
            "    if self._keep is not None:\n      pass\n",
            ("tests/test_compilations.py::"
-            "test_the_budget_an_error_named_takes_the_plan_that_reached_it",)),
+            "test_a_chunked_form_is_measured_once_and_kept_once_planned",
+            "tests/test_compilations.py::"
+            "test_the_budget_an_error_named_takes_the_plan_that_reached_it")),
     Mutant("counts-out-of-reach-measured",
            "counts of micro-batches between are measured where the most chunks "
            "are predicted well above the budget",
@@ -302,10 +304,12 @@ MUTANTS = [
            "a chunked form of a step measured by an earlier fit is compiled again "
            "to be measured",
            "jaxmem/fit/_shared.py",
-           "    if key in known:\n",
-           "    if False:\n",
+           "    hit = known.get(key, _UNKNOWN)\n",
+           "    hit = _UNKNOWN\n",
            ("tests/test_compilations.py::"
-            "test_a_second_fit_compiles_no_micro_batches_measured_before",)),
+            "test_a_chunked_form_is_measured_once_and_kept_once_planned",
+            "tests/test_compilations.py::"
+            "test_a_second_fit_compiles_no_micro_batches_measured_before")),
     Mutant("shared-graph-constants-ignored",
            "a step traced again to the same equations reuses the graph built before "
            "whatever constants it holds",
@@ -623,7 +627,7 @@ MUTANTS = [
     Mutant("micro-batches-fitting-as-written-planned",
            "a step in micro-batches that fits the budget as written is compiled again with its "
            "backward reads separated",
-           "jaxmem/_transform.py",
+           "jaxmem/_fitting.py",
            "                               own_footprint=None if own is written else own.footprint)",
            "                               own_footprint=None)",
            ("tests/test_compilations.py",)),

@@ -173,6 +173,30 @@ def test_the_budget_an_error_named_takes_the_plan_that_reached_it(args, tmp_path
   assert jnp.allclose(again(*args), jax.jit(_step)(*args), atol=1e-6)
 
 
+def test_a_chunked_form_is_measured_once_and_kept_once_planned():
+  """A later fit of the same step reads a form's footprint as written from
+  the first fit's measure, without compiling it; where a fit takes a
+  form's compilation (to plan it), later fits take that compilation too."""
+  import types
+  from jaxmem.fit._shared import measuring
+  made = []
+
+  def compile(traced):
+    made.append(traced)
+    return types.SimpleNamespace(footprint=7)
+
+  step = lambda x: x + 1  # a function of its own: nothing measured for it yet
+  traced = jax.make_jaxpr(step)(1.0)
+  first = measuring(step, ("here",), compile)(traced)
+  assert first.footprint == 7 and len(made) == 1
+  later = measuring(step, ("here",), compile)(traced)
+  assert later.footprint == 7 and len(made) == 1  # not compiled to be measured again
+  assert later.written.footprint == 7 and len(made) == 2  # compiled where it is planned
+  kept = measuring(step, ("here",), compile)(traced)
+  assert kept.written is later.written and len(made) == 2
+  assert measuring(step, ("elsewhere",), compile)(traced).footprint == 7 and len(made) == 3
+
+
 def test_micro_batches_that_fit_as_written_are_taken_as_compiled(caplog):
   """Where the step runs in micro-batches, the count whose step as written
   fits the budget is taken as it was compiled to be measured, on a GPU
