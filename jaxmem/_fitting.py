@@ -122,7 +122,8 @@ class Fitting:
     """``fit._micro.fit_chunked`` by ``fitting`` (``cheaper`` where a plan ``fitted``)."""
     where = fitting.keywords
     budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
-    measure = measuring(self.fun, self._deciding(where["target"], where["leaves"]),
+    measure = measuring(self.fun, (*self._deciding(where["target"], where["leaves"]),
+                                   where["out_tree"]),
                         functools.partial(self._written, out_tree=where["out_tree"], args=args,
                                           target=where["target"], leaves=where["leaves"],
                                           kwargs=kwargs))

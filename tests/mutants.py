@@ -273,6 +273,21 @@ MUTANTS = [
            "  return False",
            ("tests/test_microbatch.py::"
             "test_counts_of_micro_batches_are_skipped_where_the_most_are_out_of_reach",)),
+    Mutant("own-rows-unequal-lengths",
+           "a scatter by each example's own position into more rows than examples "
+           "runs per chunk",
+           "jaxmem/graph/_axis_rules.py",
+           "        and shapes[0][axis] == shapes[1][ia] == shapes[2][positions[ia]]):",
+           "        ):",
+           ("tests/test_microbatch.py::"
+            "test_a_scatter_by_position_into_more_rows_than_examples_is_not_run_per_chunk",)),
+    Mutant("kept-jit-holds-the-step",
+           "the jit a fit keeps for a step refers back to the step, so the "
+           "compilations kept per step never go",
+           "jaxmem/fit/_arguments.py",
+           "    del wrapped.__wrapped__\n",
+           "",
+           ("tests/test_compilations.py::test_the_compilations_kept_for_a_step_go_with_it",)),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "

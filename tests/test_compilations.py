@@ -197,6 +197,22 @@ def test_a_chunked_form_is_measured_once_and_kept_once_planned():
   assert measuring(step, ("elsewhere",), compile)(traced).footprint == 7 and len(made) == 3
 
 
+def test_the_compilations_kept_for_a_step_go_with_it(args):
+  """What fits keep per step function (its graphs, the compilation of the
+  step as written, its planned forms, the plan of its smallest footprint)
+  holds no reference back to the function: they go when it goes."""
+  import gc
+  import weakref
+  step = lambda w, x: _step(w, x)
+  with pytest.raises(jaxmem.BudgetError):
+    jaxmem.transform(step, budget=1).fit(*args)
+  jaxmem.transform(step, budget="60%")(*args)
+  gone = weakref.ref(step)
+  del step
+  gc.collect()
+  assert gone() is None
+
+
 def test_micro_batches_that_fit_as_written_are_taken_as_compiled(caplog):
   """Where the step runs in micro-batches, the count whose step as written
   fits the budget is taken as it was compiled to be measured, on a GPU

@@ -211,6 +211,25 @@ def test_a_loss_picked_by_position_runs_in_micro_batches(strided):
                          leaves[:3] + [0.0], rtol=1e-5)
 
 
+def test_a_scatter_by_position_into_more_rows_than_examples_is_not_run_per_chunk():
+  """Each example's own position scattered into a buffer of more rows than
+  examples (rows the chunks would not share out as they share the
+  examples) is not taken per chunk: it sums over the examples as any
+  scatter does, and the backward pass's read of that sum per example is
+  refused."""
+  def step(w, x, labels):
+    def loss(w):
+      h = jnp.tanh(x @ w)
+      table = jnp.zeros((3 * x.shape[0], 8)).at[jnp.arange(x.shape[0]), labels].add(h.sum(1))
+      return jnp.sum(table ** 2)
+    return jax.grad(loss)(w)
+  leaves = [jnp.eye(8) * 0.5, jax.random.normal(jax.random.key(1), (16, 8)),
+            jnp.arange(16) % 8]
+  graph = build_graph(jax.make_jaxpr(step)(*leaves))
+  with pytest.raises(NotSplittable, match="reduced by .* scatter-add"):
+    split_batch(graph, [(0,), (1, 2)], ["w", "batch"])
+
+
 @pytest.mark.parametrize("pick", [
     lambda n: (jnp.arange(n) + 1) % n,
     lambda n: jnp.where(jnp.arange(n) % 2 == 0, jnp.arange(n), 0),

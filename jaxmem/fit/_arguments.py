@@ -141,8 +141,12 @@ class Arguments:
 
   def jit(self, fun: Callable, user: Callable, **kwargs):
     """``jax.jit`` of ``fun(*args, **kwargs)`` with these arguments static
-    and donated, resolved against ``user``'s signature (``fun`` is given it)."""
+    and donated, resolved against ``user``'s signature (``fun`` is given it,
+    with its name, but holds no reference to ``user``: compilations kept per
+    step function, weakly keyed on it, must not keep it alive)."""
     wrapped = functools.wraps(user)(fun)
+    del wrapped.__wrapped__
+    wrapped.__signature__ = _signature(user)
     return jax.jit(wrapped, static_argnums=self.static_argnums or None,
                    static_argnames=self.static_argnames or None,
                    donate_argnums=self.donate_argnums or None,

@@ -65,9 +65,8 @@ PLATEAU = 0.005
 # The same fall, fitted to the two counts measured last, predicts the most
 # chunks' footprint: where even that is above the budget by more than this
 # share, the counts between are skipped and the most chunks measured alone
-# (a budget nothing meets: a Flax nn.scan transformer measured 3 counts
-# where it measured 6, its 64 micro-batches predicted at 1002528 bytes and
-# measured at 1018160).
+# (a Flax nn.scan transformer's 64 micro-batches, predicted from 2 and 4:
+# 1002528 bytes; measured: 1018160).
 OUT_OF_REACH = 0.1
 
 
@@ -296,7 +295,7 @@ def fit_micro_batches(fit: Callable, measure: Callable, graph, closed, groups, n
   except BudgetError as err:
     # The count as written may come under every plan of it (their backward
     # reads separated): the error names the least of both.
-    written_err = unmet(smallest, micro) if unmet is not None else None
+    written_err = unmet(smallest, micro) if unmet is not None and smallest else None
     err = written_err if written_err is not None and written_err.smallest < err.smallest else err
     raise err if error is None or err.smallest < error.smallest else error
   if found is None and error is not None and find_smallest:
@@ -482,7 +481,7 @@ def cheaper(fitted, fit_split: Callable, clock: Callable | None):
   for region in (True, False):  # the region around the peak, then the whole step
     try:
       other = fit_split(None, None, region=region, planned=False, unmet=None,
-                        faster=lambda m: clock(m.written.baseline) < best.predicted)
+                        faster=lambda m: clock(m.compiled().baseline) < best.predicted)
     except BudgetError:
       continue
     if other is not None and other.predicted is not None and other.predicted < best.predicted:

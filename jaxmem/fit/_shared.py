@@ -152,7 +152,9 @@ class AsWritten:
     self._compile, self._traced, self._keep = compile, traced, keep
     self._footprint, self._written = footprint, None
 
-  def _compiled(self):
+  def compiled(self):
+    """Its compilation, made once, without keeping the form for later fits
+    (a form priced, not planned)."""
     if self._written is None:
       self._written = self._compile(self._traced)
       self._compile = None  # it holds the call's arguments: not kept with the form
@@ -160,7 +162,7 @@ class AsWritten:
 
   @property
   def written(self):
-    found = self._compiled()
+    found = self.compiled()
     if self._keep is not None:
       self._keep(self)
       self._keep = None
@@ -169,7 +171,7 @@ class AsWritten:
   @property
   def footprint(self) -> int | None:
     if self._footprint is _UNKNOWN:
-      self._footprint = self._compiled().footprint
+      self._footprint = self.compiled().footprint
     return self._footprint
 
 

@@ -48,10 +48,8 @@ class NoPlanFits(BudgetError):
 _SMALLEST: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 # How far above the smallest footprint a budget takes the plan that reached
-# it, without searching again. There the only plans known to fit are that
-# one's, and a search toward the budget compiles plans that land above it:
-# a Flax ``nn.scan`` transformer at the smallest its error named fitted in 8
-# compilations where the plan that reached it takes 3.
+# it, without searching again: there the only plan known to fit is that
+# one, and a search toward the budget compiles plans that land above it.
 SNUG = 0.01
 
 
@@ -106,4 +104,4 @@ def known_to_fail(fun, key: tuple, in_bytes: Callable[[int], tuple[int, int]],
     return False
   if not find_smallest:
     return True
-  raise budget_error(budget, reserve, unconstrained, smallest, planner, where)
+  raise budget_error(budget, reserve, unconstrained, smallest, planner, where, known[2])

@@ -256,7 +256,7 @@ def _gather(node, axes, shapes, out_shapes, own: tuple = ()) -> Rule:
       return Rule(outs=(positions[ia],), demand=((0, partner),) if oa is None else ())
     if oa is not None:
       column = _own_column(dn.start_index_map, dn.collapsed_slice_dims, oa, own)
-      if column is None:
+      if column is None or shapes[0][oa] != shapes[1][ia]:
         raise Refuse("it gathers examples by examples (where it picks each example's own "
                      "entry, write jnp.take_along_axis(x, labels[:, None], axis=1), which "
                      "splits)")
@@ -294,14 +294,15 @@ def _own_column(index_map, collapsed, axis: int, own: tuple) -> int | None:
   return column if column in own and axis in collapsed else None
 
 
-def _scatter_own(dn, axes, positions, own: tuple) -> Rule | None:
+def _scatter_own(dn, axes, shapes, positions, own: tuple) -> Rule | None:
   """A scatter whose index picks each example's own row of its operand (the
-  gradient of ``x[jnp.arange(n), labels]``): per example, None where it is
-  not one."""
+  gradient of ``x[jnp.arange(n), labels]``, the operand's rows as many as
+  the examples): per example, None where it is not one."""
   oa, ia, ua = axes
   for axis in (oa,) if oa is not None else dn.scatter_dims_to_operand_dims:
     column = _own_column(dn.scatter_dims_to_operand_dims, dn.inserted_window_dims, axis, own)
-    if column is not None and ua in (None, positions[ia]):
+    if (column is not None and ua in (None, positions[ia])
+        and shapes[0][axis] == shapes[1][ia] == shapes[2][positions[ia]]):
       return Rule(outs=(axis,), own=((1, column),), demand=tuple(
           d for d in ((0, axis) if oa is None else None,
                       (2, positions[ia]) if ua is None else None) if d))
@@ -315,7 +316,7 @@ def _scatter_add(node, axes, shapes, out_shapes, own: tuple = ()) -> Rule:
   positions = [d for d in range(len(shapes[2])) if d not in dn.update_window_dims]
   obatch, ibatch = tuple(dn.operand_batching_dims), tuple(dn.scatter_indices_batching_dims)
   if ia is not None and ia not in ibatch and ia != len(shapes[1]) - 1:
-    mine = _scatter_own(dn, axes, positions, own)
+    mine = _scatter_own(dn, axes, shapes, positions, own)
     if mine is not None:
       return mine
   windowed = None if ia is not None else _scatter_window(dn, shapes, oa, ua, obatch)
