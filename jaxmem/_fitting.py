@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import time
 from typing import Callable
 
@@ -102,19 +103,32 @@ class Fitting:
           lambda: splittable(graph, closed, *argument_groups(
               self.fun, self.arguments, args, kwargs), spread(leaves)), find_smallest)
 
-    if self.saved is None and (snug := snug_plan(self.fun, memo, in_bytes)):
-      # The budget an error named: the plan that reached it (else planned as any budget is).
-      loaded = loads_saved(snug, step, "of the smallest footprint (an earlier fit's)")
+    def reached(text: str) -> Fit | None:  # the plan that reached a remembered smallest
+      loaded = loads_saved(text, step, "of the smallest footprint (an earlier fit's)")
       with contextlib.suppress(BudgetError):
-        found = fitted(loaded.micro_batches, loaded.region,
-                       Fixed(loaded.plan, source=loaded.source, around=loaded.around))
-        if found is not None:  # can_fit's quick answer may be no
-          return found
+        return fitted(loaded.micro_batches, loaded.region,
+                      Fixed(loaded.plan, source=loaded.source, around=loaded.around))
+      return None
+
+    # The budget an error named: the plan that reached it (else planned as any budget is).
+    snug = None if self.saved is not None else snug_plan(self.fun, memo, in_bytes)
+    found = reached(snug) if snug else None  # None also where can_fit's quick answer is no
+    if found is not None:
+      return found
     try:
-      return fitted(count, region, planner)
+      found, error = fitted(count, region, planner), None
     except BudgetError as err:
-      remember(self.fun, memo, err.smallest - self._reserve(target), written.footprint, err.plan)
-      raise
+      found, error = None, err
+    # A search that finds nothing where a remembered plan fits (its path
+    # differs from the one that reached that smallest): that plan.
+    known = None if self.saved is not None else snug_plan(self.fun, memo, in_bytes, math.inf)
+    if found is None and known and known != snug:
+      found = reached(known)
+    if found is not None or error is None:
+      return found
+    remember(self.fun, memo, error.smallest - self._reserve(target), written.footprint,
+             error.plan)
+    raise error
 
   def _micro_batched(self, fitting: Callable, closed, planner, written: Written, args,
                      kwargs, error: BudgetError | None = None,

@@ -236,9 +236,9 @@ MUTANTS = [
     Mutant("named-budget-searched-again",
            "a budget at the smallest footprint an error named is searched for "
            "again instead of taking the plan that reached it",
-           "jaxmem/fit/_unmet.py",
-           "  return plan if smallest <= budget - reserve <= smallest * (1 + SNUG) else None",
-           "  return None",
+           "jaxmem/_fitting.py",
+           "    snug = None if self.saved is not None else snug_plan(self.fun, memo, in_bytes)\n",
+           "    snug = None\n",
            ("tests/test_compilations.py::"
             "test_the_budget_an_error_named_takes_the_plan_that_reached_it",)),
     Mutant("written-count-not-named",
@@ -288,6 +288,21 @@ MUTANTS = [
            "    del wrapped.__wrapped__\n",
            "",
            ("tests/test_compilations.py::test_the_compilations_kept_for_a_step_go_with_it",)),
+    Mutant("remembered-plan-untried-where-a-search-fails",
+           "a later fit whose search finds nothing raises, where the plan that "
+           "reached a remembered smallest meets its budget",
+           "jaxmem/_fitting.py",
+           "    if found is None and known and known != snug:",
+           "    if False:",
+           ("tests/test_compilations.py::"
+            "test_a_search_that_fails_where_a_remembered_plan_fits_takes_that_plan",)),
+    Mutant("larger-smallest-remembered",
+           "a larger smallest overwrites the least one remembered",
+           "jaxmem/fit/_unmet.py",
+           "  if key not in known or smallest <= known[key][0]:",
+           "  if True:",
+           ("tests/test_compilations.py::"
+            "test_a_search_that_fails_where_a_remembered_plan_fits_takes_that_plan",)),
     Mutant("measuring-skips-gpu-autotuning",
            "the fit loop's compiles for a GPU turn autotuning off (convolution "
            "workspaces grow: a ResNet-18 at CPU sizes reads 46 MiB for an H100, "

@@ -173,6 +173,33 @@ def test_the_budget_an_error_named_takes_the_plan_that_reached_it(args, tmp_path
   assert jnp.allclose(again(*args), jax.jit(_step)(*args), atol=1e-6)
 
 
+def test_a_search_that_fails_where_a_remembered_plan_fits_takes_that_plan(args, monkeypatch):
+  """Where a later fit's search finds nothing at a budget the plan that
+  reached a remembered smallest meets (a search's path depends on its
+  aim), that plan is taken; and the least smallest reached stays
+  remembered."""
+  import jaxmem._fitting as fitting
+  from jaxmem.fit import _unmet
+  step = lambda w, x: _step(w, x)  # a step of its own: nothing remembered yet
+  with pytest.raises(jaxmem.BudgetError) as first:
+    jaxmem.transform(step, budget=1, micro_batches=1).fit(*args)
+  smallest = first.value.smallest
+  searched = fitting.search
+
+  def fails(fitter, graph, planner, *rest, **options):  # every search but a given plan's
+    if isinstance(planner, Fixed):
+      return searched(fitter, graph, planner, *rest, **options)
+    raise jaxmem.BudgetError("no plan", smallest=2 * smallest)
+  monkeypatch.setattr(fitting, "search", fails)
+  fit = jaxmem.transform(step, budget=int(1.5 * smallest), micro_batches=1).fit(*args)
+  assert "of the smallest footprint" in fit.planner.name and fit.footprint <= smallest
+  with pytest.raises(jaxmem.BudgetError):  # under the smallest: fails at once, as before
+    jaxmem.transform(step, budget=smallest - 1, micro_batches=1).fit(*args)
+  memo, = _unmet._SMALLEST[step]
+  _unmet.remember(step, memo, 2 * smallest, fit.unconstrained, None)  # a larger one
+  assert _unmet.remembered(step, memo)[0] == smallest
+
+
 def test_a_chunked_form_is_measured_once_and_kept_once_planned():
   """A later fit of the same step reads a form's footprint as written from
   the first fit's measure, without compiling it; where a fit takes a

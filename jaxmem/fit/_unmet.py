@@ -58,13 +58,15 @@ def remember(fun, key: tuple, smallest: int, unconstrained: int | None,
   """Records that fitting ``fun`` as ``key`` says reaches ``smallest`` bytes
   at least (XLA's footprint, reserve excluded), of ``unconstrained`` (None
   where the backend gives no footprint: nothing is recorded), by ``plan``
-  (a saved plan's text, where known)."""
+  (a saved plan's text, where known); a record of less is kept."""
   if unconstrained is None:
     return
   try:
-    _SMALLEST.setdefault(fun, {})[key] = (smallest, unconstrained, plan)
+    known = _SMALLEST.setdefault(fun, {})
   except TypeError:  # a callable that cannot be referenced weakly
-    pass
+    return
+  if key not in known or smallest <= known[key][0]:  # the least reached is kept
+    known[key] = (smallest, unconstrained, plan)
 
 
 def remembered(fun, key: tuple) -> tuple[int, int, str | None] | None:
@@ -75,17 +77,18 @@ def remembered(fun, key: tuple) -> tuple[int, int, str | None] | None:
     return None
 
 
-def snug_plan(fun, key: tuple, in_bytes: Callable[[int], tuple[int, int]]) -> str | None:
+def snug_plan(fun, key: tuple, in_bytes: Callable[[int], tuple[int, int]],
+              above: float = SNUG) -> str | None:
   """The plan (a saved plan's text) that reached the smallest footprint an
   earlier fit of ``fun`` as ``key`` says, where this budget
-  (``in_bytes(unconstrained) -> (budget, reserve)``) lies within
-  :data:`SNUG` above that footprint; else None."""
+  (``in_bytes(unconstrained) -> (budget, reserve)``) lies from that
+  footprint to ``above`` (a share) above it; else None."""
   known = remembered(fun, key)
   if known is None or known[2] is None:
     return None
   smallest, unconstrained, plan = known
   budget, reserve = in_bytes(unconstrained)
-  return plan if smallest <= budget - reserve <= smallest * (1 + SNUG) else None
+  return plan if smallest <= budget - reserve <= smallest * (1 + above) else None
 
 
 def known_to_fail(fun, key: tuple, in_bytes: Callable[[int], tuple[int, int]],
