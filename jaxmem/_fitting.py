@@ -36,11 +36,18 @@ from jaxmem.fit._traced import (
 from jaxmem.fit._micro import (
     AUTO, MicroBatches, argument_groups, cheaper, fit_chunked, fit_micro_batches,
     fit_whole_or_chunked, splittable, spread)
-from jaxmem.fit._saved import fingerprint, load_plan, loads_saved
+from jaxmem.fit._saved import Saved, fingerprint, load_plan, loads_saved
 from jaxmem.planners import Fixed, get_planner
 from jaxmem.targets import Target, resolve, timing_profile, workspace_bytes
 from jaxmem.targets._host_args import devices_of, sharding_texts
 from jaxmem.fit._host_state import compile_placed, leaf_names
+
+
+def _applied(saved: Saved) -> tuple:
+  """A saved plan as a fit applies it: its chunks (count, region) and the
+  planner that proposes it."""
+  return saved.micro_batches, saved.region, Fixed(saved.plan, source=saved.source,
+                                                  around=saved.around)
 
 
 class Fitting:
@@ -75,9 +82,7 @@ class Fitting:
     step = fingerprint(closed)
     count, region = self.micro_batches, False
     if self.saved is not None:
-      loaded = load_plan(self.saved, step, self.micro_batches)
-      count, region = loaded.micro_batches, loaded.region
-      planner = Fixed(loaded.plan, source=loaded.source, around=loaded.around)
+      count, region, planner = _applied(load_plan(self.saved, step, self.micro_batches))
     memo = (step, planner.describe(), target.name, self.max_rounds, self.host_state, count, region)
     in_bytes = lambda u: self._budget_bytes(u, target)  # noqa: E731
     if known_to_fail(self.fun, memo, in_bytes, find_smallest, planner.name, target.name):
@@ -104,10 +109,9 @@ class Fitting:
               self.fun, self.arguments, args, kwargs), spread(leaves)), find_smallest)
 
     def reached(text: str) -> Fit | None:  # the plan that reached a remembered smallest
-      loaded = loads_saved(text, step, "of the smallest footprint (an earlier fit's)")
       with contextlib.suppress(BudgetError):
-        return fitted(loaded.micro_batches, loaded.region,
-                      Fixed(loaded.plan, source=loaded.source, around=loaded.around))
+        return fitted(*_applied(loads_saved(text, step,
+                                            "of the smallest footprint (an earlier fit's)")))
       return None
 
     # The budget an error named: the plan that reached it (else planned as any budget is).
@@ -121,9 +125,9 @@ class Fitting:
       found, error = None, err
     # A search that finds nothing where a remembered plan fits (its path
     # differs from the one that reached that smallest): that plan.
-    known = None if self.saved is not None else snug_plan(self.fun, memo, in_bytes, math.inf)
-    if found is None and known and known != snug:
-      found = reached(known)
+    if found is None and self.saved is None:
+      known = snug_plan(self.fun, memo, in_bytes, math.inf)
+      found = reached(known) if known and known != snug else None
     if found is not None or error is None:
       return found
     remember(self.fun, memo, error.smallest - self._reserve(target), written.footprint,

@@ -292,8 +292,8 @@ MUTANTS = [
            "a later fit whose search finds nothing raises, where the plan that "
            "reached a remembered smallest meets its budget",
            "jaxmem/_fitting.py",
-           "    if found is None and known and known != snug:",
-           "    if False:",
+           "      found = reached(known) if known and known != snug else None",
+           "      found = None",
            ("tests/test_compilations.py::"
             "test_a_search_that_fails_where_a_remembered_plan_fits_takes_that_plan",)),
     Mutant("larger-smallest-remembered",
