@@ -1,8 +1,10 @@
-"""Shared checks: tree comparison scaled by magnitude; a small step to plan."""
+"""Shared checks: tree comparison scaled by magnitude; a small step to plan;
+parameters of which CI runs some."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def assert_trees_close(a, b, rtol=1e-5, atol=1e-6):
@@ -78,3 +80,11 @@ def tanh_step(w, x, layers: int = 8, lr: float = 0.01):
       h = h + jnp.tanh(h @ w)
     return jnp.sum(h ** 2)
   return w - lr * jax.grad(loss)(w)
+
+
+def some_slow(values, slow):
+  """``values`` for ``pytest.mark.parametrize``, those in ``slow`` marked
+  ``slow``: model-scale variants CI leaves out, while the others keep the
+  check in CI. A tuple value stands for several parameters."""
+  return [pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+          if v in slow else v for v in values]

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 
 from jaxmem import _flags
+from tests.helpers import some_slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -96,7 +97,7 @@ def test_fitted_step_keeps_recomputation_without_the_global_flag():
   assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("target", ["cpu", "t4", "h100"])
+@pytest.mark.parametrize("target", some_slow(["cpu", "t4", "h100"], ("h100",)))  # XLA:GPU: t4
 @pytest.mark.parametrize("name,config", [
     ("gpt2", dict(scan=True, depth=2, dim=32, heads=2, seq=32, vocab=64, batch=4)),
     ("resnet18", dict(width=8, stages=[1, 1], size=16, batch=4))])

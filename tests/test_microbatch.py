@@ -26,7 +26,7 @@ from jaxmem.graph._batch_axes import NotSplittable, split_batch
 from jaxmem.graph._graph import build_graph
 from jaxmem.schedule._microbatch import micro_batched
 from jaxmem.targets import xla_footprint
-from tests.helpers import assert_trees_close, assert_updates_close
+from tests.helpers import assert_trees_close, assert_updates_close, some_slow
 
 M = models()
 
@@ -58,9 +58,7 @@ def _split(step, leaves, groups):
   return split_batch(build_graph(jax.make_jaxpr(step)(*leaves)), groups, ["state", "batch"])
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param(name, marks=pytest.mark.slow) if name in ("vgg", "unet") else name
-    for name in sorted(ZOO)])
+@pytest.mark.parametrize("name", some_slow(sorted(ZOO), ("vgg", "unet", "vit")))
 def test_zoo_updates_match_the_step(name):
   task = M.get(name, optimizer=optax.sgd(0.5), **ZOO[name])
   step, leaves, groups = _flat(task)
@@ -416,9 +414,9 @@ def test_saved_micro_batched_plan_reloads(tmp_path):
   assert again.footprint == fit.footprint
 
 
-@pytest.mark.parametrize("config", [dict(remat="nothing_saveable"), dict(scan=True),
-                                    dict(scan=True, remat="nothing_saveable")],
-                         ids=["remat", "scan", "scan-remat"])
+@pytest.mark.parametrize("config", [
+    pytest.param(dict(remat="nothing_saveable"), marks=pytest.mark.slow),  # 37 s; scan-remat stays
+    dict(scan=True), dict(scan=True, remat="nothing_saveable")], ids=["remat", "scan", "scan-remat"])
 def test_remat_and_scanned_blocks_run_in_micro_batches(config):
   """``nn.remat`` blocks are inlined where the step runs in micro-batches
   (the chunks' residuals are planned as the step's are); ``nn.scan``

@@ -20,7 +20,7 @@ from jaxmem.cost._memory import simulate
 from jaxmem.schedule._schedule import build_schedule
 from jaxmem.planners import LGM, hybrid, reservation_floor
 from tests.dataflow import assert_offloads_flow, chunk_merges
-from tests.helpers import assert_trees_close, xla_budget
+from tests.helpers import assert_trees_close, some_slow, xla_budget
 
 def leaves(args):
   return jax.tree_util.tree_leaves(args)
@@ -127,7 +127,7 @@ def test_unified_memory_never_swaps(mlp):
   assert not result.plan.uses_host and not result.fits
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "transformer"])
+@pytest.mark.parametrize("name", some_slow(["mlp", "cnn", "transformer"], ("transformer",)))  # 28 s
 def test_lgm_transform_gives_the_same_numbers(name):
   from tests.test_transform import SMALL
   task = models.get(name, optimizer=optax.adam(1e-3, eps=1e-3), **SMALL[name])

@@ -17,7 +17,7 @@ import jaxmem
 from jaxmem.targets import xla_footprint
 from jaxmem._flags import compiler_options
 
-from helpers import assert_trees_close
+from helpers import assert_trees_close, some_slow
 
 L, B, D, T = 16, 512, 16, 8
 
@@ -199,14 +199,18 @@ def _check(step, args, budget: int):
     got, expected = (params,) + got[1:], (want,) + expected[1:]
 
 
-@pytest.mark.parametrize("name,fraction", FRACTIONS)
+# CI fits the scanned stack as written and with nn.remat; its plans below
+# (18-21 s each there) are model-scale.
+@pytest.mark.parametrize("name,fraction",
+                         some_slow(FRACTIONS, (("nn.scan", 0.7), ("nn.scan", 0.5))))
 def test_fits_and_matches(name, fraction):
   make, _ = MODELS[name]
   step, args = make()
   _check(step, args, int(_footprint(step, args) * fraction))
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+# The scanned stack's smallest (38 s in CI) is model-scale; with nn.remat it stays.
+@pytest.mark.parametrize("name", some_slow(list(MODELS), ("nn.scan",)))
 def test_the_smallest_budget_named_fits_and_matches(name):
   make, reach = MODELS[name]
   step, args = make()

@@ -191,7 +191,8 @@ def test_a_forward_convolution_with_fewer_output_tiles_than_multiprocessors_runs
 
 @pytest.mark.parametrize("name, config", [
     ("mlp", dict(depth=16, width=64, batch=512, features=32)),
-    ("transformer", dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64)),
+    pytest.param("transformer", dict(depth=2, dim=32, heads=2, seq=32, batch=16, vocab=64),
+                 marks=pytest.mark.slow),  # 15 s
     ("cnn", dict(widths=(16, 32), batch=32, size=32, blocks=4))])
 def test_the_planners_cost_follows_the_clock_on_a_gpu_target(name, config):
   """With the buffers and kernels learned from XLA:GPU's program for a T4
