@@ -8,7 +8,7 @@ three steps are the sharded step's, its outputs are sharded as the step's
 are, and the memory model's footprint of the step is one device's (within
 a factor of 2 of XLA's; the global shapes' would be up to 8 times more).
 
-* a data-parallel MLP under ``jax.jit``, at 100% and 70%, and at 70% with
+* a data-parallel MLP under ``jax.jit``, and at 70% with
   its arguments on the host and ``in_shardings`` passed to the transform;
 * ``shard_map`` steps: the same MLP that ``pmean``s its updates,
   planned per device inside the map (the report says so), and a
@@ -164,7 +164,7 @@ _SMALL = textwrap.dedent("""
     def data_parallel_jit():
       from tests.test_microbatch import _mlp_step
       ws, batch = data_parallel_args(Mesh(np.array(jax.devices()), ("data",)))
-      return run(_mlp_step, (ws, batch), budgets=("100%", "70%"))
+      return run(_mlp_step, (ws, batch))
 
     def data_parallel_in_shardings():  # arguments on the host, placed by in_shardings
       from tests.test_microbatch import _mlp_step
