@@ -17,7 +17,7 @@ import jax
 from jax.extend import core as jex
 
 from jaxmem.fit import _plan_cache
-from jaxmem.fit._shared import graph_of, measuring, planner_of, written_once
+from jaxmem.fit._shared import graph_of, measuring, once, planner_of
 from jaxmem.fit._arguments import inherited_donations
 from jaxmem._budget import BudgetError
 from jaxmem._decisions import Plan
@@ -93,7 +93,7 @@ class Fitting:
                                 target=target, args=args, kwargs=kwargs, leaves=leaves,
                                 start=start, find_smallest=find_smallest, graph=graph,
                                 programs={}, plans={})
-    written = written_once(graph, (*self._deciding(target, leaves), out_tree), lambda: (
+    written = once(graph, ("written", (*self._deciding(target, leaves), out_tree)), lambda: (
         self._written(closed, out_tree, target, leaves, args, kwargs, graph)))
 
     def fitted(count, region, planner):
@@ -216,6 +216,7 @@ class Fitting:
                                                             - fixed, 1), jit=jit,
                                max_rounds=self.max_rounds, reserve=reserve, where=target.name,
                                fixed=fixed, clock=clock, plans=plans, to_beat=to_beat,
+                               program_key=(*self._deciding(target, leaves), out_tree),
                                own_footprint=None if own is written else own.footprint)
     cached = None if micro or self.saved is not None else _plan_cache.entry(
         self.plan_cache, step, leaves, target, planner, budget=budget, reserve=reserve,

@@ -251,9 +251,26 @@ MUTANTS = [
     Mutant("step-as-written-compiled-per-transform",
            "each transform of a step compiles the step as written again, where "
            "an earlier fit of it on the same graph did",
-           "jaxmem/fit/_shared.py",
-           "  if where not in made:\n    made[where] = compile()\n  return made[where]\n",
-           "  return compile()\n",
+           "jaxmem/_fitting.py",
+           "    written = once(graph, (\"written\", (*self._deciding(target, leaves), out_tree)), "
+           "lambda: (\n",
+           "    written = once(graph, (\"written\", object()), lambda: (\n",
+           ("tests/test_compilations.py::"
+            "test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner",)),
+    Mutant("plans-compiled-again-per-transform",
+           "each transform of a step compiles again the plans an earlier fit of it "
+           "compiled for the same program",
+           "jaxmem/fit/_fit.py",
+           "    footprint, seconds, took, ratio = measure() if self.program_key is None else once(\n",
+           "    footprint, seconds, took, ratio = measure() if True else once(\n",
+           ("tests/test_compilations.py::"
+            "test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner",)),
+    Mutant("plans-taken-across-programs",
+           "a plan an earlier fit compiled is taken by a fit whose options make "
+           "another program (a donated argument)",
+           "jaxmem/fit/_fit.py",
+           "        candidate.schedule.graph, (\"plan\", *key, self.program_key), measure)\n",
+           "        candidate.schedule.graph, (\"plan\", *key), measure)\n",
            ("tests/test_compilations.py::"
             "test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner",)),
     Mutant("planned-chunks-compiled-per-transform",
@@ -375,7 +392,7 @@ MUTANTS = [
            "a first plan over the budget compiles the plans shaped like the "
            "policies before planning again, however quick planning is",
            "jaxmem/fit/_fit.py",
-           "      if rounds >= 2 and not detoured and planning > 2 * compiling:\n",
+           "      if rounds >= 2 and not detoured and planning > 2 * trial.took:\n",
            "      if not detoured:\n",
            ("tests/test_compilations.py::"
             "test_a_plan_compiled_over_the_budget_plans_again_first_where_planning_is_quick",)),
@@ -383,7 +400,7 @@ MUTANTS = [
            "a first plan over the budget plans again before compiling the shaped "
            "plans, however slow planning is",
            "jaxmem/fit/_fit.py",
-           "      if rounds >= 2 and not detoured and planning > 2 * compiling:\n",
+           "      if rounds >= 2 and not detoured and planning > 2 * trial.took:\n",
            "      if rounds >= 2 and not detoured and planning < 0:\n",
            ("tests/test_compilations.py::"
             "test_a_plan_compiled_over_the_budget_tries_the_policy_shaped_plans_before_planning_again",)),
@@ -480,8 +497,8 @@ MUTANTS = [
            "the first round's planning time, which builds the planner's table, "
            "decides whether the shaped plans are compiled before planning again",
            "jaxmem/fit/_fit.py",
-           "      if rounds >= 2 and not detoured and planning > 2 * compiling:\n",
-           "      if not detoured and planning > 2 * compiling:\n",
+           "      if rounds >= 2 and not detoured and planning > 2 * trial.took:\n",
+           "      if not detoured and planning > 2 * trial.took:\n",
            ("tests/test_compilations.py::"
             "test_a_plan_compiled_over_the_budget_plans_again_first_where_planning_is_quick",)),
     Mutant("estimates-cost-rebuilds-by-flops",

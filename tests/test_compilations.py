@@ -262,15 +262,19 @@ def test_micro_batches_that_fit_as_written_are_taken_as_compiled(caplog):
 def test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner(args):
   """Another transform of the same function, traced to the same program,
   plans on the graph and with the planner the first one set up (their
-  searches done), takes the first one's compilation of the step as written,
-  and compiles its plan once where the first did."""
+  searches done), and takes the first one's compilations of the step as
+  written and of the plans it compiled: it compiles nothing. One whose
+  options make another program (a donated argument) compiles its own."""
   step = lambda w, x: _step(w, x)
   first = jaxmem.transform(step, budget="60%").fit(*args)
   with counted() as made:
     second = jaxmem.transform(step, budget="60%").fit(*args)
   assert second.graph is first.graph and second.planner is first.planner
   assert second.plan == first.plan and second.footprint == first.footprint
-  assert len(made) == second.attempts  # its plan; the step as written is the first's
+  assert second.attempts == first.attempts and not made
+  with counted() as made:
+    donated = jaxmem.transform(step, budget="60%", donate_argnums=0).fit(*args)
+  assert len(made) >= 1 + donated.attempts  # the step as written, each plan compiled
 
 
 def test_a_step_closing_over_other_constants_is_planned_afresh(args):
@@ -569,10 +573,12 @@ def test_a_quick_fit_compiles_only_the_block_shaped_plans_that_may_fit():
 
 def test_each_plan_and_compilation_is_logged(args, caplog):
   """A long fit is not silent to whoever asks: each plan and each compilation
-  of the fit loop at INFO on the ``jaxmem`` logger (jaxmem-bench shows them)."""
+  of the fit loop at INFO on the ``jaxmem`` logger (jaxmem-bench shows them);
+  a plan an earlier fit of the step compiled is logged as taken."""
   import logging
+  step = lambda w, x: _step(w, x)  # a step of its own: nothing compiled before
   with caplog.at_level(logging.INFO, logger="jaxmem"), counted() as made:
-    fit = jaxmem.transform(_step, budget="60%").fit(*args)
+    fit = jaxmem.transform(step, budget="60%").fit(*args)
   lines = [r.getMessage() for r in caplog.records if r.name == "jaxmem"]
   planned = [m for m in lines if " planned for " in m]
   compiled = [m for m in lines if m.startswith("jaxmem: compiled a plan of")]
@@ -582,6 +588,13 @@ def test_each_plan_and_compilation_is_logged(args, caplog):
   # The last compilation's line names the best trial so far: the plan taken.
   assert compiled[-1].endswith(f"best so far: a plan of {len(fit.plan)} decisions at "
                                f"{format_bytes(fit.footprint)} (fits)")
+  caplog.clear()
+  with caplog.at_level(logging.INFO, logger="jaxmem"):
+    jaxmem.transform(step, budget="60%").fit(*args)
+  lines = [r.getMessage() for r in caplog.records if r.name == "jaxmem"]
+  assert not [m for m in lines if m.startswith("jaxmem: compiled")]
+  taken = [m for m in lines if m.startswith("jaxmem: took, as an earlier fit compiled it,")]
+  assert len(taken) == len(compiled), (taken, compiled)
 
 
 class _Analysis:

@@ -8,12 +8,11 @@ memory, XLA:CPU, an offload plan's device footprint is the model's).
 
 1. *Tighten*: plan toward the budget scaled by model/XLA on the
    untransformed step; while XLA is over the budget, aim the model lower.
-   Where a round after the first is over it too and took over twice as
-   long to plan as to compile, the plans of 3. that may fit are compiled;
-   where one fits, one more round is planned and the cheaper taken.
-2. *Loosen*: a plan far under the budget recomputes more than it needs to;
-   plan again for a looser aim and keep it where XLA still fits and it
-   costs less.
+   Where a round after the first is over too and planned over twice as long
+   as it compiled, the plans of 3. that may fit are compiled; where one
+   fits, one more round is planned and the cheaper taken.
+2. *Loosen*: a plan far under the budget recomputes more than it needs;
+   plan for a looser aim and keep it where XLA fits and it costs less.
 3. *Structured*: plans shaped like per-block remat policies, which XLA
    follows closely, replace the plan where they fit and cost less (on a
    GPU target: run faster by the clock).
@@ -39,7 +38,8 @@ from jaxmem.cost._evaluate import (Candidate, candidate, model_floor, unplanned,
                                    unplanned_liveness)
 from jaxmem.fit._aims import reaim
 from jaxmem.fit._forewarn import forewarn
-from jaxmem.fit._trial import Trial, described
+from jaxmem.fit._shared import once
+from jaxmem.fit._trial import Trial, compiled_line
 from jaxmem.fit._unmet import NoPlanFits, budget_error
 from jaxmem.graph._graph import Graph
 from jaxmem.schedule._scan_remat import loop_variants
@@ -50,15 +50,14 @@ from jaxmem.targets import holds_host_memory, xla_footprint
 # Plans shaped like the per-block policies a fit compiles on a clock's target.
 STRUCTURED_COMPILES = 4
 
-# Each plan and compilation of a fit, at INFO level (``setLevel("INFO")``).
-_log = logging.getLogger("jaxmem")
+_log = logging.getLogger("jaxmem")  # each plan and compilation, at INFO level
 
 # How far under the budget's share of the model the first plan aims.
 FIRST_MARGIN = 0.01
 
-# A fitting plan is loosened (``Fitter.loosen``) where XLA's footprint leaves this share
-# of the budget free and a plan may fit for an aim this much looser: closer, a
-# compilation buys a few recomputations back (GPT-2 at 70%: 1% looser, 38 decisions to 41).
+# A fitting plan is loosened (``Fitter.loosen``) where XLA's footprint leaves this share of the
+# budget free and a plan may fit for an aim this much looser: closer, a compilation buys a
+# few recomputations back (GPT-2 at 70%: 1% looser, 38 decisions to 41).
 LOOSEN_MARGIN = 0.05
 
 # Plans of the first search for the smallest footprint that a second fit of the same step
@@ -113,16 +112,18 @@ class Fitter:
       footprint compiles (besides the last plan tried) instead of the
       planner's candidates: the smallest plans another fit of the same step
       found (:func:`search`'s second fit).
-    plans: where given, the plans made so far in the transform's fits,
-      shared by them: ``(graph, aim, start) -> (planner, candidate)``, and
-      ``(graph, "lowest") -> (planner, candidates)``. A fit that asks its
-      planner for plans it made before (the fit that seeks the smallest
-      footprint after a quick one) takes them from there.
+    plans: where given, the plans made so far in the transform's fits:
+      ``(graph, aim, start) -> (planner, candidate)``, and ``(graph,
+      "lowest") -> (planner, candidates)``. A fit asking its planner for plans
+      made before (seeking the smallest after a quick fit) takes them there.
     to_beat: a footprint reached otherwise (the step in micro-batches), as
       errors name it, where given: the search for the smallest footprint
       compiles only candidates that may come under it (or the budget).
     own_footprint: XLA's footprint of this graph's step as written where it is
       not the untransformed step's (in micro-batches): a budget it meets needs no plan.
+    program_key: all that decides a plan's program beside the plan and its
+      graph (``fit._shared.once``), where given: a plan an earlier fit of
+      the step compiled under the same key is not compiled again.
   """
   graph: Graph
   planner: Planner
@@ -139,6 +140,7 @@ class Fitter:
   plans: dict | None = None
   to_beat: int | None = None
   own_footprint: int | None = None
+  program_key: tuple | None = None
   # Model bytes per XLA byte of each planned trial compiled: what the
   # model's peaks have been worth on the target so far in this fit.
   _ratios: list = dataclasses.field(default_factory=list, init=False, repr=False)
@@ -206,23 +208,21 @@ class Fitter:
     return found
 
   def compile(self, candidate: Candidate) -> Trial:
-    """``candidate`` compiled, with its footprint (see :class:`Trial`); a
-    plan compiled before in this fit is not compiled again."""
+    """``candidate`` compiled, with its footprint (see :class:`Trial`); not
+    again where this fit or an earlier fit of the step (``program_key``) did."""
     key = (candidate.plan, candidate.changes_step)  # an empty plan may separate reads
     known = self._trials.get(key)
     if known is not None:
       return dataclasses.replace(known, candidate=candidate)
-    began = time.perf_counter()
-    trial = self._compiled(candidate)
-    self._trials[key] = trial
+    made = []  # the candidate, where this fit compiles it (not an earlier fit)
+    measure = lambda: made.append(candidate) or self._compiled(candidate)  # noqa: E731
+    footprint, seconds, took, ratio = measure() if self.program_key is None else once(
+        candidate.schedule.graph, ("plan", *key, self.program_key), measure)
+    trial = self._trials[key] = Trial(candidate, footprint, seconds, took)
+    if ratio is not None:
+      self._ratios.append(ratio)
     self._best = self.best_so_far(trial, self._best)
-    _log.info("jaxmem: compiled %s: footprint %s against the budget %s%s in %.1f s; "
-              "best so far: %s", described(candidate), format_bytes(trial.measured),
-              format_bytes(self.budget),
-              "" if trial.seconds is None else f", predicted {trial.seconds * 1e3:.3g} ms",
-              time.perf_counter() - began,
-              f"{described(self._best.candidate)} at {format_bytes(self._best.measured)}"
-              + (" (fits)" if self._best.measured <= self.budget else " (over)"))
+    _log.info(compiled_line(trial, self._best, self.budget, compiled=bool(made)))
     return trial
 
   def best_so_far(self, trial: Trial, best: Trial | None) -> Trial:
@@ -237,25 +237,27 @@ class Fitter:
       return trial if self.cheaper(trial, best) else best
     return trial if trial.measured < best.measured else best
 
-  def _compiled(self, candidate: Candidate) -> Trial:
+  def _compiled(self, candidate: Candidate) -> tuple:
+    """``candidate``'s :class:`Trial` figures (footprint, seconds, took) and
+    its model bytes per XLA byte, or None."""
+    began = time.perf_counter()
     compiled = self.jit(candidate)
     seconds = None if self.clock is None else self.clock(compiled)
-    if candidate.uses_host and not holds_host_memory(compiled):
-      return Trial(candidate, int(candidate.peak / self.model_scale) + self.fixed, seconds)
-    trial = Trial(candidate, xla_footprint(compiled), seconds)
-    if trial.footprint is not None and candidate.changes_step:
-      self._ratios.append(candidate.peak / self._model_part(trial.footprint))
-    return trial
+    footprint, took = xla_footprint(compiled), time.perf_counter() - began
+    if candidate.uses_host and not holds_host_memory(compiled):  # the model's, in XLA's scale
+      return int(candidate.peak / self.model_scale) + self.fixed, seconds, took, None
+    measured = footprint is not None and candidate.changes_step
+    return footprint, seconds, took, (candidate.peak / self._model_part(footprint)
+                                      if measured else None)
 
   def may_fit(self, candidate: Candidate) -> bool:
     """Whether ``candidate``'s model peak is within :meth:`most_that_may_fit`."""
     return candidate.peak <= self.most_that_may_fit()
 
   def most_that_may_fit(self) -> float:
-    """The largest model peak that may fit the budget by what the steps
-    compiled so far say the model's bytes are worth (the least model bytes
-    per XLA byte seen, the step as written's included: the largest
-    footprint it may have); unbounded before any plan is compiled."""
+    """The largest model peak that may fit the budget by the least model
+    bytes per XLA byte the steps compiled so far show (the step as written
+    included); unbounded before any plan is compiled."""
     if not self._ratios:
       return float("inf")
     least = min(self.model_scale, *self._ratios)  # the step as written's included
@@ -300,15 +302,13 @@ class Fitter:
         previous = candidate.plan
       else:
         candidate, planning = self.start(aim), 0.0
-      began = time.perf_counter()
       trial = self.compile(candidate)
-      compiling = time.perf_counter() - began
       if shaped is not None:  # one round after a plan shaped like the policies fit
         return self.best_so_far(trial, shaped), rounds
       if (trial.measured <= self.budget or not candidate.fits
           or rounds >= self.max_rounds):
         return trial, rounds
-      if rounds >= 2 and not detoured and planning > 2 * compiling:
+      if rounds >= 2 and not detoured and planning > 2 * trial.took:
         # Over the budget where the model said it fits: the model misjudges
         # this step's plans. Where a round after the first (which reuses the
         # planner's table; MobileNetV2 for a T4 at 70%: 38 s, then 0.8 s,

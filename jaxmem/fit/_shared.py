@@ -13,7 +13,8 @@ where they ended.
 Every fit compiles the step as written, for its footprint (the budget's
 reference) and as the plan that keeps everything: a later fit of the same
 step on the same graph, for the same target, arguments and options, takes
-that compilation (:func:`written_once`). Where no plan of a step fits,
+that compilation (:func:`once`), and what each plan it compiled came to.
+Where no plan of a step fits,
 ``fit._micro`` compiles each count of micro-batches (and of the chunks of
 the region around its peak) that it weighs, to read its footprint as
 written. A later fit of the same step reads those footprints here, takes
@@ -123,22 +124,27 @@ def _equal(x, y) -> bool:
 
 
 @analysis
-def _written_forms(graph: Graph) -> dict:
-  """The step of ``graph`` as written, compiled, by what else decides its
-  program (filled by :func:`written_once`)."""
+def _made(graph: Graph) -> dict:
+  """What fits of the step made once for ``graph`` (filled by :func:`once`)."""
   return {}
 
 
-def written_once(graph: Graph, where: tuple, compile: Callable):
-  """The step of ``graph`` as written, ``compile()`` (a
-  ``fit._traced.Written``), made once per graph and ``where`` (hashable:
-  all that decides its program beside its equations: target, argument
-  shardings, static and donated arguments, ``jax.jit`` options, output
-  tree)."""
-  made = _written_forms(graph)
-  if where not in made:
-    made[where] = compile()
-  return made[where]
+def once(graph: Graph, key: tuple, make: Callable):
+  """``make()``, made once per ``graph`` and ``key`` (hashable).
+
+  The fits of a step key by all that decides a program beside its
+  equations (``where``: target, argument shardings, static and donated
+  arguments, ``jax.jit`` options, output tree):
+  - the step as written, compiled (a ``fit._traced.Written``): ``("written", where)``;
+  - what a plan of ``graph`` compiles to (footprint, predicted time, model
+    bytes per XLA byte; ``Fitter.compile``): ``("plan", plan,
+    changes_step, where)``, so that a later fit meeting the same plan (the
+    candidates for the smallest footprint again, a budget's plan met
+    before) does not compile it again."""
+  made = _made(graph)
+  if key not in made:
+    made[key] = make()
+  return made[key]
 
 
 class AsWritten:
