@@ -148,8 +148,8 @@ def test_a_second_fit_compiles_no_micro_batches_measured_before(args):
 def test_the_budget_an_error_named_takes_the_plan_that_reached_it(args, tmp_path):
   """The error of an impossible budget carries the plan that reached the
   smallest footprint it names. Another transform of the step at that
-  budget applies that plan, compiled once (the step and its chunks as
-  written are the first fit's compilations), without searching; a budget
+  budget applies that plan without searching or compiling (the step, its
+  chunks as written and the plan are the first fit's compilations); a budget
   well above it is planned as any budget is. The plan, saved, applies to
   the step as ``plan=`` does."""
   step = lambda w, x: _step(w, x)  # a step of its own: nothing remembered yet
@@ -161,9 +161,7 @@ def test_the_budget_an_error_named_takes_the_plan_that_reached_it(args, tmp_path
     fit = jaxmem.transform(step, budget=budget).fit(*args)
   assert "of the smallest footprint" in fit.planner.name
   assert fit.footprint <= budget
-  # The plan alone, where it changes the step: the step and its chunks as
-  # written are the first fit's compilations.
-  assert fit.micro is not None and len(made) == int(fit.result.changes_step), made
+  assert fit.micro is not None and not made, made
   above = jaxmem.transform(step, budget=int(budget * 1.2)).fit(*args)
   assert "of the smallest footprint" not in above.planner.name
   path = tmp_path / "smallest.json"
