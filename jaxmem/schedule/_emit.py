@@ -68,14 +68,6 @@ UNTYPED = {
 }
 
 
-# Random draws read only a key, so XLA schedules them where it likes: it
-# draws every mask at the start of the step and holds them all through the
-# forward pass (XLA:CPU: two buffers of the mask's size per draw). Each
-# draw waits for the last array computed before it from more than keys and
-# constants (an optimization barrier over the key and that array).
-DRAWS = frozenset({"random_bits"})
-
-
 def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callable] = {}):
   """Returns ``run(*flat_inputs) -> list of flat outputs`` for ``schedule``.
   With ``tag``, each equation runs under one more name scope, ``tag``
@@ -106,13 +98,8 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
     env = {(vid, 0): const for vid, const in graph.consts.items()}
     env.update(zip(schedule.inputs, flat))
     read = lambda k: k.val if isinstance(k, jex.Literal) else env[k]
-    early = {k for k, v in env.items() if k not in schedule.inputs or _is_key(v)}
-    anchor = None  # the last array computed from more than keys and constants
     for pos, op in enumerate(ops):
       args = [read(k) for k in op.ins]
-      if (op.node is not None and graph.nodes[op.node].prim.name in DRAWS
-          and anchor is not None):
-        args[0], _ = jax.lax.optimization_barrier((args[0], anchor))
       if op.kind in _SPACES:
         outs = [jax.device_put(args[0], _SPACES[op.kind]())]
       elif op.kind == "split":  # vTensor split + salloc: chunks in own buffers
@@ -131,11 +118,6 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
       else:
         outs = bind_node(graph.nodes[op.node], args, tag)
       env.update(zip(op.outs, outs))
-      if all(isinstance(k, jex.Literal) or k in early for k in op.ins):
-        early.update(op.outs)
-      else:
-        anchor = next((o for o in reversed(outs) if getattr(o, "ndim", 0) >= 1
-                       and not _is_key(o)), anchor)
       for key in op.ins:
         if (not isinstance(key, jex.Literal) and last_read.get(key) == pos
             and key not in keep):
@@ -143,7 +125,3 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
     return [read(k) for k in schedule.outputs]
 
   return run
-
-
-def _is_key(value) -> bool:
-  return jax.dtypes.issubdtype(getattr(value, "dtype", None) or bool, jax.dtypes.prng_key)
