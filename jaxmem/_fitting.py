@@ -93,7 +93,7 @@ class Fitting:
                                 target=target, args=args, kwargs=kwargs, leaves=leaves,
                                 start=start, find_smallest=find_smallest, graph=graph,
                                 programs={}, plans={})
-    written = once(graph, ("written", (*self._deciding(target, leaves), out_tree)), lambda: (
+    written = once(graph, ("written", self._deciding(target, leaves, out_tree)), lambda: (
         self._written(closed, out_tree, target, leaves, args, kwargs, graph)))
 
     def fitted(count, region, planner):
@@ -140,8 +140,8 @@ class Fitting:
     """``fit._micro.fit_chunked`` by ``fitting`` (``cheaper`` where a plan ``fitted``)."""
     where = fitting.keywords
     budget, reserve = self._budget_bytes(written.footprint or 0, where["target"])
-    measure = measuring(self.fun, (*self._deciding(where["target"], where["leaves"]),
-                                   where["out_tree"]),
+    measure = measuring(self.fun, self._deciding(where["target"], where["leaves"],
+                                                 where["out_tree"]),
                         functools.partial(self._written, out_tree=where["out_tree"], args=args,
                                           target=where["target"], leaves=where["leaves"],
                                           kwargs=kwargs))
@@ -216,7 +216,7 @@ class Fitting:
                                                             - fixed, 1), jit=jit,
                                max_rounds=self.max_rounds, reserve=reserve, where=target.name,
                                fixed=fixed, clock=clock, plans=plans, to_beat=to_beat,
-                               program_key=(*self._deciding(target, leaves), out_tree),
+                               program_key=self._deciding(target, leaves, out_tree),
                                own_footprint=None if own is written else own.footprint)
     cached = None if micro or self.saved is not None else _plan_cache.entry(
         self.plan_cache, step, leaves, target, planner, budget=budget, reserve=reserve,
@@ -258,12 +258,12 @@ class Fitting:
     return as_written(run, self._jit(run, out_tree, here, leaves=leaves), target, here, leaves,
                       self._placed(target, args, kwargs), self.arguments.donates, graph)
 
-  def _deciding(self, target: Target, leaves) -> tuple:
+  def _deciding(self, target: Target, leaves, out_tree) -> tuple:
     """What decides a traced step's program beside its equations: the
-    target, the arguments' shardings, the static and donated arguments and
-    the ``jax.jit`` options."""
+    target, the arguments' shardings, the static and donated arguments, the
+    ``jax.jit`` options and the output tree."""
     return (target.name, sharding_texts(leaves), self.arguments,
-            repr(sorted(self.jit_kwargs.items())))
+            repr(sorted(self.jit_kwargs.items())), out_tree)
 
   def _may_host(self, target: Target) -> bool:
     """Whether a fit may keep the optimizer state in host memory."""

@@ -252,7 +252,7 @@ MUTANTS = [
            "each transform of a step compiles the step as written again, where "
            "an earlier fit of it on the same graph did",
            "jaxmem/_fitting.py",
-           "    written = once(graph, (\"written\", (*self._deciding(target, leaves), out_tree)), "
+           "    written = once(graph, (\"written\", self._deciding(target, leaves, out_tree)), "
            "lambda: (\n",
            "    written = once(graph, (\"written\", object()), lambda: (\n",
            ("tests/test_compilations.py::"

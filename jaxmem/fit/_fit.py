@@ -238,14 +238,14 @@ class Fitter:
     return trial if trial.measured < best.measured else best
 
   def _compiled(self, candidate: Candidate) -> tuple:
-    """``candidate``'s :class:`Trial` figures (footprint, seconds, took) and
-    its model bytes per XLA byte, or None."""
+    """``candidate``'s :class:`Trial` figures and its model bytes per XLA byte (or None)."""
     began = time.perf_counter()
     compiled = self.jit(candidate)
     seconds = None if self.clock is None else self.clock(compiled)
-    footprint, took = xla_footprint(compiled), time.perf_counter() - began
+    took = time.perf_counter() - began
     if candidate.uses_host and not holds_host_memory(compiled):  # the model's, in XLA's scale
       return int(candidate.peak / self.model_scale) + self.fixed, seconds, took, None
+    footprint = xla_footprint(compiled)
     measured = footprint is not None and candidate.changes_step
     return footprint, seconds, took, (candidate.peak / self._model_part(footprint)
                                       if measured else None)
