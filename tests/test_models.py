@@ -9,7 +9,7 @@ import pytest
 import jaxmem
 from jaxmem._decisions import KEEP
 import jaxmem_models as models
-from tests.helpers import assert_trees_close, assert_updates_close
+from tests.helpers import assert_trees_close, assert_updates_close, some_slow
 
 TINY = {
     "mlp": dict(depth=2, width=16, batch=4, features=8),
@@ -120,10 +120,10 @@ def test_remat_policy_matches_the_plain_step(plain, name, remat):
   check_remat_matches(plain, name, remat)
 
 
-@pytest.mark.parametrize("name", [
-    "transformer", "unet", "vgg",  # Flax attention; UpBlock has train at position 3
-    *[pytest.param(n, marks=pytest.mark.slow)
-      for n in ("mobilenetv2", "resnet50", "vit", "resnet_deep")]])
+# CI: Flax attention (transformer); UpBlock has train at position 3 (unet); vgg.
+@pytest.mark.parametrize("name", some_slow(
+    ["transformer", "unet", "vgg", "mobilenetv2", "resnet50", "vit", "resnet_deep"],
+    ("mobilenetv2", "resnet50", "vit", "resnet_deep")))
 def test_remat_on_every_block_type(plain, name):
   """Each block class (``train`` static, ``UpBlock``'s at position 3) remats."""
   check_remat_matches(plain, name, "save_and_offload_only_these_names")
@@ -221,8 +221,7 @@ PLANNED = {"mlp": "99%"}
 
 # CI fits the two REMAT_MODELS; the rest of the zoo under ``slow``.
 @pytest.mark.parametrize("budget", ["100%", "planned"])
-@pytest.mark.parametrize("name", [
-    pytest.param(n, marks=() if n in REMAT_MODELS else pytest.mark.slow) for n in sorted(TINY)])
+@pytest.mark.parametrize("name", some_slow(sorted(TINY), set(TINY) - set(REMAT_MODELS)))
 def test_jaxmem_transform_matches_and_reports_fit_a_screen(plain, name, budget):
   budget = PLANNED.get(name, "85%") if budget == "planned" else budget
   task, args, want = plain(name, sgd=True)

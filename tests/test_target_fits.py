@@ -13,7 +13,7 @@ import jaxmem
 import jaxmem_models as models
 from jaxmem.cost._xla_clock import program_time
 from jaxmem.targets import PROFILES, placed, xla_footprint
-from tests.helpers import assert_updates_close
+from tests.helpers import assert_updates_close, some_slow
 from tests.test_target import SMALL, T4, t4_footprint
 
 
@@ -28,13 +28,10 @@ def task(request):
 # each for the CNN and 1.5-2 minutes a fit for the transformer on two cores
 # (and near 3 minutes for the MLP at 70%): CI checks the MLP as written and
 # at 50%, the CNN as written; the rest are model-scale checks.
-_SLOW = pytest.mark.slow
-@pytest.mark.parametrize("task, fraction", [
-    ("mlp", 1.0), pytest.param("mlp", 0.7, marks=_SLOW), ("mlp", 0.5),
-    pytest.param("transformer", 1.0, marks=_SLOW),
-    pytest.param("transformer", 0.7, marks=_SLOW), pytest.param("transformer", 0.5, marks=_SLOW),
-    ("cnn", 1.0), pytest.param("cnn", 0.7, marks=_SLOW), pytest.param("cnn", 0.5, marks=_SLOW)],
-    indirect=["task"])
+@pytest.mark.parametrize("task, fraction", some_slow(
+    [(task, fraction) for task in ("mlp", "transformer", "cnn") for fraction in (1.0, 0.7, 0.5)],
+    (("mlp", 0.7), ("transformer", 1.0), ("transformer", 0.7), ("transformer", 0.5),
+     ("cnn", 0.7), ("cnn", 0.5))), indirect=["task"])
 def test_fits_the_t4_budget_and_runs_here_with_the_same_numbers(task, fraction):
   """XLA:GPU's footprint of the fitted step, lowered for a T4, is within the
   fraction of the step as written compiled for the T4; where the budget is
