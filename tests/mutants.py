@@ -257,6 +257,22 @@ MUTANTS = [
            "    written = once(graph, (\"written\", object()), lambda: (\n",
            ("tests/test_compilations.py::"
             "test_a_second_transform_of_a_step_plans_on_its_graph_with_its_planner",)),
+    Mutant("draws-where-xla-likes",
+           "a planned step's random draws are left for XLA to schedule, which "
+           "draws every dropout mask at the step's start",
+           "jaxmem/schedule/_emit.py",
+           'DRAWS = frozenset({"random_bits"})\n',
+           "DRAWS = frozenset()\n",
+           ("tests/test_transform.py::"
+            "test_a_planned_step_draws_each_mask_where_the_step_uses_it",)),
+    Mutant("draws-barred-for-xla-gpu",
+           "draws wait behind a barrier on XLA:GPU targets too, which costs the "
+           "program fusions and gains no memory",
+           "jaxmem/schedule/_emit.py",
+           "    draws = DRAWS if graph.buffers is None else frozenset()\n",
+           "    draws = DRAWS\n",
+           ("tests/test_blocks.py::test_a_block_rebuilt_as_checkpointed_is_jax_checkpoints_"
+            "program_on_an_h100",)),
     Mutant("plans-compiled-again-per-transform",
            "each transform of a step compiles again the plans an earlier fit of it "
            "compiled for the same program",

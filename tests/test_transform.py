@@ -162,6 +162,47 @@ def test_random_ops_recompute_from_the_same_key():
   assert_trees_close(got, want)
 
 
+def test_a_planned_step_draws_each_mask_where_the_step_uses_it():
+  """XLA:CPU schedules a random draw, which reads only a key, where it
+  likes: without a barrier it draws every dropout mask of a planned step at
+  its start and holds them all through the forward pass (on this Flax MLP
+  of six residual layers with dropout 0.1, the smallest plan's footprint
+  was 78% of the step's, XLA's 1.79x the memory model's). Each draw waits
+  for the last array computed before it that is read after it: the
+  smallest is under 60% (49% measured), and XLA's footprint within 15% of
+  the model's."""
+  import flax.linen as nn
+
+  class Net(nn.Module):
+    @nn.compact
+    def __call__(self, x, train=True):
+      for _ in range(6):
+        x = x + nn.Dense(128)(nn.LayerNorm()(jax.nn.silu(x)))
+        x = nn.Dropout(0.1, deterministic=not train)(x)
+      return nn.Dense(10)(x)
+
+  x = jax.random.normal(jax.random.key(0), (512, 128))
+  y = jax.random.randint(jax.random.key(1), (512,), 0, 10)
+  tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  params = Net().init(jax.random.key(2), x, train=False)["params"]
+
+  def step(state, x, y):
+    params, opt, key = state
+    key, sub = jax.random.split(key)
+    loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(  # noqa: E731
+        Net().apply({"params": p}, x, rngs={"dropout": sub}), y).mean()
+    value, grads = jax.value_and_grad(loss)(params)
+    updates, opt = tx.update(grads, opt, params)
+    return (optax.apply_updates(params, updates), opt, key), value
+
+  args = ((params, tx.init(params), jax.random.key(3)), x, y)
+  with pytest.raises(jaxmem.BudgetError) as err:
+    jaxmem.transform(step, budget=1, micro_batches=1).fit(*args)
+  fit = jaxmem.transform(step, budget=err.value.smallest, micro_batches=1).fit(*args)
+  assert fit.footprint <= 0.6 * fit.unconstrained, (fit.footprint, fit.unconstrained)
+  assert fit.footprint <= 1.15 * fit.memory.peak * fit.unconstrained / fit.unconstrained_model
+
+
 def test_nnx_step():
   class Net(nnx.Module):
     def __init__(self, rngs):
