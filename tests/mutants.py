@@ -265,6 +265,14 @@ MUTANTS = [
            "DRAWS = frozenset()\n",
            ("tests/test_transform.py::"
             "test_a_planned_step_draws_each_mask_where_the_step_uses_it",)),
+    Mutant("fused-sources-rebuilt-on-cpu",
+           "on XLA:CPU a buffer a kept fused residual is computed from is rebuilt "
+           "for its own backward reads while XLA keeps the forward one alive",
+           "jaxmem/graph/_xla_cpu_fusion.py",
+           "          if not (learned and b in dropped)}\n",
+           "          if b not in dropped}\n",
+           ("tests/test_transform.py::"
+            "test_on_xla_cpu_a_kept_fused_residual_reads_its_rebuilt_source_as_made",)),
     Mutant("draws-barred-for-xla-gpu",
            "draws wait behind a barrier on XLA:GPU targets too, which costs the "
            "program fusions and gains no memory",
