@@ -154,4 +154,5 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
 
 
 def _is_key(value) -> bool:
-  return jax.dtypes.issubdtype(getattr(value, "dtype", None) or bool, jax.dtypes.prng_key)
+  dtype = getattr(value, "dtype", None)
+  return dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
