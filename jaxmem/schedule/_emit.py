@@ -111,7 +111,8 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
     env = {(vid, 0): const for vid, const in graph.consts.items()}
     env.update(zip(schedule.inputs, flat))
     read = lambda k: k.val if isinstance(k, jex.Literal) else env[k]
-    early = {k for k, v in env.items() if k not in schedule.inputs or _is_key(v)}
+    inputs = set(schedule.inputs)
+    early = {k for k, v in env.items() if k not in inputs or _is_key(v)}
     anchors = []  # arrays computed from more than keys and constants, in order
     draws = DRAWS if graph.buffers is None else frozenset()
     for pos, op in enumerate(ops):
