@@ -114,7 +114,9 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
     inputs = set(schedule.inputs)
     early = {k for k, v in env.items() if k not in inputs or _is_key(v)}
     anchors = []  # arrays computed from more than keys and constants, in order
-    draws = DRAWS if graph.buffers is None else frozenset()
+    # The step as written (no plan) is emitted as written: it is to be the
+    # program ``jax.jit`` makes of it.
+    draws = DRAWS if graph.buffers is None and len(schedule.plan) else frozenset()
     for pos, op in enumerate(ops):
       args = [read(k) for k in op.ins]
       if op.node is not None and graph.nodes[op.node].prim.name in draws:
