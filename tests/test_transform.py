@@ -82,8 +82,8 @@ def test_on_xla_cpu_a_kept_fused_residual_reads_its_rebuilt_source_as_made():
   (BatchNorm's normalized input, a ReLU's mask) is computed there from the
   forward buffers it reads, which so live on even where a plan rebuilds
   them: the schedule reads those as made instead of rebuilding them for
-  their own backward reads too. Rebuilding them raised the CNN's smallest
-  plan from 50% of its footprint to 52% (its 50% case above, slow)."""
+  their own backward reads too. Rebuilding them puts the CNN's smallest
+  plan at 52% of its footprint instead of 50% (its 50% case above, slow)."""
   from jaxmem.cost._evaluate import fused_values
   from jaxmem.graph._graph import build_graph
   from jaxmem.graph._xla_cpu_fusion import readable
@@ -186,7 +186,7 @@ def test_a_planned_step_draws_each_mask_where_the_step_uses_it():
   likes: without a barrier it draws every dropout mask of a planned step at
   its start and holds them all through the forward pass (on this Flax MLP
   of six residual layers with dropout 0.1, the smallest plan's footprint
-  was 78% of the step's, XLA's 1.79x the memory model's). Each draw waits
+  is then 78% of the step's, XLA's 1.79x the memory model's). Each draw waits
   for the last array computed before it that is read after it: the
   smallest is under 60% (49% measured), and XLA's footprint within 15% of
   the model's."""

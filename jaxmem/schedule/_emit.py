@@ -142,11 +142,12 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
       else:
         outs = bind_node(graph.nodes[op.node], args, tag)
       env.update(zip(op.outs, outs))
-      if all(isinstance(k, jex.Literal) or k in early for k in op.ins):
-        early.update(op.outs)
-      else:
-        anchors.extend(k for k, o in zip(op.outs, outs)
-                       if getattr(o, "ndim", 0) >= 1 and not _is_key(o))
+      if draws:  # where no draw waits, nothing is anchored on
+        if all(isinstance(k, jex.Literal) or k in early for k in op.ins):
+          early.update(op.outs)
+        else:
+          anchors.extend(k for k, o in zip(op.outs, outs)
+                         if getattr(o, "ndim", 0) >= 1 and not _is_key(o))
       for key in op.ins:
         if (not isinstance(key, jex.Literal) and last_read.get(key) == pos
             and key not in keep):
