@@ -265,6 +265,14 @@ MUTANTS = [
            "DRAWS = frozenset()\n",
            ("tests/test_transform.py::"
             "test_a_planned_step_draws_each_mask_where_the_step_uses_it",)),
+    Mutant("draws-wait-for-copies",
+           "a draw may wait for a barrier's copy, which XLA makes as early as its "
+           "inputs (an update of plain Adam's early in the backward pass)",
+           "jaxmem/schedule/_emit.py",
+           '_COMPUTED = frozenset({"node", "recompute"})\n',
+           '_COMPUTED = frozenset({"node", "recompute", "barrier"})\n',
+           ("tests/test_transform.py::"
+            "test_a_planned_step_draws_each_mask_where_the_step_uses_it[adam]",)),
     Mutant("fused-sources-rebuilt-on-cpu",
            "on XLA:CPU a buffer a kept fused residual is computed from is rebuilt "
            "for its own backward reads while XLA keeps the forward one alive",

@@ -79,6 +79,11 @@ UNTYPED = {
 # (the same MLP's smallest is the same with it), and the barrier would
 # cost it fusions (5-9% of GPT-2's predicted step on an H100).
 DRAWS = frozenset({"random_bits"})
+# The ops whose outputs a draw may wait for: equations run, not copies. A
+# barrier's copy is made as soon as its inputs are, however early (a
+# recomputation's barrier whose anchor is an optimizer update made early
+# in the backward pass), so a draw tied to one was drawn there.
+_COMPUTED = frozenset({"node", "recompute"})
 
 
 def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callable] = {}):
@@ -145,7 +150,7 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
       if draws:  # where no draw waits, nothing is anchored on
         if all(isinstance(k, jex.Literal) or k in early for k in op.ins):
           early.update(op.outs)
-        else:
+        elif op.kind in _COMPUTED:
           anchors.extend(k for k, o in zip(op.outs, outs)
                          if getattr(o, "ndim", 0) >= 1 and not _is_key(o))
       for key in op.ins:
