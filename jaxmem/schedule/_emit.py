@@ -82,7 +82,7 @@ DRAWS = frozenset({"random_bits"})
 # The ops whose outputs a draw may wait for: equations run, not copies. A
 # barrier's copy is made as soon as its inputs are, however early (a
 # recomputation's barrier whose anchor is an optimizer update made early
-# in the backward pass), so a draw tied to one was drawn there.
+# in the backward pass), so a draw tied to one is drawn there.
 _COMPUTED = frozenset({"node", "recompute"})
 
 
@@ -118,7 +118,7 @@ def emit(schedule: Schedule, tag: str | None = None, binds: Mapping[str, Callabl
     read = lambda k: k.val if isinstance(k, jex.Literal) else env[k]
     inputs = set(schedule.inputs)
     early = {k for k, v in env.items() if k not in inputs or _is_key(v)}
-    anchors = []  # arrays computed from more than keys and constants, in order
+    anchors = []  # arrays equations computed from more than keys and constants, in order
     # The step as written (no plan) is emitted as written: it is to be the
     # program ``jax.jit`` makes of it.
     draws = DRAWS if graph.buffers is None and len(schedule.plan) else frozenset()
