@@ -265,6 +265,13 @@ MUTANTS = [
            "DRAWS = frozenset()\n",
            ("tests/test_transform.py::"
             "test_a_planned_step_draws_each_mask_where_the_step_uses_it",)),
+    Mutant("lazy-rows-unchecked",
+           "a program over the rows brought in so far is taken without checking "
+           "the rows left out",
+           "jaxmem/planners/_highs.py",
+           "    if not broken.any():\n",
+           "    if True:\n",
+           ("tests/test_ilp.py::test_rows_brought_in_lazily_give_the_whole_programs_optimum",)),
     Mutant("draws-wait-for-copies",
            "a draw may wait for a barrier's copy, which XLA makes as early as its "
            "inputs (an update of plain Adam's early in the backward pass)",

@@ -329,11 +329,10 @@ class ILP(Planner):
     # Bytes and costs scaled to about 1, for HiGHS's tolerances.
     nbytes, unit = max(table.base.max(), 1.0), max(np.abs(cost).max(), 1.0)
     constraints = self._program(table, refused, n + 1)
-    if binding.any():
-      rows, base = highs.binding_rows(memory[binding], table.base[binding])
-      constraints.append(optimize.LinearConstraint(rows / nbytes, -np.inf,
-                                                   (limit - base) / nbytes))
-    x, bound, status = self._milp(highs.tie_broken(cost / unit, n), constraints, n + 1, time_limit)
+    rows, base = highs.binding_rows(memory[binding], table.base[binding])
+    x, bound, status = highs.solve_rows(highs.tie_broken(cost / unit, n), constraints,
+                                        rows / nbytes, (limit - base) / nbytes, n + 1,
+                                        time_limit or self.time_limit, self.mip_gap)
     return (None, None, status) if x is None else (
         [i for i in range(n) if x[i] > 0.5], (bound - highs.TIE * (n + 1)) * unit, status)
 
