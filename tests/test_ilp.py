@@ -485,7 +485,7 @@ def test_rows_brought_in_lazily_give_the_whole_programs_optimum(monkeypatch, fir
   """A program whose memory rows come in as its solutions break them
   reaches the optimum of the program over every row (to the gap of 0
   asked), meets every row, and bounds that optimum; from one row it takes
-  several rounds."""
+  several rounds. A program without a solution is reported so."""
   monkeypatch.setattr(highs, "FIRST_ROWS", first)
   solves = []
   solve = highs.solve
@@ -505,6 +505,9 @@ def test_rows_brought_in_lazily_give_the_whole_programs_optimum(monkeypatch, fir
     assert cost @ x == pytest.approx(cost @ whole, rel=1e-9)
     assert bound <= cost @ whole + 1e-9
     assert len(solves) >= (2 if first == 1 else 1)
+    # More than every choice together frees: no solution, and it says so.
+    assert highs.solve_rows(cost, one, -frees, -2 * frees.sum(axis=1), n, 10.0, 0.0) == (
+        None, None, "infeasible")
 
 
 def test_exclusive_groups_forbid_exactly_the_clashing_pairs(blocks):

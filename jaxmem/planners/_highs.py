@@ -25,6 +25,9 @@ FIRST_ROWS = 5
 # 20-40 rows, solve in milliseconds whole (GPT-2's and ViT's have 60-110).
 LAZY_FROM = 50
 
+# ``scipy.optimize.milp``'s status of a program with no solution.
+_INFEASIBLE = 2
+
 # Seconds a program solved after others is given at least.
 _LEAST = 0.05
 
@@ -69,8 +72,9 @@ def solve(cost: np.ndarray, constraints: list, n_binary: int, time_limit: float,
 def solve_rows(cost: np.ndarray, constraints: list, rows: np.ndarray, upper: np.ndarray,
                n_binary: int, time_limit: float, mip_gap: float):
   """:func:`solve` under ``constraints`` and ``rows @ x <= upper``, the
-  rows brought in lazily where there are :data:`LAZY_FROM` or more: the program starts from the :data:`FIRST_ROWS`
-  rows of least slack at its LP relaxation's optimum, and each program
+  rows brought in lazily where there are :data:`LAZY_FROM` or more: the
+  program starts from the :data:`FIRST_ROWS` rows of least slack at its LP
+  relaxation's optimum, and each program
   solved whose solution breaks some row left out is solved again with
   those rows added. A program over fewer rows relaxes the whole one, so
   its bound bounds the whole program too, and a solution that meets every
@@ -91,8 +95,10 @@ def solve_rows(cost: np.ndarray, constraints: list, rows: np.ndarray, upper: np.
     relaxed = optimize.milp(cost, constraints=whole, integrality=integrality,
                             bounds=optimize.Bounds(0, _upper(n, n_binary)),
                             options={"time_limit": time_limit})
-  if relaxed.x is None:  # the relaxation has no solution: nor has the program
+  if relaxed.status == _INFEASIBLE:  # the relaxation has no solution: nor has the program
     return None, None, "infeasible"
+  if relaxed.x is None:  # out of time: the whole program in the time left
+    return solve(cost, whole, n_binary, left(), mip_gap)
   taken = np.zeros(len(rows), bool)
   taken[np.argsort(upper - rows @ relaxed.x, kind="stable")[:FIRST_ROWS]] = True
   while True:
